@@ -1,0 +1,1 @@
+"""Reading allocsampler datasets and finding memory problems in them."""

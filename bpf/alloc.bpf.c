@@ -1,0 +1,224 @@
+/* Allocator probes: the malloc family of libc or of another allocator library, per target.
+ *
+ * Session mode (kernel >= 6.13, uprobe_multi session links): `alloc_session` runs at entry of
+ * every allocation function; it decides sampling and returns 1 (skip the return probe) for
+ * unsampled calls, so only sampled calls pay for a return trap. The attach cookie is the fn_id.
+ * Perf mode (older kernels): `<fn>_enter` at entry and `alloc_return` at every return.
+ * Frees are entry-only probes at a site chosen by sampler/probe_sites.py (glibc free: +9).
+ */
+
+struct pending {
+    u64 ts;
+    u64 size;
+    u64 weight;   /* 0: not sampled (a realloc of a sampled block) */
+    u64 old;      /* realloc: the sampled old block; posix_memalign: the memptr out-parameter */
+    u32 fn;
+    u32 pad;
+};
+
+BPF_HASH(pending, u32, struct pending, 16384);
+
+/* a * b, or 0 when it overflows (the allocation fails). The barrier keeps LLVM from turning
+ * the check into a 128-bit multiply, which BPF lacks. */
+static __always_inline u64 mul_or_zero(u64 a, u64 b)
+{
+    if (!a)
+        return 0;
+    u64 lim = ~0ULL / a;
+    asm volatile("" : "+r"(lim));
+    return b > lim ? 0 : a * b;
+}
+
+static __always_inline u64 requested_size(u32 fn, u64 a, u64 b, u64 c)
+{
+    switch (fn) {
+    case FN_CALLOC:
+        return mul_or_zero(a, b);
+    case FN_REALLOC:
+    case FN_ALIGNED_ALLOC:
+    case FN_MEMALIGN:
+        return b;
+    case FN_REALLOCARRAY:
+        return mul_or_zero(b, c);
+    case FN_POSIX_MEMALIGN:
+        return c;
+    case FN_PVALLOC:
+        return a ? (a + 4095) & ~4095ULL : 4096;
+    default:                                            /* malloc, valloc, operator new */
+        return a;
+    }
+}
+
+/* Whether a call is handed to another probed function (see FNF_DELEGATES). */
+static __always_inline bool delegated(u32 fn, u64 a, u64 b)
+{
+    switch (fn) {
+    case FN_REALLOC:
+        return !a || !b;
+    case FN_MEMALIGN:
+    case FN_ALIGNED_ALLOC:
+        return a <= 16;
+    case FN_POSIX_MEMALIGN:
+        return b <= 16;
+    default:
+        return false;
+    }
+}
+
+/* Returns 0 when the return probe must run (a sampled call, or a realloc of a sampled
+ * block whose free depends on the result), 1 otherwise. */
+static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
+{
+    /* arguments are read once, up front: the verifier rejects loads through a ctx pointer
+     * that the compiler has offset */
+    u64 a = PT_REGS_PARM1(ctx), b = PT_REGS_PARM2(ctx), c = PT_REGS_PARM3(ctx);
+    u32 fn = cookie & 0xff;
+    count(C_HITS + (fn & 31), 1);
+    if ((cookie & FNF_DELEGATES) && delegated(fn, a, b))
+        return 1;
+    struct pending p = {};
+    p.fn = fn;
+    p.size = requested_size(fn, a, b, c);
+    p.weight = sample_bytes(p.size);
+    u64 id = bpf_get_current_pid_tgid();
+    if (fn == FN_REALLOC || fn == FN_REALLOCARRAY) {
+        struct live_key k = {.pid = id >> 32, .addr = a};
+        if (k.addr && live.lookup(&k))
+            p.old = k.addr;
+    } else if (p.weight && fn == FN_POSIX_MEMALIGN) {
+        p.old = a;
+    }
+    if (!p.weight && !p.old)
+        return 1;
+    u32 tid = id;
+    p.ts = bpf_ktime_get_ns();
+    struct pending *outer = pending.lookup(&tid);
+    if (outer && p.ts - outer->ts < 1000000000ULL)
+        return 1;                 /* nested in a tracked call of another probed function */
+    if (pending.update(&tid, &p)) {
+        count(C_PENDING_FULL, 1);
+        return 1;
+    }
+    return 0;
+}
+
+static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
+{
+    struct live_key k = {.pid = pid, .addr = addr};
+    if (live.delete(&k))          /* not a sampled block (or a double free) */
+        return;
+    struct ev_hdr *e = events.ringbuf_reserve(sizeof(struct ev_hdr));
+    if (!e) {
+        count_drop(pid, C_LOST_EVENTS);
+        return;
+    }
+    init_hdr(e, EV_FREE, SRC_MALLOC, fn, pid, tid);
+    e->addr = addr;
+    events.ringbuf_submit(e, 0);
+}
+
+static __always_inline int on_alloc_return(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 tid = id, pid = id >> 32;
+    struct pending *pp = pending.lookup(&tid);
+    if (!pp)
+        return 0;
+    struct pending p = *pp;
+    pending.delete(&tid);
+
+    u64 ret = PT_REGS_RC(ctx);
+    u64 addr = ret;
+    if (p.fn == FN_POSIX_MEMALIGN) {
+        addr = 0;
+        if ((int)ret == 0 && p.old)
+            bpf_probe_read_user(&addr, sizeof(addr), (void *)p.old);
+    } else if (p.old) {
+        /* realloc frees the old block on success, and also for size 0 (glibc returns NULL) */
+        if (ret || p.size == 0)
+            emit_free(pid, tid, p.fn, p.old);
+    }
+    if (!p.weight || !addr)       /* failed allocations are never counted */
+        return 0;
+
+    /* Reserve before publishing the address in `live`: a free on another CPU then always
+     * lands after this event in the ring buffer, never before it. */
+    struct ev_stack *e = events.ringbuf_reserve(sizeof(struct ev_stack));
+    if (!e) {
+        count_drop(pid, C_LOST_EVENTS);
+        return 0;
+    }
+    init_hdr(&e->h, EV_ALLOC, SRC_MALLOC, p.fn, pid, tid);
+    struct live_key k = {.pid = pid, .addr = addr};
+    if (live.update(&k, &e->h.ts)) {
+        count_drop(pid, C_LIVE_FULL);
+        events.ringbuf_discard(e, 0);
+        return 0;
+    }
+    e->h.flags = EVF_SAMPLED;     /* frames[0] is the return address into the caller */
+    e->h.addr = addr;
+    e->h.size = p.size;
+    e->h.weight = p.weight;
+    e->h.arg = p.old;
+    e->h.ret = ret;
+    capture_stack(ctx, e);
+    events.ringbuf_submit(e, 0);
+    return 0;
+}
+
+/* Session mode: one program for entry and return of every allocation function. At entry the
+ * instruction pointer is the probed address; at return it is the caller's return address. */
+int alloc_session(struct pt_regs *ctx)
+{
+    if (PT_REGS_IP(ctx) != bpf_get_func_ip(ctx))
+        return on_alloc_return(ctx);
+    return on_alloc_entry(ctx, bpf_get_attach_cookie(ctx));
+}
+
+/* Entry-only probe on free-like functions (session mode: uprobe_multi, cookie = fn_id). */
+int free_multi(struct pt_regs *ctx)
+{
+    u64 addr = PT_REGS_PARM1(ctx);
+    u32 fn = bpf_get_attach_cookie(ctx);
+    count(C_HITS + (fn & 31), 1);
+    if (addr) {
+        u64 id = bpf_get_current_pid_tgid();
+        emit_free(id >> 32, id, fn, addr);
+    }
+    return 0;
+}
+
+/* Perf mode: entry programs per function without cookies (the _d variants delegate), and one
+ * shared return program. */
+#define ENTER(name, fn)                                                                          \
+    int name##_enter(struct pt_regs *ctx) { on_alloc_entry(ctx, fn); return 0; }                \
+    int name##_d_enter(struct pt_regs *ctx) { on_alloc_entry(ctx, fn | FNF_DELEGATES); return 0; }
+ENTER(malloc, FN_MALLOC)
+ENTER(calloc, FN_CALLOC)
+ENTER(realloc, FN_REALLOC)
+ENTER(reallocarray, FN_REALLOCARRAY)
+ENTER(posix_memalign, FN_POSIX_MEMALIGN)
+ENTER(aligned_alloc, FN_ALIGNED_ALLOC)
+ENTER(memalign, FN_MEMALIGN)
+ENTER(valloc, FN_VALLOC)
+ENTER(pvalloc, FN_PVALLOC)
+ENTER(new, FN_NEW)
+
+int alloc_return(struct pt_regs *ctx)
+{
+    return on_alloc_return(ctx);
+}
+
+#define FREE_ENTER(name, fn)                                          \
+    int name##_enter(struct pt_regs *ctx)                             \
+    {                                                                 \
+        u64 addr = PT_REGS_PARM1(ctx);                                \
+        count(C_HITS + fn, 1);                                        \
+        if (addr) {                                                   \
+            u64 id = bpf_get_current_pid_tgid();                      \
+            emit_free(id >> 32, id, fn, addr);                        \
+        }                                                             \
+        return 0;                                                     \
+    }
+FREE_ENTER(free, FN_FREE)
+FREE_ENTER(delete, FN_DELETE)

@@ -1,0 +1,115 @@
+/* Memory-mapping syscalls of the targets: mmap, munmap, mremap, brk, madvise, mprotect.
+ *
+ * Every call by a target emits a small EV_VM record at syscall exit (they are rare next to
+ * malloc: each already costs a kernel entry). Anonymous private read/write mmaps and the new
+ * extent of a mremap are also a sampled allocation source (SRC_MMAP): sampled ones carry a
+ * weight and a user stack. Partial unmaps are resolved in user space.
+ */
+
+#define MAP_SHARED_ 0x01
+#define MAP_PRIVATE_ 0x02
+#define MAP_ANONYMOUS_ 0x20
+
+struct vm_args {
+    u64 addr;
+    u64 len;
+    u64 arg;
+    u32 op;
+    u32 pad;
+};
+
+BPF_HASH(vm_pending, u32, struct vm_args, 16384);
+
+static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 pid = id >> 32, tid = id;
+    if (!targets.lookup(&pid))
+        return 0;
+    count(C_VM_HITS + op, 1);
+    struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op};
+    if (vm_pending.update(&tid, &v))
+        count(C_PENDING_FULL, 1);
+    return 0;
+}
+
+static __always_inline int vm_exit(void *ctx, long ret)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 pid = id >> 32, tid = id;
+    struct vm_args *vp = vm_pending.lookup(&tid);
+    if (!vp)
+        return 0;
+    struct vm_args v = *vp;
+    vm_pending.delete(&tid);
+
+    u64 weight = 0;
+    bool ok = (unsigned long)ret < (unsigned long)-4095L;
+    if (ok && v.op == VM_MMAP) {
+        u32 prot = v.arg, flags = v.arg >> 32;
+        if ((flags & (MAP_SHARED_ | MAP_PRIVATE_ | MAP_ANONYMOUS_)) == (MAP_PRIVATE_ | MAP_ANONYMOUS_)
+            && (prot & 3))
+            weight = sample_bytes(v.len);
+    } else if (ok && v.op == VM_MREMAP) {
+        weight = sample_bytes(v.arg);              /* new length */
+    }
+
+    struct ev_hdr *h;
+    struct ev_stack *e = 0;
+    if (weight) {
+        e = events.ringbuf_reserve(sizeof(struct ev_stack));
+        h = (struct ev_hdr *)e;
+    } else {
+        h = events.ringbuf_reserve(sizeof(struct ev_hdr));
+    }
+    if (!h) {
+        count_drop(pid, C_LOST_EVENTS);
+        return 0;
+    }
+    init_hdr(h, EV_VM, SRC_MMAP, v.op, pid, tid);
+    h->flags = EVF_FIRST_IS_IP;
+    h->addr = v.addr;
+    h->size = v.len;
+    h->weight = weight;
+    h->arg = v.arg;
+    h->ret = ret;
+    if (e) {
+        h->flags |= EVF_SAMPLED;
+        capture_stack(ctx, e);
+        capture_sp_word(e);
+        events.ringbuf_submit(e, 0);
+    } else {
+        events.ringbuf_submit(h, 0);
+    }
+    return 0;
+}
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
+{
+    return vm_enter(VM_MMAP, args->addr, args->len, (args->prot & 0xffffffff) | (args->flags << 32));
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return vm_exit(args, args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return vm_enter(VM_MUNMAP, args->addr, args->len, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return vm_exit(args, args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
+{
+    return vm_enter(VM_MREMAP, args->addr, args->old_len, args->new_len);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return vm_exit(args, args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return vm_enter(VM_BRK, args->brk, 0, 0); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return vm_exit(args, args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
+{
+    return vm_enter(VM_MADVISE, args->start, args->len_in, (u32)args->behavior);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_madvise) { return vm_exit(args, args->ret); }
+
+TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
+{
+    return vm_enter(VM_MPROTECT, args->start, args->len, args->prot);
+}
+TRACEPOINT_PROBE(syscalls, sys_exit_mprotect) { return vm_exit(args, args->ret); }

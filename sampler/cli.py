@@ -1,0 +1,135 @@
+"""The `allocsampler` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .errors import EXIT_USAGE, AllocsamplerError
+
+_SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _size(text: str) -> int:
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    suffix = t[-1:] if t[-1:] in _SIZE_SUFFIX else ""
+    try:
+        n = int(float(t[: len(t) - len(suffix)]) * _SIZE_SUFFIX[suffix])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512K, 2M)") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
+        print(f"allocsampler: error: {message} (see allocsampler {self.prog.split()[-1]} --help)",
+              file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="allocsampler", description="eBPF memory allocation sampler writing Parquet.")
+    p.add_argument("--version", action="version", version=f"allocsampler {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    r = sub.add_parser("record", help="record running processes or a command",
+                       description="Sample allocations of processes into a Parquet dataset. "
+                                   "Targets: --pid (repeatable) and/or a command after --.")
+    r.add_argument("--pid", "-p", type=int, action="append", default=[], help="process to record")
+    r.add_argument("--out", "-o", default="allocsampler-out", help="dataset directory (default: %(default)s)")
+    r.add_argument("--duration", "-d", type=_positive, help="seconds to record (default: until the "
+                   "targets exit or SIGINT/SIGTERM)")
+    r.add_argument("--interval", "-i", type=_positive, default=10.0, help="snapshot interval in seconds "
+                   "(default: %(default)s)")
+    r.add_argument("--sample-bytes", type=_size, default=512 << 10, metavar="SIZE",
+                   help="mean bytes between samples (default: 512K)")
+    r.add_argument("--children", action="store_true", help="also record child processes")
+    r.add_argument("--allocator", action="append", default=[], metavar="LIB[:PREFIX]",
+                   help="extra allocator library to probe, e.g. libmyalloc or libjemalloc:je_")
+    r.add_argument("--syscalls-only", action="store_true",
+                   help="record only mmap/munmap/brk/... (no allocator probes)")
+    r.add_argument("--probe-mode", choices=("auto", "session", "perf"), default="auto",
+                   help="session: uprobe_multi sessions (Linux >= 6.13, return probe only for sampled "
+                        "calls); perf: classic uprobes (default: auto)")
+    r.add_argument("--live-max", type=int, default=262144, help="capacity of the sampled-live table")
+    r.add_argument("--max-frames", type=int, default=127, help="stack frames per sample (<= 127)")
+    r.add_argument("--quiet", "-q", action="store_true", help="no summary at the end")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: start and record a command")
+
+    t = sub.add_parser("top", help="top stacks by outstanding bytes in a dataset")
+    t.add_argument("dir", help="dataset directory (record --out)")
+    t.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+    t.add_argument("-n", type=int, default=10, help="stacks per process (default: %(default)s)")
+
+    sub.add_parser("check", help="check that this machine can record (root, BPF, headers, tracefs)")
+    return p
+
+
+def _record(args) -> int:
+    from .allocators import parse_allocator_spec
+    from .errors import UsageError
+    from .recorder import Recorder, RecordOptions
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not args.pid and not cmd:
+        raise UsageError("nothing to record: give --pid PID or a command after --")
+    if not 1 <= args.max_frames <= 127:
+        raise UsageError(f"--max-frames must be between 1 and 127, got {args.max_frames}")
+    if args.live_max < 1024:
+        raise UsageError(f"--live-max must be at least 1024, got {args.live_max}")
+    try:
+        families = tuple(parse_allocator_spec(s) for s in args.allocator)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    opts = RecordOptions(
+        out=args.out, pids=args.pid, command=cmd, duration=args.duration, interval=args.interval,
+        sample_mean=args.sample_bytes, children=args.children, allocators=families,
+        syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, live_max=args.live_max,
+        max_frames=args.max_frames, quiet=args.quiet, argv=" ".join(sys.argv))
+    rec = Recorder(opts)
+    code = rec.run()
+    if not args.quiet:
+        from analysis.top import print_summary
+        print_summary(args.out, rec.recording_id, rec.finished)
+    return code
+
+
+def _top(args) -> int:
+    from analysis.top import print_top
+    print_top(args.dir, pids=args.pid, n=args.n)
+    return 0
+
+
+def _check(_args) -> int:
+    from . import preflight
+    preflight.check_all()
+    print("allocsampler: this machine can record (root, BPF, bcc, kernel headers, tracefs)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"record": _record, "top": _top, "check": _check}[args.command](args)
+    except AllocsamplerError as e:
+        print(f"allocsampler: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The outstanding table of one process: sampled live allocations and per-stack estimates.
+
+Plain data in, rows out. Each sampled allocation carries (size, weight); everything else,
+including standard errors, comes from weights.sample_terms. mmap regions can be unmapped in
+part: a region that was sampled with probability p keeps standing for (remaining bytes) / p.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from . import weights
+
+MALLOC, MMAP = "malloc", "mmap"
+
+
+@dataclass(slots=True)
+class _Sums:
+    bytes: float = 0.0
+    var: float = 0.0
+    objects: float = 0.0
+    objects_var: float = 0.0
+    samples: int = 0
+
+    def add(self, size: int, weight: float, sign: int = 1) -> None:
+        var, objects, objects_var = weights.sample_terms(size, weight)
+        self.bytes += sign * weight
+        self.var += sign * var
+        self.objects += sign * objects
+        self.objects_var += sign * objects_var
+        self.samples += sign
+
+
+@dataclass(slots=True)
+class StackStats:
+    live: _Sums = field(default_factory=_Sums)
+    allocated: _Sums = field(default_factory=_Sums)
+    freed: _Sums = field(default_factory=_Sums)
+    born: dict[int, int] = field(default_factory=dict)   # addr -> alloc time; insertion order = age
+
+
+@dataclass(slots=True)
+class _Block:
+    key: tuple[str, int]      # (source, stack_id)
+    size: int                 # bytes it still covers (mmap: after partial unmaps)
+    p: float                  # inclusion probability it was sampled with
+    end: int = 0              # mmap regions only
+
+
+class ProcessTable:
+    def __init__(self) -> None:
+        self.stats: dict[tuple[str, int], StackStats] = {}
+        self.blocks: dict[int, _Block] = {}           # malloc: addr -> block
+        self.regions: dict[int, _Block] = {}          # mmap: start -> region
+        self._starts: list[int] = []                  # sorted region starts
+
+    # malloc source -----------------------------------------------------------------------
+    def alloc(self, addr: int, size: int, weight: float, stack_id: int, ts_ns: int,
+              source: str = MALLOC) -> None:
+        if source == MMAP:
+            self.map(addr, size, weight, stack_id, ts_ns)
+            return
+        old = self.blocks.get(addr)
+        if old is not None:          # missed free (lost event): the address was reused
+            self._release(addr, old, count_freed=False)
+        p = size / weight
+        key = (MALLOC, stack_id)
+        self.blocks[addr] = _Block(key, size, p)
+        self._born(key, addr, size, weight, ts_ns)
+
+    def free(self, addr: int) -> bool:
+        block = self.blocks.pop(addr, None)
+        if block is None:
+            return False
+        self._release(addr, block)
+        return True
+
+    # mmap source ---------------------------------------------------------------------------
+    def map(self, start: int, length: int, weight: float, stack_id: int, ts_ns: int) -> None:
+        self.unmap(start, length)    # MAP_FIXED over an old sampled region replaces it
+        key = (MMAP, stack_id)
+        self.regions[start] = _Block(key, length, length / weight, start + length)
+        bisect.insort(self._starts, start)
+        self._born(key, start, length, weight, ts_ns)
+
+    def unmap(self, start: int, length: int) -> None:
+        """Remove [start, start+length) from sampled regions. A region cut in part is replaced
+        by its remaining fragments, each standing for (its bytes) / p like the whole did."""
+        if not self._starts:
+            return
+        end = start + length
+        i = max(0, bisect.bisect_right(self._starts, start) - 1)
+        while i < len(self._starts) and self._starts[i] < end:
+            rs = self._starts[i]
+            r = self.regions[rs]
+            if r.end <= start:
+                i += 1
+                continue
+            st = self.stats[r.key]
+            del self._starts[i]
+            del self.regions[rs]
+            born = st.born.pop(rs, 0)
+            st.live.add(r.size, r.size / r.p, -1)
+            cut = min(r.end, end) - max(rs, start)
+            st.freed.add(cut, cut / r.p)
+            for lo, hi in ((rs, max(rs, start)), (min(r.end, end), r.end)):
+                if hi > lo:
+                    self.regions[lo] = _Block(r.key, hi - lo, r.p, hi)
+                    st.live.add(hi - lo, (hi - lo) / r.p)
+                    st.born[lo] = born
+                    bisect.insort(self._starts, lo)
+                    i += 1
+
+    # shared ---------------------------------------------------------------------------------
+    def _born(self, key, addr: int, size: int, weight: float, ts_ns: int) -> None:
+        st = self.stats.get(key)
+        if st is None:
+            st = self.stats[key] = StackStats()
+        st.live.add(size, weight)
+        st.allocated.add(size, weight)
+        st.born[addr] = ts_ns
+
+    def _release(self, addr: int, block: _Block, *, count_freed: bool = True) -> None:
+        st = self.stats[block.key]
+        w = block.size / block.p
+        st.live.add(block.size, w, -1)
+        st.born.pop(addr, None)
+        if count_freed:
+            st.freed.add(block.size, w)
+
+    def clear(self) -> None:
+        """Forget everything (the process exec'd: its old heap is gone)."""
+        self.stats.clear()
+        self.blocks.clear()
+        self.regions.clear()
+        self._starts.clear()
+
+    def live_addresses(self) -> list[int]:
+        return list(self.blocks)
+
+    def snapshot(self, now_ns: int) -> list[dict]:
+        """Rows for stacks with live samples or activity since the last snapshot; resets the
+        interval sums and drops stacks with nothing left."""
+        rows = []
+        for (source, stack_id), st in list(self.stats.items()):
+            live, al, fr = st.live, st.allocated, st.freed
+            if live.samples <= 0 and al.samples == 0 and fr.samples == 0:
+                del self.stats[(source, stack_id)]
+                continue
+            oldest = next(iter(st.born.values()), None)
+            rows.append({
+                "source": source,
+                "stack_id": stack_id,
+                "outstanding_bytes": max(0.0, live.bytes),
+                "outstanding_stderr_bytes": max(0.0, live.var) ** 0.5,
+                "outstanding_objects": max(0.0, live.objects),
+                "outstanding_stderr_objects": max(0.0, live.objects_var) ** 0.5,
+                "live_samples": live.samples,
+                "allocated_bytes": al.bytes,
+                "allocated_stderr_bytes": max(0.0, al.var) ** 0.5,
+                "allocated_objects": al.objects,
+                "freed_bytes": fr.bytes,
+                "freed_objects": fr.objects,
+                "alloc_samples": al.samples,
+                "free_samples": fr.samples,
+                "oldest_age_s": (now_ns - oldest) / 1e9 if oldest is not None else None,
+            })
+            st.allocated, st.freed = _Sums(), _Sums()
+            if live.samples <= 0:
+                del self.stats[(source, stack_id)]
+        return rows
+
+    def totals(self, source: str) -> tuple[float, float]:
+        """(outstanding bytes, standard error) over all stacks of one source."""
+        b = v = 0.0
+        for (src, _), st in self.stats.items():
+            if src == source:
+                b += st.live.bytes
+                v += st.live.var
+        return max(0.0, b), max(0.0, v) ** 0.5

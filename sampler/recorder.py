@@ -1,0 +1,477 @@
+"""The recording loop: targets -> BPF events -> outstanding tables -> Parquet every interval."""
+
+from __future__ import annotations
+
+import bisect
+import datetime as dt
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+from . import __version__, preflight
+from .allocators import AllocatorLib, Family, find_allocators
+from .bpf_loader import C_HITS, C_LIVE_FULL, C_LOST_EVENTS, C_SAMPLED, C_VM_HITS, BpfProbes, ProbeConfig
+from .dataset_writer import DatasetWriter
+from .errors import EnvironmentProblem, TargetGone
+from .events import EvType, ProcOp, VmOp, decode
+from .outstanding import MALLOC, MMAP, ProcessTable
+from .procmetrics import sample_process
+from .schema import SCHEMA_VERSION, FRAMES, OUTSTANDING, PROCESSES, RECORDER, RECORDINGS, STACKS, TARGETS, VM_EVENTS
+from .smaps import ARENA, HEAP
+from .stacks import StackTable
+from .symbolize import Symbolizer
+from .targets import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
+from .weights import chunk_size, sample_terms
+
+_SOURCE_NAME = {1: MALLOC, 2: MMAP}
+_VM_NAME = {op.value: op.name.lower() for op in VmOp}
+
+
+@dataclass
+class RecordOptions:
+    out: str
+    pids: list[int] = field(default_factory=list)
+    command: list[str] = field(default_factory=list)
+    duration: float | None = None
+    interval: float = 10.0
+    sample_mean: int = 512 * 1024
+    children: bool = False
+    allocators: tuple[Family, ...] = ()
+    syscalls_only: bool = False
+    probe_mode: str = "auto"
+    live_max: int = 262144
+    max_frames: int = 127
+    vm_events_per_interval: int = 20000
+    quiet: bool = False
+    argv: str = ""
+
+
+@dataclass
+class _Target:
+    info: ProcessInfo
+    table: ProcessTable = field(default_factory=ProcessTable)
+    attached: set[tuple] = field(default_factory=set)    # (path, build_id) of probed libraries
+    libs: list[AllocatorLib] = field(default_factory=list)
+    rescan_until: float = 0.0
+    drops: tuple[int, int] = (0, 0)
+    peak_rss: int = 0
+    last_rss: int = 0
+
+
+class Recorder:
+    def __init__(self, opts: RecordOptions):
+        self.opts = opts
+        self.host = socket.gethostname()
+        self.started = dt.datetime.now(dt.timezone.utc)
+        self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}"
+        self.targets: dict[int, _Target] = {}
+        self.finished: list[tuple[_Target, str]] = []
+        self._stop = False
+        self._vm_rows: list[dict] = []
+        self._vm_dropped = 0
+        self._events = 0
+        self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
+        self._proc = psutil.Process()
+        self.launched: LaunchedCommand | None = None
+
+    # ----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.opts
+        preflight.check_all()
+        infos = [check_pid(p) for p in dict.fromkeys(o.pids)]
+        if o.command:
+            self.launched = LaunchedCommand(o.command)
+            infos.append(read_info(self.launched.pid))
+        try:
+            return self._record(infos)
+        finally:
+            if self.launched is not None and self._stop:
+                self.launched.stop()
+
+    def _record(self, infos: list[ProcessInfo]) -> int:
+        o = self.opts
+        self.probes = BpfProbes(ProbeConfig(o.sample_mean, o.max_frames, o.live_max, mode=o.probe_mode))
+        self.symbolizer = Symbolizer()
+        self.stacks = StackTable(self.symbolizer, o.max_frames)
+        self.writer = DatasetWriter(o.out, self.recording_id)
+        self._write_recording(ended=None)
+        self.probes.open_events(self._on_event)
+        try:
+            for info in infos:
+                self._add_target(info, initial=True)
+            if not any(t.libs for t in self.targets.values()) and not o.syscalls_only \
+                    and not self.launched:
+                t = next(iter(self.targets.values()))
+                raise EnvironmentProblem(
+                    f"pid {t.info.pid} ({t.info.comm}): no probeable allocator (statically linked or "
+                    "stripped: no malloc symbol in any mapped file); name the allocator library with "
+                    "--allocator LIB[:PREFIX], or record only mmap/brk with --syscalls-only")
+            if self.launched:
+                self.launched.resume()
+            self._loop()
+        finally:
+            self._finish()
+        return 0
+
+    def _loop(self) -> None:
+        o = self.opts
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        deadline = time.monotonic() + o.duration if o.duration else None
+        next_snap = time.monotonic() + o.interval
+        self._last_snap = time.monotonic()
+        self._last_counters = self.probes.counters()
+        self._last_cpu = sum(self._proc.cpu_times()[:2])
+        while not self._stop and self.targets:
+            self.probes.poll(100)
+            now = time.monotonic()
+            self._rescan(now)
+            self._reap_launched()
+            if deadline is not None and now >= deadline:
+                break
+            if now >= next_snap:
+                self._snapshot()
+                next_snap += o.interval
+                if next_snap < now:
+                    next_snap = now + o.interval
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop = True
+
+    # targets ----------------------------------------------------------------------------------
+    def _add_target(self, info: ProcessInfo, initial: bool = False) -> None:
+        pid = info.pid
+        t = self.targets[pid] = _Target(info)
+        self.probes.add_target(pid)
+        try:
+            self._attach_allocators(t)
+        except ProcessLookupError:
+            self._drop_target(pid, "exited while being attached")
+            if initial and not self.targets:
+                raise TargetGone(f"process {pid} ({info.comm}) exited while being attached: "
+                                 "nothing to record") from None
+            return
+        self._target_row(t, "attach", self._attach_detail(t))
+
+    def _attach_allocators(self, t: _Target) -> None:
+        pid = t.info.pid
+        if self.opts.syscalls_only:
+            return
+        libs, _maps = find_allocators(pid, self.opts.allocators)
+        for lib in libs:
+            ident = (lib.path, lib.build_id)
+            if ident in t.attached:
+                continue
+            try:
+                self.probes.attach(pid, lib)
+            except OSError as e:
+                if not os.path.exists(f"/proc/{pid}"):
+                    raise ProcessLookupError(pid) from None
+                self._warn(t, f"could not probe {lib.path}: {e}")
+                continue
+            t.attached.add(ident)
+            t.libs.append(lib)
+        if not t.libs and not t.rescan_until:
+            self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
+                          "any mapped file); only mmap/brk are recorded. Name the allocator library "
+                          "with --allocator LIB[:PREFIX].")
+
+    def _attach_detail(self, t: _Target) -> str:
+        skipped = [f"{name} ({why})" for lib in t.libs for name, why in lib.skipped]
+        return ("not probed: " + "; ".join(skipped)) if skipped else ""
+
+    def _rescan(self, now: float) -> None:
+        """After an exec the new image maps its libraries a moment later; dlopen can add an
+        allocator any time. Rescan recent execs often and every target once per interval."""
+        for t in list(self.targets.values()):
+            if t.rescan_until and now < t.rescan_until:
+                n = len(t.libs)
+                try:
+                    self._attach_allocators(t)
+                except ProcessLookupError:
+                    continue
+                if len(t.libs) > n:
+                    self._target_row(t, "attach", self._attach_detail(t))
+
+    def _drop_target(self, pid: int, why: str) -> None:
+        t = self.targets.pop(pid, None)
+        self.probes.detach(pid)
+        if t is None:
+            return
+        self.probes.forget_live(pid, t.table.live_addresses())
+        self.stacks.forget(pid)
+        self.finished.append((t, why))
+
+    def _warn(self, t: _Target, msg: str) -> None:
+        self._target_row(t, "warning", msg)
+        if not self.opts.quiet:
+            print(f"allocsampler: warning: pid {t.info.pid} ({t.info.comm}): {msg}", file=sys.stderr)
+
+    def _reap_launched(self) -> None:
+        if self.launched is None or self.launched.pid not in self.targets:
+            return
+        if self.launched.poll() is not None:
+            self.probes.drain()
+            self._exit(self.launched.pid)
+
+    def _exit(self, pid: int) -> None:
+        t = self.targets.get(pid)
+        if t is None:
+            return
+        rows = self._outstanding_rows(t, self._wall_now())
+        self._write(OUTSTANDING, rows)
+        status = ""
+        if self.launched and self.launched.pid == pid:
+            try:    # the exit tracepoint fires just before the parent can reap it
+                status = f"exit status {self.launched.proc.wait(2)}"
+            except subprocess.TimeoutExpired:
+                pass
+        self._target_row(t, "exit", status)
+        self._drop_target(pid, status or "exited")
+
+    # events -----------------------------------------------------------------------------------
+    def _on_event(self, raw: bytes) -> None:
+        self._events += 1
+        ev = decode(raw)
+        t = self.targets.get(ev.pid)
+        if t is None:
+            return
+        if ev.type == EvType.ALLOC:
+            t.table.alloc(ev.addr, ev.size, ev.weight, self.stacks.intern(ev), ev.ts_ns)
+        elif ev.type == EvType.FREE:
+            t.table.free(ev.addr)
+        elif ev.type == EvType.VM:
+            self._on_vm(t, ev)
+        elif ev.type == EvType.PROC:
+            self._on_proc(t, ev)
+
+    def _on_vm(self, t: _Target, ev) -> None:
+        op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
+        sid = self.stacks.intern(ev) if ev.weight else None
+        if ok and op == VmOp.MMAP:
+            t.table.unmap(ev.ret, ev.size)          # whatever was mapped there is gone
+            if ev.weight:
+                t.table.map(ev.ret, ev.size, ev.weight, sid, ev.ts_ns)
+        elif ok and op == VmOp.MUNMAP:
+            t.table.unmap(ev.addr, ev.size)
+        elif ok and op == VmOp.MREMAP:
+            t.table.unmap(ev.addr, ev.size)
+            if ev.weight:
+                t.table.map(ev.ret, ev.arg, ev.weight, sid, ev.ts_ns)
+        if len(self._vm_rows) >= self.opts.vm_events_per_interval:
+            self._vm_dropped += 1
+            return
+        prot = flags = advice = new_length = None
+        if op in (VmOp.MMAP, VmOp.MPROTECT):
+            prot = ev.arg & 0xFFFFFFFF
+            flags = (ev.arg >> 32) if op == VmOp.MMAP else None
+        elif op == VmOp.MADVISE:
+            advice = ev.arg & 0xFFFFFFFF
+        elif op == VmOp.MREMAP:
+            new_length = ev.arg
+        self._vm_rows.append({
+            "ts": self._wall(ev.ts_ns), "pid": ev.pid, "tid": ev.tid, "op": _VM_NAME.get(op, str(op)),
+            "addr": _i64(ev.addr), "length": _i64(ev.size), "prot": prot, "flags": _i32(flags),
+            "advice": advice, "new_length": _i64(new_length) if new_length is not None else None,
+            "result": ev.ret, "sampled_weight": float(ev.weight) if ev.weight else None,
+            "stack_id": sid,
+        })
+
+    def _on_proc(self, t: _Target, ev) -> None:
+        if ev.op == ProcOp.FORK:
+            child = ev.addr
+            if self.opts.children and child not in self.targets and is_process(child):
+                try:
+                    self._add_target(read_info(child))
+                except ProcessLookupError:
+                    pass
+        elif ev.op == ProcOp.EXEC:
+            self.probes.forget_live(t.info.pid, t.table.live_addresses())
+            t.table.clear()
+            self.stacks.forget(t.info.pid)
+            try:
+                t.info = read_info(t.info.pid)
+            except ProcessLookupError:
+                return
+            # Attachments stay: uprobes are bound to the library file and the task, and follow
+            # it into the new image. Rescan for libraries that the new image adds.
+            t.rescan_until = time.monotonic() + 5.0
+            self._target_row(t, "exec", "")
+        elif ev.op == ProcOp.EXIT:
+            self._exit(t.info.pid)
+
+    # snapshots --------------------------------------------------------------------------------
+    def _snapshot(self) -> None:
+        now = self._wall_now()
+        mono = time.monotonic()
+        interval = mono - self._last_snap
+        self._last_snap = mono
+        drops = self.probes.drops()
+        out_rows: list[dict] = []
+        proc_rows: list[dict] = []
+        for pid, t in list(self.targets.items()):
+            t.drops = drops.get(pid, t.drops)
+            out_rows += self._outstanding_rows(t, now, interval)
+            try:
+                proc_rows.append(self._process_row(t, now))
+            except ProcessLookupError:
+                self.probes.drain()
+                self._exit(pid)
+        self._write(OUTSTANDING, out_rows)
+        self._write(PROCESSES, proc_rows)
+        self._write_stacks(now)
+        self._write(VM_EVENTS, [{**r, "recording_id": self.recording_id, "host": self.host}
+                                for r in self._vm_rows])
+        self._vm_rows = []
+        self._write_recorder_row(now, interval)
+
+    def _outstanding_rows(self, t: _Target, now: dt.datetime, interval: float | None = None) -> list[dict]:
+        if interval is None:
+            interval = time.monotonic() - self._last_snap
+        common = {"ts": now, "recording_id": self.recording_id, "host": self.host,
+                  "interval_s": interval, "pid": t.info.pid, "comm": t.info.comm}
+        mono_now = time.monotonic_ns()
+        return [{**common, **r} for r in t.table.snapshot(mono_now)]
+
+    def _process_row(self, t: _Target, now: dt.datetime) -> dict:
+        s = sample_process(t.info.pid)
+        b = s.breakdown
+        t.peak_rss = max(t.peak_rss, s.rss)
+        t.last_rss = s.rss
+        heap_live, arena_live, live_var = _live_by_region(t.table, b.regions)
+        mb, ms = t.table.totals(MALLOC)
+        mmb, mms = t.table.totals(MMAP)
+        return {
+            "ts": now, "recording_id": self.recording_id, "host": self.host, "pid": t.info.pid,
+            "comm": s.comm, "rss": s.rss, "pss": s.pss, "uss": s.uss, "swap": s.swap, "vms": s.vms,
+            "threads": s.threads, "memory_limit": s.memory_limit,
+            "heap_rss": b.heap_rss, "heap_size": b.heap_size, "heap_swap": b.heap_swap,
+            "arena_rss": b.arena_rss, "arena_size": b.arena_size, "arena_swap": b.arena_swap,
+            "arena_heaps": b.arena_heaps, "arenas": b.arenas, "anon_rss": b.anon_rss,
+            "file_rss": b.file_rss, "stack_rss": b.stack_rss,
+            "heap_live_bytes": heap_live, "arena_live_bytes": arena_live,
+            "heap_arena_live_stderr_bytes": live_var ** 0.5,
+            "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
+            "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
+            "lost_events": t.drops[0], "dropped_samples": t.drops[1],
+            "stack_collisions": self.stacks.collisions,
+        }
+
+    def _write_stacks(self, now: dt.datetime) -> None:
+        stack_rows, frame_rows = [], []
+        base = {"ts": now, "recording_id": self.recording_id, "host": self.host}
+        for st in self.stacks.drain_new():
+            labels = [f"{f.function or hex(f.offset)} ({f.module})" for f in st.frames]
+            stack_rows.append({**base, "stack_id": st.stack_id, "n_frames": len(st.frames),
+                               "truncated": st.truncated, "site": labels[0] if labels else None,
+                               "summary": " < ".join(labels)})
+            for depth, f in enumerate(st.frames):
+                frame_rows.append({**base, "stack_id": st.stack_id, "depth": depth,
+                                   "function": f.function, "module": f.module, "path": f.path,
+                                   "offset": _i64(f.offset), "build_id": f.build_id, "file": f.file,
+                                   "line": f.line, "kind": f.kind})
+        self._write(STACKS, stack_rows)
+        self._write(FRAMES, frame_rows)
+
+    def _write_recorder_row(self, now: dt.datetime, interval: float) -> None:
+        c = self.probes.counters()
+        last, self._last_counters = self._last_counters, c
+        d = [a - b for a, b in zip(c, last, strict=True)]
+        cpu = sum(self._proc.cpu_times()[:2])
+        cpu_d, self._last_cpu = cpu - self._last_cpu, cpu
+        self._write(RECORDER, [{
+            "ts": now, "recording_id": self.recording_id, "host": self.host, "interval_s": interval,
+            "targets": len(self.targets), "events": self._events,
+            "probe_hits": sum(d[C_HITS:C_HITS + 32]), "vm_hits": sum(d[C_VM_HITS:C_VM_HITS + 16]),
+            "samples": d[C_SAMPLED], "lost_events": d[C_LOST_EVENTS], "dropped_samples": d[C_LIVE_FULL],
+            "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
+            "cpu_s": cpu_d, "rss": self._proc.memory_info().rss,
+        }])
+        self._events = 0
+
+    def _target_row(self, t: _Target, event: str, detail: str) -> None:
+        i = t.info
+        self._write(TARGETS, [{
+            "ts": self._wall_now(), "recording_id": self.recording_id, "host": self.host,
+            "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
+            "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs],
+            "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'})"
+                       for lib in t.libs for p in lib.points],
+            "detail": detail,
+        }])
+
+    def _write_recording(self, ended: dt.datetime | None) -> None:
+        o = self.opts
+        self._write(RECORDINGS, [{
+            "recording_id": self.recording_id, "host": self.host, "started": self.started,
+            "ended": ended, "schema_version": SCHEMA_VERSION,
+            "sampler_version": __version__, "sample_mean_bytes": o.sample_mean,
+            "interval_s": o.interval, "probe_mode": "session" if self.probes.session else "perf",
+            "kernel": os.uname().release, "argv": o.argv,
+        }], name=self.recording_id, day=self.started.date())
+
+    def _write(self, table, rows: list[dict], **kw) -> None:
+        self.writer.write(table, rows, **kw)
+
+    def _finish(self) -> None:
+        probes = getattr(self, "probes", None)
+        if probes is None:
+            return
+        try:
+            probes.drain()
+            if hasattr(self, "_last_counters"):
+                self._snapshot()
+            for pid in list(self.targets):
+                t = self.targets[pid]
+                self._target_row(t, "detach", "recording ended")
+                self._drop_target(pid, "recording ended")
+            self._write_recording(ended=dt.datetime.now(dt.timezone.utc))
+        finally:
+            probes.close()
+
+    def _wall(self, mono_ns: int) -> dt.datetime:
+        return dt.datetime.fromtimestamp((mono_ns + self._mono_to_wall_ns) / 1e9, dt.timezone.utc)
+
+    def _wall_now(self) -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc)
+
+
+def _live_by_region(table: ProcessTable, regions: list[tuple[int, int, str]]) -> tuple[float, float, float]:
+    """Estimated live malloc chunk bytes in [heap] and in arena heaps, and the variance of their sum."""
+    starts = [r[0] for r in regions]
+    heap = arena = var = 0.0
+    for addr, b in table.blocks.items():
+        i = bisect.bisect_right(starts, addr) - 1
+        if i < 0 or addr >= regions[i][1]:
+            continue
+        kind = regions[i][2]
+        if kind not in (HEAP, ARENA):
+            continue
+        w = b.size / b.p
+        scale = chunk_size(b.size) / b.size if b.size else 1.0
+        est = w * scale
+        if kind == HEAP:
+            heap += est
+        else:
+            arena += est
+        var += sample_terms(b.size, w)[0] * scale * scale
+    return heap, arena, var
+
+
+def _i64(v: int | None) -> int | None:
+    if v is None:
+        return None
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _i32(v: int | None) -> int | None:
+    if v is None:
+        return None
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v

@@ -1,0 +1,235 @@
+"""The Parquet schema: the contract between the recorder and everything that reads its data.
+
+One definition per table: column name, Arrow type, and the sentence that docs/schema.md shows
+(scripts/gen_schema_doc.py writes that file from here; a test keeps them in step).
+Bump SCHEMA_VERSION when a column changes meaning or type; adding columns is compatible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+TS = pa.timestamp("us", tz="UTC")
+STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    doc: str
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, c.type) for c in self.columns],
+                         metadata={b"allocsampler.schema_version": str(SCHEMA_VERSION).encode(),
+                                   b"allocsampler.table": self.name.encode()})
+
+
+def _common(ts_doc: str) -> tuple[Column, ...]:
+    return (
+        Column("ts", TS, ts_doc),
+        Column("recording_id", STR, "Recording that wrote the row (see `recordings`)."),
+        Column("host", STR, "Host name, so that datasets of many hosts can be merged."),
+    )
+
+
+OUTSTANDING = Table(
+    "outstanding",
+    "One row per interval, process, source and stack that has sampled live memory or activity in "
+    "the interval. Estimates are Horvitz-Thompson sums of sample weights; `*_stderr_*` is one "
+    "standard error of the estimate above it.",
+    (
+        *_common("End of the interval (snapshot time)."),
+        Column("interval_s", pa.float64(), "Length of the interval in seconds."),
+        Column("pid", pa.int32(), "Process id (host pid namespace)."),
+        Column("comm", STR, "Process name at snapshot time."),
+        Column("source", STR, "`malloc` (malloc family and C++ operators of the probed allocator) or "
+                              "`mmap` (anonymous private mmap/mremap). Sources can overlap (a large "
+                              "malloc is also an mmap): never add them."),
+        Column("stack_id", pa.int64(), "Stack of the allocation site: join with `stacks` / `frames`."),
+        Column("outstanding_bytes", pa.float64(), "Estimated bytes allocated and not yet freed."),
+        Column("outstanding_stderr_bytes", pa.float64(), "Standard error of `outstanding_bytes`."),
+        Column("outstanding_objects", pa.float64(), "Estimated live allocations."),
+        Column("outstanding_stderr_objects", pa.float64(), "Standard error of `outstanding_objects`."),
+        Column("live_samples", pa.int32(), "Sampled allocations still live (the evidence behind the estimate)."),
+        Column("allocated_bytes", pa.float64(), "Estimated bytes allocated during the interval."),
+        Column("allocated_stderr_bytes", pa.float64(), "Standard error of `allocated_bytes`."),
+        Column("allocated_objects", pa.float64(), "Estimated allocations during the interval."),
+        Column("freed_bytes", pa.float64(), "Estimated bytes freed during the interval "
+                                             "(of allocations sampled at any time)."),
+        Column("freed_objects", pa.float64(), "Estimated frees during the interval."),
+        Column("alloc_samples", pa.int32(), "Sampled allocations during the interval."),
+        Column("free_samples", pa.int32(), "Frees of sampled allocations during the interval."),
+        Column("oldest_age_s", pa.float64(), "Age of the oldest sampled live allocation, seconds (null if none)."),
+    ),
+)
+
+STACKS = Table(
+    "stacks",
+    "One row per distinct stack, written once when the stack is first seen. `stack_id` is a hash "
+    "of the frames' (build-id or path, offset), so it is the same across processes and runs of "
+    "the same binaries.",
+    (
+        *_common("When the stack was first seen."),
+        Column("stack_id", pa.int64(), "Stack identifier."),
+        Column("n_frames", pa.int32(), "Number of frames (see `frames`)."),
+        Column("truncated", pa.bool_(), "The capture hit the frame limit: outer frames are missing."),
+        Column("site", pa.string(), "Innermost symbolized frame: the allocation site, as `function (module)`."),
+        Column("summary", pa.string(), "The frames innermost first, `function (module)` joined by ` < `."),
+    ),
+)
+
+FRAMES = Table(
+    "frames",
+    "The frames of each stack, one row per frame; depth 0 is the innermost (the caller of the "
+    "allocation function).",
+    (
+        *_common("When the stack was first seen."),
+        Column("stack_id", pa.int64(), "Stack identifier."),
+        Column("depth", pa.int16(), "0 = innermost."),
+        Column("function", pa.string(), "Function name (demangled), null when unknown."),
+        Column("module", STR, "Binary file name, `[unknown]` when the address is in no mapping."),
+        Column("path", STR, "Binary path as the process sees it."),
+        Column("offset", pa.int64(), "Address in the module's ELF address space (call site for "
+                                     "return addresses), or the absolute address when unknown."),
+        Column("build_id", STR, "GNU build-id of the module, hex."),
+        Column("file", pa.string(), "Source file, when known."),
+        Column("line", pa.int32(), "Source line, when known."),
+        Column("kind", STR, "`native` (later also `python`)."),
+    ),
+)
+
+PROCESSES = Table(
+    "processes",
+    "One row per interval and target process: its memory footprint from /proc and what the "
+    "sampled allocations explain of it. Byte counts.",
+    (
+        *_common("Time of the measurement."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("comm", STR, "Process name."),
+        Column("rss", pa.int64(), "Resident set size."),
+        Column("pss", pa.int64(), "Proportional set size."),
+        Column("uss", pa.int64(), "Unique set size."),
+        Column("swap", pa.int64(), "Swapped-out anonymous memory."),
+        Column("vms", pa.int64(), "Virtual size."),
+        Column("threads", pa.int32(), "Thread count."),
+        Column("memory_limit", pa.int64(), "Memory limit that applies: the smallest of the cgroup "
+                                           "limits and host RAM."),
+        Column("heap_rss", pa.int64(), "Resident bytes of the brk heap (`[heap]`, glibc main arena)."),
+        Column("heap_size", pa.int64(), "Size of the brk heap."),
+        Column("heap_swap", pa.int64(), "Swapped bytes of the brk heap."),
+        Column("arena_rss", pa.int64(), "Resident bytes of glibc secondary-arena heaps (64 MiB-aligned)."),
+        Column("arena_size", pa.int64(), "Committed (read/write) bytes of those heaps."),
+        Column("arena_swap", pa.int64(), "Swapped bytes of those heaps."),
+        Column("arena_heaps", pa.int32(), "Number of secondary-arena heaps."),
+        Column("arenas", pa.int32(), "Number of secondary arenas (main arena not counted)."),
+        Column("anon_rss", pa.int64(), "Resident bytes of other anonymous memory (mmap, obmalloc, ...)."),
+        Column("file_rss", pa.int64(), "Resident bytes of file-backed mappings."),
+        Column("stack_rss", pa.int64(), "Resident bytes of thread stacks."),
+        Column("heap_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in `[heap]` "
+                                                "(sampled blocks, glibc chunk sizes)."),
+        Column("arena_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in arena heaps."),
+        Column("heap_arena_live_stderr_bytes", pa.float64(), "Standard error of heap + arena live bytes."),
+        Column("malloc_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source malloc."),
+        Column("malloc_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
+        Column("mmap_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source mmap."),
+        Column("mmap_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
+        Column("lost_events", pa.int64(), "Events lost so far because the ring buffer was full (cumulative)."),
+        Column("dropped_samples", pa.int64(), "Sampled allocations not tracked because the live table "
+                                              "was full (cumulative): estimates are low by about this "
+                                              "many samples."),
+        Column("stack_collisions", pa.int64(), "Distinct stacks that hashed to one id (cumulative; expected 0)."),
+    ),
+)
+
+VM_EVENTS = Table(
+    "vm_events",
+    "Memory-mapping syscalls of the targets, one row per call (glibc heap and arena growth, "
+    "trims, mmap allocations). Capped per interval; `processes` has no cap.",
+    (
+        *_common("Time of the syscall's return."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("tid", pa.int32(), "Thread id."),
+        Column("op", STR, "`mmap`, `munmap`, `mremap`, `brk`, `madvise` or `mprotect`."),
+        Column("addr", pa.int64(), "Address argument (brk: requested break)."),
+        Column("length", pa.int64(), "Length argument (mremap: old length)."),
+        Column("prot", pa.int32(), "mmap/mprotect protection bits, else null."),
+        Column("flags", pa.int32(), "mmap flags, else null."),
+        Column("advice", pa.int32(), "madvise advice (4 = MADV_DONTNEED, 8 = MADV_FREE), else null."),
+        Column("new_length", pa.int64(), "mremap new length, else null."),
+        Column("result", pa.int64(), "Return value (address, 0, or -errno; brk: the new break)."),
+        Column("sampled_weight", pa.float64(), "Weight in bytes when this mmap/mremap was a sampled "
+                                               "allocation of source `mmap`, else null."),
+        Column("stack_id", pa.int64(), "Stack of a sampled call, else null."),
+    ),
+)
+
+TARGETS = Table(
+    "targets",
+    "Lifecycle of the recorded processes: attach, exec, exit, and what could not be probed.",
+    (
+        *_common("When it happened."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("event", STR, "`attach`, `exec`, `exit`, `detach` or `warning`."),
+        Column("comm", STR, "Process name."),
+        Column("exe", pa.string(), "Executable path."),
+        Column("cmdline", pa.string(), "Command line, space-joined."),
+        Column("ppid", pa.int32(), "Parent pid."),
+        Column("allocators", pa.list_(pa.string()), "Probed allocator libraries as `family:path`."),
+        Column("probes", pa.list_(pa.string()), "Probe sites as `function+offset (emulated|stepped)`."),
+        Column("detail", pa.string(), "Human-readable detail (warnings, skipped functions, exit status)."),
+    ),
+)
+
+RECORDER = Table(
+    "recorder",
+    "Health of the recorder, one row per interval.",
+    (
+        *_common("End of the interval."),
+        Column("interval_s", pa.float64(), "Length of the interval in seconds."),
+        Column("targets", pa.int32(), "Processes being recorded."),
+        Column("events", pa.int64(), "Ring-buffer records read in the interval."),
+        Column("probe_hits", pa.int64(), "Allocator probe hits in the interval (all targets)."),
+        Column("vm_hits", pa.int64(), "Memory-mapping syscalls of targets in the interval."),
+        Column("samples", pa.int64(), "Sampling decisions that chose an allocation."),
+        Column("lost_events", pa.int64(), "Records lost (ring buffer full) in the interval."),
+        Column("dropped_samples", pa.int64(), "Samples not tracked (live table full) in the interval."),
+        Column("live_entries", pa.int64(), "Sampled live blocks tracked at the end of the interval."),
+        Column("cpu_s", pa.float64(), "Recorder CPU time (user + system) in the interval."),
+        Column("rss", pa.int64(), "Recorder resident memory."),
+    ),
+)
+
+RECORDINGS = Table(
+    "recordings",
+    "One row per recording (rewritten when it ends).",
+    (
+        Column("recording_id", STR, "Unique id: start time and pid of the recorder."),
+        Column("host", STR, "Host name."),
+        Column("started", TS, "Start of the recording."),
+        Column("ended", TS, "End of the recording, null while it runs or if it was killed."),
+        Column("schema_version", pa.int32(), "Version of this schema."),
+        Column("sampler_version", pa.string(), "allocsampler version."),
+        Column("sample_mean_bytes", pa.int64(), "Mean bytes between samples (T)."),
+        Column("interval_s", pa.float64(), "Snapshot interval."),
+        Column("probe_mode", STR, "`session` (uprobe_multi sessions: return probe only for sampled "
+                                  "calls) or `perf` (classic uprobes/uretprobes)."),
+        Column("kernel", pa.string(), "Kernel release."),
+        Column("argv", pa.string(), "Command line of the recorder."),
+    ),
+)
+
+TABLES: dict[str, Table] = {t.name: t for t in (
+    OUTSTANDING, STACKS, FRAMES, PROCESSES, VM_EVENTS, TARGETS, RECORDER, RECORDINGS)}

@@ -1,0 +1,71 @@
+"""uprobe_multi links through the raw bpf() syscall (bcc 0.26 predates them).
+
+One link attaches one BPF program to many offsets of one file for one process, each offset
+with a cookie (our fn_id). A *session* link (kernel >= 6.13) runs the same program at entry
+and return, and skips the return when the entry program returns non-zero: unsampled calls then
+cost one trap instead of two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+BPF_LINK_CREATE = 28
+BPF_TRACE_UPROBE_MULTI = 48
+BPF_TRACE_UPROBE_SESSION = 57
+_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _LinkCreateAttr(ctypes.Structure):
+    _fields_ = [
+        ("prog_fd", ctypes.c_uint32),
+        ("target_fd", ctypes.c_uint32),
+        ("attach_type", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("path", ctypes.c_uint64),
+        ("offsets", ctypes.c_uint64),
+        ("ref_ctr_offsets", ctypes.c_uint64),
+        ("cookies", ctypes.c_uint64),
+        ("cnt", ctypes.c_uint32),
+        ("multi_flags", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint8 * 68),
+    ]
+
+
+def session_supported() -> bool:
+    """Uprobe session links exist from Linux 6.13 on."""
+    parts = platform.release().split(".")
+    try:
+        major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return False
+    return (major, minor) >= (6, 13)
+
+
+def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid: int, *,
+           session: bool) -> int:
+    """Create the link; returns its fd (closing it detaches). Raises OSError."""
+    n = len(offsets)
+    path_buf = ctypes.create_string_buffer(os.fsencode(path))
+    offs = (ctypes.c_uint64 * n)(*offsets)
+    cks = (ctypes.c_uint64 * n)(*cookies)
+    attr = _LinkCreateAttr(
+        prog_fd=prog_fd,
+        attach_type=BPF_TRACE_UPROBE_SESSION if session else BPF_TRACE_UPROBE_MULTI,
+        path=ctypes.addressof(path_buf),
+        offsets=ctypes.addressof(offs),
+        cookies=ctypes.addressof(cks),
+        cnt=n,
+        pid=pid,
+    )
+    fd = _libc.syscall(_SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"uprobe_multi link on {path}: {os.strerror(err)}")
+    return fd

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Idempotent set-up for allocsampler on Debian 12, as root.
+#   scripts/setup.sh          system packages, kernel headers, tracefs, .venv with the project
+#   scripts/setup.sh --no-venv  system part only
+# Ubuntu 22.04+: same apt packages (python3-bpfcc bpfcc-tools linux-headers-$(uname -r)).
+# Fedora: dnf install bcc bcc-tools python3-bcc kernel-devel-$(uname -r) gcc.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")/.." && pwd)
+want_venv=1
+[ "${1:-}" = "--no-venv" ] && want_venv=0
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+die() { printf 'setup: error: %s\n' "$*" >&2; exit 3; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (BPF and package installs need it): sudo $0"
+
+apt_updated=0
+apt_install() {
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ $apt_updated = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 || die "apt-get update failed: check the network or apt sources"
+        apt_updated=1
+    fi
+    log "installing ${missing[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 \
+        || die "apt-get install ${missing[*]} failed"
+}
+
+# bcc (Python bindings + tools, memleak-bpfcc is our benchmark peer), a compiler for test workloads.
+apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
+
+# Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
+kver=$(uname -r)
+moddir=/lib/modules/$kver
+if [ ! -e "$moddir/build/include" ]; then
+    if apt-cache show "linux-headers-$kver" >/dev/null 2>&1 || { [ $apt_updated = 0 ] && apt-get update -qq >&2 && apt_updated=1 && apt-cache show "linux-headers-$kver" >/dev/null 2>&1; }; then
+        apt_install "linux-headers-$kver"
+    else
+        # No package for the running kernel (custom or cloud kernels): use the newest available
+        # amd64 headers. Uprobe, tracepoint and perf-event programs only need pt_regs and tracefs
+        # formats, which are stable across these versions.
+        arch=$(dpkg --print-architecture)
+        pkg=$(apt-cache search --names-only "^linux-headers-[0-9]" 2>/dev/null | awk '{print $1}' \
+              | grep -E -- "-$arch\$" | grep -v -E -- '-(rt|cloud)-' | sort -V | tail -n 1)
+        [ -n "$pkg" ] || die "no linux-headers package for $kver and none to fall back to: install kernel headers into $moddir/build"
+        apt_install "$pkg"
+        ver=${pkg#linux-headers-}; ver=${ver%-$arch}
+        build=/usr/src/linux-headers-$ver-$arch
+        common=/usr/src/linux-headers-$ver-common
+        [ -d "$build" ] && [ -d "$common" ] || die "headers package $pkg installed but $build or $common is missing"
+        mkdir -p "$moddir"
+        ln -sfn "$build" "$moddir/build"
+        ln -sfn "$common" "$moddir/source"
+        log "WARNING: no headers package for kernel $kver; using $pkg ($build). BPF programs that only use pt_regs and tracepoints work; clang may print harmless header warnings."
+    fi
+fi
+
+# tracefs (uprobe and tracepoint attachment goes through it).
+if [ ! -e /sys/kernel/tracing/uprobe_events ] && [ ! -e /sys/kernel/debug/tracing/uprobe_events ]; then
+    mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null \
+        || die "tracefs is not mounted and could not be mounted: mount -t tracefs tracefs /sys/kernel/tracing"
+    log "mounted tracefs"
+fi
+
+[ $want_venv = 1 ] || exit 0
+
+# The venv must come from the interpreter whose dist-packages hold bcc.
+sys_py=/usr/bin/python3
+$sys_py -c 'import bcc' 2>/dev/null || die "bcc is not importable from $sys_py: apt-get install python3-bpfcc"
+venv="$here/.venv"
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import bcc' 2>/dev/null; then
+    rm -rf "$venv"
+    log "creating $venv"
+    $sys_py -m venv --system-site-packages "$venv"
+fi
+stamp="$venv/.installed-$(sha1sum "$here/pyproject.toml" | cut -c1-12)"
+if [ ! -e "$stamp" ] || ! "$venv/bin/python" -c 'import sampler' 2>/dev/null; then
+    log "installing allocsampler and test extras into $venv"
+    "$venv/bin/pip" install -q --disable-pip-version-check -e "$here[test]" >&2 || die "pip install failed"
+    rm -f "$venv"/.installed-*
+    touch "$stamp"
+fi
+log "ready: $venv/bin/allocsampler"

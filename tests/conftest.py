@@ -1,0 +1,150 @@
+"""Shared fixtures: compiled workloads, a target process driver, and the recorder CLI.
+
+BPF tests never skip: if this machine cannot load BPF the session fixture fails loudly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+HERE = Path(__file__).resolve().parent
+WORKLOADS = HERE / "workloads"
+
+
+def compile_c(src: Path, out: Path, *flags: str) -> Path:
+    cmd = ["gcc", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-builtin", *flags, "-o", str(out), str(src)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="session")
+def bpf_ready():
+    """Fails (never skips) the BPF tests when the machine cannot record."""
+    from sampler import preflight
+    from sampler.errors import AllocsamplerError
+    try:
+        preflight.check_all()
+    except AllocsamplerError as e:
+        pytest.fail(f"BPF tests need a machine that can record: {e}")
+
+
+@pytest.fixture(scope="session")
+def leaky_lib(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("leaky")
+    return compile_c(WORKLOADS / "leaky.c", d / "libleaky.so", "-shared", "-fPIC")
+
+
+class Workload:
+    """A Python process that loads a workload library and runs its functions on request."""
+
+    def __init__(self, lib: Path, env: dict | None = None):
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKLOADS / "driver.py"), str(lib)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, **(env or {})})
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def call(self, name: str, *args: int, thread: bool = False) -> int:
+        self.proc.stdin.write(json.dumps({"call": name, "args": list(args), "thread": thread}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["result"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def workload(leaky_lib):
+    made: list[Workload] = []
+
+    def start(env: dict | None = None) -> Workload:
+        w = Workload(leaky_lib, env)
+        made.append(w)
+        return w
+
+    yield start
+    for w in made:
+        w.close()
+
+
+def allocsampler_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "sampler.cli", *args]
+
+
+class Recording:
+    """`allocsampler record` running as a separate process, as users run it."""
+
+    def __init__(self, out: Path, *args: str):
+        self.out = out
+        self.proc = subprocess.Popen(allocsampler_cmd("record", "-o", str(out), "-q", *args),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def wait_attached(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
+            if any((self.out / "targets").glob("date=*/*.parquet")):
+                return
+            time.sleep(0.1)
+        raise AssertionError("recorder did not attach in time")
+
+    def wait_snapshot(self, after: float, timeout: float = 30) -> None:
+        """Wait for an outstanding snapshot file written after the time `after`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(p.stat().st_mtime > after for p in (self.out / "recorder").glob("date=*/*.parquet")):
+                return
+            time.sleep(0.1)
+        raise AssertionError("no snapshot written in time")
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> tuple[int, str, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out, err
+
+
+@pytest.fixture
+def record(tmp_path, bpf_ready):
+    made: list[Recording] = []
+
+    def start(*args: str, out: Path | None = None) -> Recording:
+        r = Recording(out or tmp_path / f"rec{len(made)}", *args)
+        made.append(r)
+        return r
+
+    yield start
+    for r in made:
+        if r.proc.poll() is None:
+            r.proc.kill()
+            r.proc.wait()
+
+
+def final_by_site(out: Path, pid: int, source: str = "malloc") -> pd.DataFrame:
+    """Last snapshot of a process, one row per stack, with the innermost function as `site_fn`."""
+    from analysis.dataset import latest_outstanding, read_table
+    df = latest_outstanding(out, [pid])
+    df = df[df["source"] == source]
+    frames = read_table(out, "frames")
+    top = frames[frames["depth"] == 0][["stack_id", "function"]].drop_duplicates("stack_id")
+    return df.merge(top.rename(columns={"function": "site_fn"}), on="stack_id", how="left")

@@ -1,0 +1,106 @@
+"""Real BPF recordings of a compiled workload, compared with the workload's own ground truth."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import final_by_site
+
+pytestmark = pytest.mark.bpf
+
+MiB = 1 << 20
+
+
+def _estimate(df, site: str) -> tuple[float, float, int]:
+    rows = df[df["site_fn"] == site]
+    return (float(rows["outstanding_bytes"].sum()), float(np.sqrt((rows["outstanding_stderr_bytes"] ** 2).sum())),
+            int(rows["live_samples"].sum()))
+
+
+def _check(df, site: str, truth: float, rel: float = 0.25) -> None:
+    est, se, n = _estimate(df, site)
+    assert n > 0, f"{site}: no samples"
+    assert abs(est - truth) <= rel * truth, f"{site}: estimate {est / MiB:.1f} MiB vs truth {truth / MiB:.1f} MiB"
+    # the reported error must describe the actual error
+    assert abs(est - truth) <= 4.5 * se, f"{site}: error {abs(est - truth) / MiB:.1f} MiB > 4.5 x stderr {se / MiB:.1f}"
+
+
+@pytest.mark.parametrize("mode", ["session", "perf"])
+def test_leaks_are_estimated_and_churn_is_not(mode, workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1", "--probe-mode", mode)
+    rec.wait_attached()
+    truth = {
+        "leak_malloc": w.call("leak_malloc", 24 * 1024, 4096),             # 96 MiB, 4 KiB blocks
+        "leak_calloc": w.call("leak_calloc", 48 * 1024, 2048),             # 96 MiB, 2 KiB blocks
+        "leak_realloc": w.call("leak_realloc", 24 * 1024, 4096),           # 96 MiB via realloc
+        "leak_posix_memalign": w.call("leak_posix_memalign", 24 * 1024, 64, 4096),
+        "leak_big": w.call("leak_malloc", 96, 1 * MiB),                     # above the mmap threshold
+    }
+    w.call("churn", 100 * 1024, 4096)                                      # 400 MiB allocated and freed
+    t0 = time.time()
+    rec.wait_snapshot(t0 + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    df = final_by_site(rec.out, w.pid)
+    for site in ("leak_calloc", "leak_realloc", "leak_posix_memalign"):
+        _check(df, site, truth[site])
+    # one site, 4 KiB and 1 MiB requests (the latter sampled with p = 0.86)
+    _check(df, "leak_malloc", truth["leak_malloc"] + truth["leak_big"])
+    # the blocks that realloc moved away from are freed
+    start_est, start_se, _ = _estimate(df, "start_block")
+    assert start_est <= max(2 * MiB, 3 * start_se)
+    churn_est, _, _ = _estimate(df, "churn")
+    assert churn_est <= 2 * MiB, f"churn holds {churn_est / MiB:.1f} MiB"
+    # large malloc blocks are mmapped by glibc: the mmap source sees them too
+    mm = final_by_site(rec.out, w.pid, "mmap")
+    assert mm["outstanding_bytes"].sum() == pytest.approx(truth["leak_big"], rel=0.3)
+
+
+def test_edge_cases(workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1")
+    rec.wait_attached()
+    truth_null = w.call("leak_realloc_null", 24 * 1024, 4096)
+    w.call("realloc_zero", 24 * 1024, 4096)
+    w.call("failing", 200)
+    truth_mmap = w.call("leak_mmap", 64, 1 * MiB)
+    truth_half = w.call("leak_mmap_half", 64, 2 * MiB)
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    df = final_by_site(rec.out, w.pid)
+    _check(df, "leak_realloc_null", truth_null)          # realloc(NULL, n) is a malloc
+    zero, _, _ = _estimate(df, "realloc_zero")           # realloc(p, 0) frees p
+    assert zero <= 2 * MiB
+    assert df[df["site_fn"] == "failing"].empty, "failed allocations were counted"
+    from analysis.dataset import read_table
+    out = read_table(rec.out, "outstanding")
+    assert out["outstanding_bytes"].max() < 1 << 40, "an impossible allocation was counted"
+    mm = final_by_site(rec.out, w.pid, "mmap")
+    _check(mm, "leak_mmap", truth_mmap, rel=0.3)
+    _check(mm, "leak_mmap_half", truth_half, rel=0.3)    # partial munmap keeps the other half
+
+
+def test_estimates_are_unbiased_within_their_stderr(workload, record):
+    """16 independent sites with mixed sizes (16 B to 256 KiB): the z-scores of the estimates
+    against the truth have mean ~0 and spread ~1 if estimates and errors are honest."""
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K")
+    rec.wait_attached()
+    truth = {f"site_{k}": w.call("run_site", k, 600, 7 + k) for k in range(16)}
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    df = final_by_site(rec.out, w.pid)
+    z = []
+    for site, t in truth.items():
+        est, se, n = _estimate(df, site)
+        assert n > 20, f"{site}: only {n} samples"
+        z.append((est - t) / se)
+    z = np.array(z)
+    assert abs(z.mean()) < 3 / np.sqrt(len(z)), f"biased: z = {np.round(z, 2)}"
+    assert 0.4 < z.std(ddof=1) < 1.8, f"stderr mis-stated: z = {np.round(z, 2)}"
