@@ -7,7 +7,9 @@ and filter on the `targets` map; allocator uprobes are attached per target proce
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,11 +88,11 @@ class BpfProbes:
                     b"alloc_session", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_SESSION).fd
                 self._free_fd = self.bpf.load_func(
                     b"free_multi", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
-            else:
-                for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
-                                                      if not n.startswith(("free", "delete"))),
-                             "alloc_return"}:
-                    self.bpf.load_func(name.encode(), BPF.KPROBE)
+            # perf-mode programs: the mode itself, and the fallback of session mode
+            for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
+                                                  if not n.startswith(("free", "delete"))),
+                         "alloc_return"}:
+                self.bpf.load_func(name.encode(), BPF.KPROBE)
         except Exception as e:
             raise EnvironmentProblem(f"the kernel rejected a BPF program ({e}): this kernel may lack "
                                      "uprobe_multi/session support; try --probe-mode perf") from None
@@ -99,18 +101,36 @@ class BpfProbes:
     def add_target(self, pid: int) -> None:
         self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
 
-    def attach(self, pid: int, lib: AllocatorLib) -> None:
-        """Attach the allocator probes of one library for one process. Raises OSError."""
+    def attach(self, pid: int, lib: AllocatorLib) -> dict[str, str]:
+        """Attach the allocator probes of one library for one process; returns the mode used
+        per function ('session' or 'perf'). Raises OSError.
+
+        A session link can be refused for a function that another tool already probes with a
+        return probe (EINVAL; seen with memleak-bpfcc running): such functions fall back to
+        perf uprobes, which coexist with anything."""
         att = self._attached.setdefault(pid, _Attachment())
+        modes: dict[str, str] = {}
+        fallback = lib.points
         if self.session:
-            for prog_fd, points in ((self._alloc_fd, lib.allocs), (self._free_fd, lib.frees)):
-                if points:
-                    att.link_fds.append(uprobe_multi.attach(
-                        prog_fd, lib.attach_path, [p.file_offset for p in points],
-                        [p.cookie for p in points], pid, session=prog_fd == self._alloc_fd))
-            return
+            fallback = []
+            for prog_fd, points, session in ((self._alloc_fd, lib.allocs, True),
+                                             (self._free_fd, lib.frees, False)):
+                for group in (points, *([p] for p in points)) if points else ():
+                    try:
+                        att.link_fds.append(uprobe_multi.attach(
+                            prog_fd, lib.attach_path, [p.file_offset for p in group],
+                            [p.cookie for p in group], pid, session=session))
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        if len(group) == 1:
+                            fallback.append(group[0])
+                        continue
+                    modes.update((p.name, "session") for p in group)
+                    if group is points:
+                        break       # all in one link: no per-function retries
         path = lib.attach_path.encode()
-        for p in lib.points:
+        for p in fallback:
             addr = p.vaddr + p.site.offset
             prog = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
             self.bpf.attach_uprobe(name=path, addr=addr, fn_name=prog.encode(), pid=pid)
@@ -118,6 +138,8 @@ class BpfProbes:
             if not p.fn.frees:
                 self.bpf.attach_uretprobe(name=path, addr=p.vaddr, fn_name=b"alloc_return", pid=pid)
                 att.perf.append(("r", path, p.vaddr, True))
+            modes[p.name] = "perf"
+        return modes
 
     def detach(self, pid: int) -> None:
         att = self._attached.pop(pid, None)
@@ -132,10 +154,8 @@ class BpfProbes:
                         self.bpf.detach_uprobe(name=path, addr=addr, pid=pid)
                 except Exception:  # noqa: BLE001 - already gone with the process
                     pass
-        try:
+        with contextlib.suppress(KeyError):
             del self._targets[ctypes.c_uint32(pid)]
-        except KeyError:
-            pass
 
     def forget_live(self, pid: int, addrs) -> None:
         """Drop sampled-live entries of a process that exited or exec'd."""
@@ -143,10 +163,8 @@ class BpfProbes:
         key.pid = pid
         for a in addrs:
             key.addr = a
-            try:
+            with contextlib.suppress(KeyError):
                 del self._live[key]
-            except KeyError:
-                pass
 
     # events and counters -------------------------------------------------------------------
     def open_events(self, handle: Callable[[bytes], None]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime as dt
 import os
 import signal
@@ -22,7 +23,17 @@ from .errors import EnvironmentProblem, TargetGone
 from .events import EvType, ProcOp, VmOp, decode
 from .outstanding import MALLOC, MMAP, ProcessTable
 from .procmetrics import sample_process
-from .schema import SCHEMA_VERSION, FRAMES, OUTSTANDING, PROCESSES, RECORDER, RECORDINGS, STACKS, TARGETS, VM_EVENTS
+from .schema import (
+    FRAMES,
+    OUTSTANDING,
+    PROCESSES,
+    RECORDER,
+    RECORDINGS,
+    SCHEMA_VERSION,
+    STACKS,
+    TARGETS,
+    VM_EVENTS,
+)
 from .smaps import ARENA, HEAP
 from .stacks import StackTable
 from .symbolize import Symbolizer
@@ -58,6 +69,7 @@ class _Target:
     table: ProcessTable = field(default_factory=ProcessTable)
     attached: set[tuple] = field(default_factory=set)    # (path, build_id) of probed libraries
     libs: list[AllocatorLib] = field(default_factory=list)
+    modes: dict[str, str] = field(default_factory=dict)  # function -> session | perf
     rescan_until: float = 0.0
     drops: tuple[int, int] = (0, 0)
     peak_rss: int = 0
@@ -91,7 +103,7 @@ class Recorder:
         try:
             return self._record(infos)
         finally:
-            if self.launched is not None and self._stop:
+            if self.launched is not None:   # a command we started ends with its recording
                 self.launched.stop()
 
     def _record(self, infos: list[ProcessInfo]) -> int:
@@ -169,7 +181,7 @@ class Recorder:
             if ident in t.attached:
                 continue
             try:
-                self.probes.attach(pid, lib)
+                t.modes.update(self.probes.attach(pid, lib))
             except OSError as e:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise ProcessLookupError(pid) from None
@@ -177,7 +189,7 @@ class Recorder:
                 continue
             t.attached.add(ident)
             t.libs.append(lib)
-        if not t.libs and not t.rescan_until:
+        if not libs and not t.libs and not t.rescan_until:
             self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
                           "with --allocator LIB[:PREFIX].")
@@ -228,10 +240,9 @@ class Recorder:
         self._write(OUTSTANDING, rows)
         status = ""
         if self.launched and self.launched.pid == pid:
-            try:    # the exit tracepoint fires just before the parent can reap it
+            # the exit tracepoint fires just before the parent can reap it
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 status = f"exit status {self.launched.proc.wait(2)}"
-            except subprocess.TimeoutExpired:
-                pass
         self._target_row(t, "exit", status)
         self._drop_target(pid, status or "exited")
 
@@ -287,10 +298,8 @@ class Recorder:
         if ev.op == ProcOp.FORK:
             child = ev.addr
             if self.opts.children and child not in self.targets and is_process(child):
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     self._add_target(read_info(child))
-                except ProcessLookupError:
-                    pass
         elif ev.op == ProcOp.EXEC:
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
             t.table.clear()
@@ -401,8 +410,8 @@ class Recorder:
             "ts": self._wall_now(), "recording_id": self.recording_id, "host": self.host,
             "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
             "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs],
-            "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'})"
-                       for lib in t.libs for p in lib.points],
+            "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
+                       f"{t.modes.get(p.name, '?')})" for lib in t.libs for p in lib.points],
             "detail": detail,
         }])
 

@@ -188,7 +188,7 @@ TARGETS = Table(
         Column("cmdline", pa.string(), "Command line, space-joined."),
         Column("ppid", pa.int32(), "Parent pid."),
         Column("allocators", pa.list_(pa.string()), "Probed allocator libraries as `family:path`."),
-        Column("probes", pa.list_(pa.string()), "Probe sites as `function+offset (emulated|stepped)`."),
+        Column("probes", pa.list_(pa.string()), "Probe sites as `function+offset (emulated|stepped, session|perf)`."),
         Column("detail", pa.string(), "Human-readable detail (warnings, skipped functions, exit status)."),
     ),
 )

@@ -33,6 +33,8 @@ apt_install() {
 
 # bcc (Python bindings + tools, memleak-bpfcc is our benchmark peer), a compiler for test workloads.
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
+# Debug symbols for libc: readable malloc-internal frames (symbolizer uses /usr/lib/debug/.build-id).
+apt_install libc6-dbg
 
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
 kver=$(uname -r)

@@ -6,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import final_by_site
 
 pytestmark = pytest.mark.bpf

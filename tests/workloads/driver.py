@@ -19,13 +19,17 @@ def main() -> None:
         fn = getattr(lib, req["call"])
         fn.restype = ctypes.c_size_t
         args = [ctypes.c_size_t(a) if a >= 0 else ctypes.c_int(a) for a in req.get("args", [])]
-        out = {}
+        out: dict = {}
+
+        def run(fn=fn, args=args, out=out) -> None:
+            out["result"] = fn(*args)
+
         if req.get("thread"):
-            t = threading.Thread(target=lambda: out.update(result=fn(*args)))
+            t = threading.Thread(target=run)
             t.start()
             t.join()
         else:
-            out["result"] = fn(*args)
+            run()
         print(json.dumps(out), flush=True)
 
 

@@ -1,0 +1,498 @@
+"""ELF images: segments, symbols and PLT stubs of one binary.
+
+pyelftools reads the ELF and program headers and the notes; section headers, symbol tables and
+relocations are read as raw bytes with numpy, names decoded lazily: iterating a big symbol table
+with pyelftools takes tens of seconds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+# Separate debug files, found by build-id as <root>/.build-id/<xx>/<rest>.debug.
+DEBUG_ROOTS: tuple[str, ...] = ("/usr/lib/debug",)
+
+SYM_DTYPE = np.dtype(
+    [
+        ("st_name", "<u4"),
+        ("st_info", "u1"),
+        ("st_other", "u1"),
+        ("st_shndx", "<u2"),
+        ("st_value", "<u8"),
+        ("st_size", "<u8"),
+    ]
+)
+RELA_DTYPE = np.dtype([("r_offset", "<u8"), ("r_info", "<u8"), ("r_addend", "<i8")])
+SHDR_DTYPE = np.dtype(
+    [
+        ("sh_name", "<u4"),
+        ("sh_type", "<u4"),
+        ("sh_flags", "<u8"),
+        ("sh_addr", "<u8"),
+        ("sh_offset", "<u8"),
+        ("sh_size", "<u8"),
+        ("sh_link", "<u4"),
+        ("sh_info", "<u4"),
+        ("sh_addralign", "<u8"),
+        ("sh_entsize", "<u8"),
+    ]
+)
+
+SHT_PROGBITS = 1
+SHT_SYMTAB = 2
+SHT_RELA = 4
+SHT_NOBITS = 8
+SHT_DYNSYM = 11
+SHT_GNU_VERSYM = 0x6FFFFFFF
+
+STT_FUNC = 2
+STT_GNU_IFUNC = 10
+STB_LOCAL = 0
+STB_GLOBAL = 1
+STB_WEAK = 2
+SHN_UNDEF = 0
+SHN_LORESERVE = 0xFF00  # SHN_ABS, SHN_COMMON...: no section, not code
+VERSYM_HIDDEN = 0x8000  # a non-default (compat) symbol version
+R_X86_64_GLOB_DAT = 6
+R_X86_64_JUMP_SLOT = 7
+
+ENDBR64 = b"\xf3\x0f\x1e\xfa"
+BND = b"\xf2"  # MPX prefix, left in PLTs by old toolchains
+JMP_RIP = b"\xff\x25"  # jmp *disp32(%rip)
+PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
+
+
+class ElfFormatError(ValueError):
+    """The file is not an ELF image this module can read (64-bit little-endian)."""
+
+
+@dataclass(frozen=True)
+class Symbol:
+    name: str
+    value: int
+    size: int
+
+
+@dataclass(frozen=True)
+class _Section:
+    name: str
+    type: int
+    addr: int
+    offset: int
+    size: int
+    link: int
+    entsize: int
+
+
+@dataclass(frozen=True)
+class _Load:
+    vaddr: int
+    offset: int
+    filesz: int
+
+
+class _File:
+    """An ELF file mapped read-only, with its section and PT_LOAD tables and build-id."""
+
+    def __init__(self, fd: int, path: str):
+        self.path = path
+        try:
+            # mmap dups the fd, so the file stays readable after the caller closes it, even
+            # when it is deleted.
+            self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except ValueError as e:  # empty file
+            raise ElfFormatError(f"{path}: {e}") from e
+        try:
+            elf = ELFFile(self.mm)
+            if elf.elfclass != 64 or not elf.little_endian:
+                raise ElfFormatError(f"{path}: only 64-bit little-endian ELF is supported")
+            self.elf_type = elf["e_type"][len("ET_") :]
+            self.sections = self._read_sections(elf)
+            self.loads = [
+                _Load(p["p_vaddr"], p["p_offset"], p["p_filesz"])
+                for p in elf.iter_segments()
+                if p["p_type"] == "PT_LOAD"
+            ]
+            self.build_id = self._build_id(elf)
+        except (ELFError, EOFError) as e:
+            raise ElfFormatError(f"{path}: {e}") from e
+
+    def _read_sections(self, elf: ELFFile) -> list[_Section]:
+        # Raw headers, not elf.iter_sections(): that parses every .gnu.hash table on the way
+        # (0.27 s for libLLVM).
+        n, off = elf.num_sections(), elf["e_shoff"]
+        if not n or off + n * SHDR_DTYPE.itemsize > len(self.mm):
+            return []
+        hdrs = np.frombuffer(self.mm, SHDR_DTYPE, n, off)
+        names = hdrs[elf.get_shstrndx()] if elf.get_shstrndx() < n else None
+
+        def name(h: np.void) -> str:
+            if names is None:
+                return ""
+            lo = int(names["sh_offset"]) + int(h["sh_name"])
+            return self.mm[lo : self.mm.find(b"\0", lo)].decode("utf-8", "replace")
+
+        return [
+            _Section(
+                name(h),
+                int(h["sh_type"]),
+                int(h["sh_addr"]),
+                int(h["sh_offset"]),
+                int(h["sh_size"]),
+                int(h["sh_link"]),
+                int(h["sh_entsize"]),
+            )
+            for h in hdrs
+        ]
+
+    def _build_id(self, elf: ELFFile) -> str | None:
+        # PT_NOTE covers the allocated notes; the section is the fallback for files whose program
+        # headers do not list it. Other note sections (stapsdt: thousands of probes) are skipped.
+        notes = [seg for seg in elf.iter_segments() if seg["p_type"] == "PT_NOTE"]
+        notes += [elf.get_section(i) for i, s in enumerate(self.sections) if s.name == ".note.gnu.build-id"]
+        for container in notes:
+            for note in container.iter_notes():
+                # Note types are per owner: a stapsdt note has the build-id's number too.
+                if note["n_name"] == "GNU" and note["n_type"] == "NT_GNU_BUILD_ID":
+                    return note["n_desc"]
+        return None
+
+    def array(self, sec: _Section, dtype: np.dtype) -> np.ndarray:
+        # NOBITS sections (stripped data in debug files) have no bytes in the file.
+        if sec.type == SHT_NOBITS or sec.offset + sec.size > len(self.mm):
+            return np.empty(0, dtype)
+        return np.frombuffer(self.mm, dtype, sec.size // dtype.itemsize, sec.offset)
+
+    def symtabs(self) -> list[_SymTab]:
+        tabs = [
+            self.symtab(i)
+            for i, sec in enumerate(self.sections)
+            if sec.type in (SHT_SYMTAB, SHT_DYNSYM)
+            and sec.entsize == SYM_DTYPE.itemsize
+            and sec.link < len(self.sections)
+        ]
+        return [t for t in tabs if len(t.syms) > 1]  # entry 0 is always the null symbol
+
+    def symtab(self, i: int) -> _SymTab:
+        versym = next((s for s in self.sections if s.type == SHT_GNU_VERSYM and s.link == i), None)
+        return _SymTab(self, self.sections[i], self.sections[self.sections[i].link], versym)
+
+
+class _SymTab:
+    """One symbol table (.symtab or .dynsym) with its string table."""
+
+    def __init__(self, file: _File, sec: _Section, strtab: _Section, versym: _Section | None):
+        self.file = file
+        self.is_symtab = sec.type == SHT_SYMTAB
+        self.syms = file.array(sec, SYM_DTYPE)
+        self.versym = file.array(versym, np.dtype("<u2")) if versym else None
+        self._str_lo = strtab.offset
+        self._str_hi = strtab.offset + strtab.size
+
+    def raw_name(self, i: int) -> str:
+        """The name as stored; .symtab names of versioned symbols carry '@VER' or '@@VER'."""
+        mm = self.file.mm
+        lo = self._str_lo + int(self.syms["st_name"][i])
+        hi = mm.find(b"\0", lo, self._str_hi)
+        return mm[lo : hi if hi >= 0 else self._str_hi].decode("utf-8", "replace")
+
+    def name(self, i: int) -> str:
+        return self.raw_name(i).split("@", 1)[0]
+
+    def compat(self, i: int) -> bool:
+        """A non-default symbol version, kept only for old binaries (glibc's cfree)."""
+        if self.versym is not None and i < len(self.versym):
+            return bool(self.versym[i] & VERSYM_HIDDEN)
+        raw = self.raw_name(i)
+        return "@" in raw and "@@" not in raw
+
+    def find(self, name: str) -> np.ndarray:
+        """Rows named `name` or `name@VERSION`."""
+        needle = name.encode()
+        mm, hi = self.file.mm, self._str_hi
+        offsets = []
+        # Linkers share string tails ("free" inside "cfree"), so any occurrence followed by
+        # NUL or '@' can be a symbol's name, not only those that start a string.
+        pos = mm.find(needle, self._str_lo, hi)
+        while pos >= 0:
+            end = pos + len(needle)
+            if end < hi and mm[end] in (0, ord("@")):
+                offsets.append(pos - self._str_lo)
+            pos = mm.find(needle, pos + 1, hi)
+        if not offsets:
+            return np.empty(0, np.intp)
+        return np.flatnonzero(np.isin(self.syms["st_name"], np.array(offsets, np.uint32)))
+
+    def defined(self) -> np.ndarray:
+        shndx = self.syms["st_shndx"]
+        return (shndx != SHN_UNDEF) & (shndx < SHN_LORESERVE)
+
+    def functions(self) -> np.ndarray:
+        stype = self.syms["st_info"] & 0xF
+        is_func = (stype == STT_FUNC) | (stype == STT_GNU_IFUNC)
+        return self.defined() & is_func & (self.syms["st_value"] != 0)
+
+
+class _FuncIndex:
+    """Function symbols of all tables, sorted by address, grouped by start address."""
+
+    def __init__(self, tables: list[_SymTab]):
+        empty = np.empty(0, np.uint64)
+        starts, sizes, ends_cap = [empty], [empty], [empty]
+        tab_ids, rows = [np.empty(0, np.uint8)], [np.empty(0, np.intp)]
+        for t, tab in enumerate(tables):
+            idx = np.flatnonzero(tab.functions())
+            s = tab.syms[idx]
+            starts.append(s["st_value"])
+            sizes.append(s["st_size"])
+            # A zero-size symbol never reaches past the end of its section.
+            sec_end = np.array([x.addr + x.size for x in tab.file.sections] or [0], np.uint64)
+            ends_cap.append(sec_end[np.minimum(s["st_shndx"], len(sec_end) - 1)])
+            tab_ids.append(np.full(len(idx), t, np.uint8))
+            rows.append(idx)
+        start = np.concatenate(starts)
+        order = np.argsort(start, kind="stable")
+        self.start = start[order]
+        self.tab = np.concatenate(tab_ids)[order]
+        self.row = np.concatenate(rows)[order]
+        size = np.concatenate(sizes)[order]
+        cap = np.concatenate(ends_cap)[order]
+
+        # Group symbols sharing a start address (aliases); group g is [lo[g], lo_end[g]).
+        first = np.ones(len(self.start), bool)
+        first[1:] = self.start[1:] != self.start[:-1]
+        self.lo = np.flatnonzero(first)
+        self.lo_end = np.append(self.lo[1:], len(self.start)).astype(np.intp)
+        self.ustart = self.start[self.lo]
+        usize = np.maximum.reduceat(size, self.lo) if len(self.lo) else empty
+        ucap = np.minimum.reduceat(cap, self.lo) if len(self.lo) else empty
+        self.sized = usize > 0
+        next_start = np.append(self.ustart[1:], np.uint64(2**64 - 1))
+        self.uend = np.where(self.sized, self.ustart + usize, np.minimum(next_start, ucap))
+        # Highest end of any sized symbol up to each group: finds functions enclosing others.
+        self.cover = np.maximum.accumulate(np.where(self.sized, self.uend, np.uint64(0)))
+
+    def group_at(self, vaddr: int) -> int | None:
+        v = np.uint64(vaddr)
+        g = int(np.searchsorted(self.ustart, v, "right")) - 1
+        if g < 0:
+            return None
+        if self.sized[g] and self.uend[g] > v:
+            return g
+        if self.cover[g] > v:  # inside a sized function that starts earlier and encloses g
+            return int(np.flatnonzero(self.sized[:g] & (self.uend[:g] > v))[-1])
+        if not self.sized[g] and self.uend[g] > v:
+            return g
+        return None
+
+    def group_of_start(self, value: int) -> int | None:
+        g = int(np.searchsorted(self.ustart, np.uint64(value), "left"))
+        return g if g < len(self.ustart) and int(self.ustart[g]) == value else None
+
+
+class ElfImage:
+    """One ELF file: path, debug_path, build_id, elf_type ('DYN', 'EXEC'), has_symtab.
+
+    Cached process-wide by file identity and by build-id. Files sharing a build-id hold the same
+    code, so a stripped copy borrows the symbols of an unstripped one already opened.
+    Symbols come from the separate debug file's .symtab when there is one, then the file's own
+    .symtab and .dynsym; addresses and code always come from the file itself.
+    """
+
+    _by_file: dict[tuple[int, int, int, int], ElfImage] = {}
+    _by_build_id: dict[str, ElfImage] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, main: _File, debug: _File | None):
+        self.path = main.path
+        self.debug_path = debug.path if debug else None
+        self.build_id = main.build_id
+        self.elf_type = main.elf_type
+        self._main = main
+        # Search order for names: debug .symtab, own .symtab, .dynsym.
+        tables = (debug.symtabs() if debug else []) + main.symtabs()
+        self._tables = sorted(tables, key=lambda t: not t.is_symtab)
+        self.has_symtab = any(t.is_symtab for t in self._tables)
+        self._index: _FuncIndex | None = None
+        self._names: dict[int, list[str]] = {}
+        self._plt: dict[int, str] | None = None
+
+    @classmethod
+    def open(cls, path: str) -> ElfImage:
+        # Processes map device files (/dev/nvidia*) whose open() has side effects: never open one.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise ElfFormatError(f"{path}: not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            with cls._lock:
+                img = cls._by_file.get(key)
+            if img is not None:
+                return img
+            main = _File(fd, path)
+        finally:
+            os.close(fd)
+        bid = main.build_id
+        with cls._lock:
+            known = cls._by_build_id.get(bid) if bid else None
+        if known is not None and (known.has_symtab or not any(s.type == SHT_SYMTAB for s in main.sections)):
+            img = known
+        else:
+            img = cls(main, _debug_file(bid) if bid else None)
+        with cls._lock:
+            cls._by_file[key] = img
+            if bid and (known is None or img is not known):
+                cls._by_build_id[bid] = img
+        return img
+
+    # Addresses
+
+    def file_offset_to_vaddr(self, off: int) -> int | None:
+        for seg in self._main.loads:
+            if seg.offset <= off < seg.offset + seg.filesz:
+                return seg.vaddr + off - seg.offset
+        return None
+
+    def vaddr_to_file_offset(self, vaddr: int) -> int | None:
+        for seg in self._main.loads:
+            if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
+                return seg.offset + vaddr - seg.vaddr
+        return None
+
+    def read_vaddr(self, vaddr: int, n: int) -> bytes:
+        """Up to `n` bytes of file contents at `vaddr`, stopping at the end of its segment."""
+        for seg in self._main.loads:
+            if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
+                off = seg.offset + vaddr - seg.vaddr
+                return self._main.mm[off : min(off + n, seg.offset + seg.filesz)]
+        raise ValueError(f"{self.path}: vaddr {vaddr:#x} is not backed by the file")
+
+    # Symbols
+
+    def symbol(self, name: str) -> Symbol | None:
+        """The definition of `name`; a GLOBAL/WEAK function wins over other kinds and bindings."""
+        best, best_rank = None, None
+        for t, tab in enumerate(self._tables):
+            defined = tab.defined()
+            for i in tab.find(name):
+                if not defined[i]:
+                    continue
+                info = int(tab.syms["st_info"][i])
+                func = info & 0xF in (STT_FUNC, STT_GNU_IFUNC)
+                local = info >> 4 == STB_LOCAL
+                rank = (not (func and not local), tab.compat(i), not func, local, t)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = (tab, i), rank
+        if best is None:
+            return None
+        tab, i = best
+        return Symbol(name, int(tab.syms["st_value"][i]), int(tab.syms["st_size"][i]))
+
+    def aliases(self, value: int) -> list[str]:
+        """Names of all functions starting at `value`, the preferred one first."""
+        g = self.index.group_of_start(value)
+        return [] if g is None else self._group_names(g)
+
+    def lookup(self, vaddr: int) -> tuple[str, int] | None:
+        """(function containing `vaddr`, offset into it), or None when no symbol covers it."""
+        idx = self.index
+        g = idx.group_at(vaddr)
+        if g is None:
+            return None
+        return self._group_names(g)[0], vaddr - int(idx.ustart[g])
+
+    @property
+    def index(self) -> _FuncIndex:
+        if self._index is None:
+            self._index = _FuncIndex(self._tables)
+        return self._index
+
+    def _group_names(self, g: int) -> list[str]:
+        names = self._names.get(g)
+        if names is None:
+            idx = self.index
+            ranked = []
+            for k in range(int(idx.lo[g]), int(idx.lo_end[g])):
+                tab, row = self._tables[idx.tab[k]], int(idx.row[k])
+                name = tab.name(row)
+                bind = int(tab.syms["st_info"][row]) >> 4
+                # Prefer what callers write: exported, current version, fewest leading '_'.
+                ranked.append(((bind == STB_LOCAL, tab.compat(row), len(name) - len(name.lstrip("_"))), name))
+            ranked.sort(key=lambda r: r[0])
+            names = list(dict.fromkeys(name for _, name in ranked))
+            self._names[g] = names
+        return names
+
+    # PLT
+
+    def plt_targets(self) -> dict[int, str]:
+        """PLT stub address -> name of the function it jumps to through the GOT."""
+        if self._plt is None:
+            self._plt = self._decode_plt()
+        return self._plt
+
+    def _decode_plt(self) -> dict[int, str]:
+        main = self._main
+        stub_slot: dict[int, int] = {}
+        for sec in main.sections:
+            if sec.name not in PLT_SECTIONS or sec.type != SHT_PROGBITS:
+                continue
+            stride = sec.entsize if sec.entsize in (8, 16) else 16
+            code = main.mm[sec.offset : sec.offset + sec.size]
+            for pos in range(0, len(code) - 5, stride):
+                # Stubs: [endbr64;] [bnd] jmp *GOT(%rip). endbr64 with IBT (.plt.sec, .plt.got);
+                # lazy .plt entries then only push and jump to PLT0, and do not match.
+                p = pos + 4 if code[pos : pos + 4] == ENDBR64 else pos
+                if code[p : p + 1] == BND:
+                    p += 1
+                if code[p : p + 2] == JMP_RIP and p + 6 <= len(code):
+                    disp = int.from_bytes(code[p + 2 : p + 6], "little", signed=True)
+                    stub_slot[sec.addr + pos] = sec.addr + p + 6 + disp
+        if not stub_slot:
+            return {}
+        slot_name = self._got_slot_names(np.array(sorted(set(stub_slot.values())), np.uint64))
+        return {stub: slot_name[slot] for stub, slot in stub_slot.items() if slot in slot_name}
+
+    def _got_slot_names(self, slots: np.ndarray) -> dict[int, str]:
+        """GOT slot -> symbol, from JUMP_SLOT (.rela.plt) and GLOB_DAT (.rela.dyn, .plt.got)."""
+        main = self._main
+        out: dict[int, str] = {}
+        for sec in main.sections:
+            if sec.type != SHT_RELA or not 0 < sec.link < len(main.sections):
+                continue
+            dynsym = main.symtab(sec.link)
+            rela = main.array(sec, RELA_DTYPE)
+            rtype = rela["r_info"] & 0xFFFFFFFF
+            sym = rela["r_info"] >> np.uint64(32)
+            keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
+            keep &= np.isin(rela["r_offset"], slots)
+            for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
+                out[off] = dynsym.name(s)
+        return out
+
+
+def _debug_file(build_id: str) -> _File | None:
+    for root in DEBUG_ROOTS:
+        path = os.path.join(root, ".build-id", build_id[:2], build_id[2:] + ".debug")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            debug = _File(fd, path)
+        except ElfFormatError:
+            continue
+        finally:
+            os.close(fd)
+        if debug.build_id == build_id:
+            return debug
+    return None

@@ -1,0 +1,87 @@
+"""Memory mappings of a process, from /proc/PID/maps."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_DELETED = " (deleted)"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    start: int
+    end: int
+    perms: str
+    offset: int
+    dev: str  # 'maj:min' in hex, as the kernel prints it
+    inode: int
+    path: str  # '' for anonymous memory; pseudo paths such as '[heap]' are kept
+    deleted: bool = False
+
+    @property
+    def executable(self) -> bool:
+        return "x" in self.perms
+
+    @property
+    def file_backed(self) -> bool:
+        return self.inode != 0 and self.path.startswith("/")
+
+
+def parse_maps_line(line: str) -> Mapping:
+    # The path is the only field that may contain spaces, so split it off last.
+    fields = line.rstrip("\n").split(maxsplit=5)
+    lo, hi = fields[0].split("-")
+    path = fields[5] if len(fields) > 5 else ""
+    deleted = path.endswith(_DELETED)
+    if deleted:
+        path = path[: -len(_DELETED)]
+    return Mapping(
+        start=int(lo, 16),
+        end=int(hi, 16),
+        perms=fields[1],
+        offset=int(fields[2], 16),
+        dev=fields[3],
+        inode=int(fields[4]),
+        path=path,
+        deleted=deleted,
+    )
+
+
+def read_maps(pid: int) -> list[Mapping]:
+    """The mappings of `pid`, sorted by address; ProcessLookupError when it is gone."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return [parse_maps_line(line) for line in f]
+    except (FileNotFoundError, ProcessLookupError) as e:
+        raise ProcessLookupError(pid) from e
+
+
+def open_path(pid: int, m: Mapping) -> str:
+    """A path that opens the file behind `m` as the process sees it.
+
+    map_files reaches the mapped inode itself, so it works for deleted or replaced files and
+    across mount namespaces; it needs CAP_SYS_ADMIN. /proc/PID/root resolves the path in the
+    process's root (containers) and is the fallback.
+    """
+    mf = f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
+    try:
+        os.close(os.open(mf, os.O_RDONLY | os.O_CLOEXEC))
+        return mf
+    except OSError:
+        return f"/proc/{pid}/root{m.path}"
+
+
+def find_mapping(maps: Sequence[Mapping], addr: int) -> Mapping | None:
+    """The mapping containing `addr` (maps sorted by start, non-overlapping)."""
+    lo, hi = 0, len(maps)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if maps[mid].start <= addr:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo and addr < maps[lo - 1].end:
+        return maps[lo - 1]
+    return None

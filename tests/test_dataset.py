@@ -1,0 +1,85 @@
+"""The dataset of a real recording: plain pandas / pyarrow reads it, it reaches disk within an
+interval, and it survives kill -9 of the recorder."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pandas as pd
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from sampler.dataset_writer import DatasetWriter
+from sampler.schema import SCHEMA_VERSION, TABLES
+
+pytestmark = pytest.mark.bpf
+
+
+def test_plain_pandas_and_pyarrow_read_a_recording(workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1")
+    rec.wait_attached()
+    attached = time.time()
+    w.call("leak_malloc", 8 * 1024, 4096)
+    w.call("leak_mmap", 8, 1 << 20)
+    rec.wait_snapshot(attached + 1)
+    # data reaches disk within one interval plus a few seconds
+    assert time.time() - attached < 1 + 5
+    code, _, err = rec.stop()
+    assert code == 0, err
+    out = rec.out
+    for name in ("outstanding", "stacks", "frames", "processes", "vm_events", "targets", "recorder", "recordings"):
+        df = pd.read_parquet(out / name)
+        assert len(df) > 0, name
+        assert "date" in df.columns                    # Hive partition column
+        expected = [c.name for c in TABLES[name].columns]
+        assert list(df.columns[: len(expected)]) == expected, name
+    table = ds.dataset(out / "outstanding", format="parquet", partitioning="hive").to_table()
+    assert table.schema.metadata[b"allocsampler.schema_version"] == str(SCHEMA_VERSION).encode()
+    # stacks are stored once and join
+    o = pd.read_parquet(out / "outstanding")
+    s = pd.read_parquet(out / "stacks")
+    assert s["stack_id"].is_unique
+    joined = o.merge(s[["stack_id", "summary"]], on="stack_id", how="left")
+    assert joined["summary"].notna().all()
+    assert joined["summary"].str.contains("leak_malloc").any()
+    p = pd.read_parquet(out / "processes")
+    assert (p["pid"] == w.pid).all() and (p["rss"] > 0).all()
+    assert (p["heap_live_bytes"] + p["arena_live_bytes"]).max() > 16 << 20
+    vm = pd.read_parquet(out / "vm_events")
+    assert {"mmap", "munmap"} & set(vm["op"].astype(str))
+    assert vm["stack_id"].notna().any()
+    # the weight that BPF computed for each sampled mmap is the formula's (table interpolation)
+    from sampler.weights import unbiased_weight
+    sampled = vm[vm["sampled_weight"].notna() & (vm["op"] == "mmap")]
+    assert len(sampled) > 0
+    for length, weight in zip(sampled["length"], sampled["sampled_weight"], strict=True):
+        assert weight == pytest.approx(unbiased_weight(length, 512 << 10), rel=1e-3)
+
+
+def test_survives_kill_minus_9(workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "0.3")
+    rec.wait_attached()
+    deadline = time.time() + 3
+    while time.time() < deadline:
+        w.call("leak_malloc", 1024, 4096)
+        w.call("churn", 4096, 1024)
+    rec.proc.send_signal(signal.SIGKILL)
+    rec.proc.wait()
+    files = list(rec.out.glob("*/date=*/*.parquet"))
+    assert len(files) > 10
+    for f in files:                                   # every file reads, none is partial
+        pq.read_table(f)
+    for name in ("outstanding", "processes", "stacks"):
+        assert len(pd.read_parquet(rec.out / name)) > 0
+    assert w.call("leak_malloc", 1, 64) == 64, "the target was harmed"
+    # leftovers of the killed writer are removed by the next one
+    for tmp in rec.out.glob("*/date=*/.*.tmp"):
+        assert tmp.name.startswith(".")
+    DatasetWriter(rec.out, "next")
+    assert not list(rec.out.glob("*/date=*/.*.tmp"))
+    rows = pd.read_parquet(rec.out / "recordings")
+    assert rows["ended"].isna().all(), "a killed recording has no end time"

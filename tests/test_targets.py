@@ -1,0 +1,64 @@
+"""Targets: a launched command, its children, threads started after attach, signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import WORKLOADS, compile_c, final_by_site
+
+from analysis.dataset import read_table
+
+pytestmark = pytest.mark.bpf
+MiB = 1 << 20
+
+
+def test_launched_command_with_children(tmp_path, record):
+    exe = compile_c(WORKLOADS / "forker.c", tmp_path / "forker")
+    rec = record("-i", "1", "--children", "--", str(exe), "0")
+    code = rec.proc.wait(120)                    # the recording ends with the command
+    assert code == 0, rec.proc.stderr.read()
+    targets = read_table(rec.out, "targets")
+    parent = targets[targets["comm"] == "forker"]["pid"].min()
+    child_rows = targets[(targets["event"] == "attach") & (targets["pid"] != parent)]
+    assert len(child_rows) >= 1, targets[["pid", "event", "comm"]]
+    exits = targets[(targets["event"] == "exit") & (targets["pid"] == parent)]
+    assert "exit status 3" in exits["detail"].iloc[0]
+    child = int(child_rows["pid"].iloc[0])
+    df = final_by_site(rec.out, child)
+    est = df[df["site_fn"] == "child_leak"]["outstanding_bytes"].sum()
+    assert est == pytest.approx(32 * MiB, rel=0.35)
+
+
+def test_threads_started_after_attach_are_covered(workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1")
+    rec.wait_attached()
+    truth = w.call("leak_malloc", 24 * 1024, 4096, thread=True)   # a thread born after attach
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop(signal.SIGTERM)                         # SIGTERM: flush, exit 0
+    assert code == 0, err
+    df = final_by_site(rec.out, w.pid)
+    assert df[df["site_fn"] == "leak_malloc"]["outstanding_bytes"].sum() == pytest.approx(truth, rel=0.25)
+    rows = read_table(rec.out, "recordings")
+    assert rows["ended"].notna().all(), "SIGTERM must end the recording cleanly"
+
+
+def test_summary_names_dataset_and_top_stack(workload, bpf_ready, tmp_path):
+    from conftest import allocsampler_cmd
+    w = workload()
+    out = tmp_path / "out"
+    p = subprocess.Popen(allocsampler_cmd("record", "--pid", str(w.pid), "-o", str(out), "-i", "1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any((out / "targets").glob("date=*/*.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    w.call("leak_malloc", 16 * 1024, 4096)
+    time.sleep(1.5)
+    p.send_signal(signal.SIGINT)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    assert f"dataset: {out}" in stdout
+    assert "leak_malloc (libleaky.so)" in stdout

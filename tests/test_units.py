@@ -1,0 +1,143 @@
+"""Pure-Python pieces: weights, the outstanding table, event decoding, the writer, the schema doc."""
+
+from __future__ import annotations
+
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from sampler import weights
+from sampler.cli import _size
+from sampler.dataset_writer import DatasetWriter
+from sampler.events import HEADER, EvType, decode
+from sampler.outstanding import MALLOC, MMAP, ProcessTable
+from sampler.schema import OUTSTANDING, TABLES
+
+T = 512 << 10
+
+
+def test_weight_formula():
+    assert weights.unbiased_weight(T * 100, T) == pytest.approx(T * 100)
+    assert weights.unbiased_weight(1, T) == pytest.approx(T + 0.5, rel=1e-6)
+    for s in (1, 100, T // 3, T, 5 * T):
+        p = weights.inclusion_probability(s, T)
+        assert weights.unbiased_weight(s, T) * p == pytest.approx(s)
+
+
+def _bpf_weight(size: int, mean: int, tab: list[int]) -> int:
+    """bpf/common.h sample_bytes(), integer for integer."""
+    if size >= weights.WTAB_MAX_X * mean:
+        return size
+    xq = (size << 22) // mean
+    i = xq >> 16
+    if i >= weights.WTAB_N - 1:
+        return size
+    h = tab[i] + (((tab[i + 1] - tab[i]) * (xq & 0xFFFF)) >> 16)
+    return (mean * h) >> 20
+
+
+@pytest.mark.parametrize("mean", [64 << 10, 512 << 10, 2 << 20])
+def test_bpf_weight_interpolation_matches_formula(mean):
+    tab = weights.weight_table()
+    assert tab[0] == 1 << 20 and all(a < b for a, b in zip(tab[:-1], tab[1:], strict=True))
+    for size in [1, 16, 100, 4096, mean // 2, mean, 3 * mean, 10 * mean, 23 * mean, 25 * mean]:
+        assert _bpf_weight(size, mean, tab) == pytest.approx(weights.unbiased_weight(size, mean), rel=2e-5)
+
+
+def test_sample_terms():
+    var, objects, objects_var = weights.sample_terms(T, weights.unbiased_weight(T, T))
+    p = 1 - math.exp(-1)
+    assert objects == pytest.approx(1 / p)
+    assert var == pytest.approx((T / p) ** 2 * (1 - p))
+    assert weights.sample_terms(10 * T * 30, 10 * T * 30) == (0.0, 1.0, 0.0)
+
+
+def test_chunk_size():
+    assert [weights.chunk_size(n) for n in (0, 24, 25, 100)] == [32, 32, 48, 112]
+
+
+def test_table_alloc_free_and_snapshot():
+    t = ProcessTable()
+    w = weights.unbiased_weight(1000, T)
+    t.alloc(0x1000, 1000, w, 7, ts_ns=1)
+    t.alloc(0x2000, 1000, w, 7, ts_ns=2)
+    t.alloc(0x3000, 1000, w, 8, ts_ns=3)
+    assert t.free(0x1000) and not t.free(0x1000)      # a double free counts once
+    rows = {r["stack_id"]: r for r in t.snapshot(now_ns=10**9 + 2)}
+    assert rows[7]["outstanding_bytes"] == pytest.approx(w)
+    assert rows[7]["allocated_bytes"] == pytest.approx(2 * w)
+    assert rows[7]["freed_bytes"] == pytest.approx(w)
+    assert rows[7]["oldest_age_s"] == pytest.approx(1.0)
+    assert rows[7]["live_samples"] == 1 and rows[7]["alloc_samples"] == 2 and rows[7]["free_samples"] == 1
+    t.free(0x2000)
+    rows = {r["stack_id"]: r for r in t.snapshot(now_ns=2 * 10**9)}
+    assert rows[7]["outstanding_bytes"] == 0 and rows[7]["allocated_bytes"] == 0 and rows[7]["freed_bytes"] > 0
+    assert {r["stack_id"] for r in t.snapshot(now_ns=3 * 10**9)} == {8}    # empty stacks go away
+
+
+def test_reused_address_replaces_a_missed_free():
+    t = ProcessTable()
+    t.alloc(0x1000, 64, T, 1, 0)
+    t.alloc(0x1000, 64, T, 2, 0)
+    assert t.totals(MALLOC)[0] == pytest.approx(T)
+
+
+def test_mmap_partial_unmaps():
+    t = ProcessTable()
+    size = 4 << 20                                     # p ~ 1
+    w = weights.unbiased_weight(size, T)
+    t.map(0x10000000, size, w, 5, 0)
+    t.unmap(0x10000000 + (1 << 20), 1 << 20)          # hole in the middle
+    assert t.totals(MMAP)[0] == pytest.approx(3 << 20, rel=1e-3)
+    assert len(t.regions) == 2
+    t.unmap(0x0, 0x10000000 + (2 << 20))               # covers the first fragment
+    assert t.totals(MMAP)[0] == pytest.approx(2 << 20, rel=1e-3)
+    w1 = weights.unbiased_weight(1 << 20, T)
+    t.map(0x10000000 + (3 << 20), 1 << 20, w1, 6, 0)   # MAP_FIXED over the upper half
+    assert t.totals(MMAP)[0] == pytest.approx((1 << 20) * w / size + w1, rel=1e-6)
+    rows = {r["stack_id"]: r for r in t.snapshot(0)}
+    assert rows[5]["live_samples"] == 1 and rows[6]["live_samples"] == 1
+
+
+def test_event_decoding():
+    raw = HEADER.pack(EvType.ALLOC, 1, 1, 42, 43, 2, 0, 123, 0xABC, 64, T, 0, 2**64 - 12)
+    raw += struct.pack("<QQQ", 0x777, 0x1111, 0x2222)
+    ev = decode(raw)
+    assert (ev.pid, ev.tid, ev.addr, ev.size, ev.weight, ev.ret) == (42, 43, 0xABC, 64, T, -12)
+    assert ev.sp_word == 0x777 and ev.frames == (0x1111, 0x2222)
+    small = decode(HEADER.pack(EvType.FREE, 1, 11, 42, 43, 0, 0, 1, 0xABC, 0, 0, 0, 0))
+    assert small.frames == () and small.sp_word == 0
+
+
+def test_writer_is_atomic_and_partitioned(tmp_path):
+    w = DatasetWriter(tmp_path, "rec1")
+    row = {c.name: None for c in OUTSTANDING.columns}
+    row.update(pid=1, source="malloc", stack_id=5, outstanding_bytes=1.0, recording_id="rec1", host="h")
+    path = w.write(OUTSTANDING, [row])
+    assert path.parent.name.startswith("date=") and path.parent.parent.name == "outstanding"
+    (path.parent / ".junk.parquet.tmp").write_bytes(b"partial")       # a killed writer's leftover
+    assert len(pd.read_parquet(tmp_path / "outstanding")) == 1        # readers skip dot-files
+    DatasetWriter(tmp_path, "rec2")
+    assert not (path.parent / ".junk.parquet.tmp").exists()
+    assert pq.read_schema(path).metadata[b"allocsampler.table"] == b"outstanding"
+    assert w.write(OUTSTANDING, []) is None
+
+
+def test_sizes_on_the_command_line():
+    assert [_size(s) for s in ("512K", "2M", "1g", "4096", "64KiB")] == [512 << 10, 2 << 20, 1 << 30, 4096, 64 << 10]
+
+
+def test_schema_doc_is_generated_from_the_schema():
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "schema.md").read_text()
+    fresh = subprocess.run([sys.executable, str(root / "scripts" / "gen_schema_doc.py"), "--stdout"],
+                           capture_output=True, text=True, check=True).stdout
+    assert doc == fresh, "docs/schema.md is stale: run scripts/gen_schema_doc.py"
+    for t in TABLES.values():
+        assert f"## `{t.name}`" in doc
