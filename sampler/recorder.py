@@ -67,10 +67,13 @@ class RecordOptions:
 class _Target:
     info: ProcessInfo
     table: ProcessTable = field(default_factory=ProcessTable)
-    attached: set[tuple] = field(default_factory=set)    # (path, build_id) of probed libraries
-    libs: list[AllocatorLib] = field(default_factory=list)
+    # (path, build_id) -> the library as attached, None when attaching failed (not retried).
+    # Attachments outlive exec: uprobes are bound to the file and the task.
+    attached: dict[tuple, AllocatorLib | None] = field(default_factory=dict)
+    libs: list[AllocatorLib] = field(default_factory=list)   # probed libraries mapped now
     modes: dict[str, str] = field(default_factory=dict)  # function -> session | perf
     rescan_until: float = 0.0
+    warned: bool = False                                 # "no probeable allocator" said once
     drops: tuple[int, int] = (0, 0)
     peak_rss: int = 0
     last_rss: int = 0
@@ -148,6 +151,7 @@ class Recorder:
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
+                self._rescan(now, every=True)
                 self._snapshot()
                 next_snap += o.interval
                 if next_snap < now:
@@ -180,6 +184,7 @@ class Recorder:
             ident = (lib.path, lib.build_id)
             if ident in t.attached:
                 continue
+            t.attached[ident] = None
             try:
                 t.modes.update(self.probes.attach(pid, lib))
             except OSError as e:
@@ -187,9 +192,10 @@ class Recorder:
                     raise ProcessLookupError(pid) from None
                 self._warn(t, f"could not probe {lib.path}: {e}")
                 continue
-            t.attached.add(ident)
-            t.libs.append(lib)
-        if not libs and not t.libs and not t.rescan_until:
+            t.attached[ident] = lib
+        t.libs = [a for lib in libs if (a := t.attached.get((lib.path, lib.build_id)))]
+        if not t.libs and not t.rescan_until and not t.warned:
+            t.warned = True
             self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
                           "with --allocator LIB[:PREFIX].")
@@ -198,11 +204,13 @@ class Recorder:
         skipped = [f"{name} ({why})" for lib in t.libs for name, why in lib.skipped]
         return ("not probed: " + "; ".join(skipped)) if skipped else ""
 
-    def _rescan(self, now: float) -> None:
+    def _rescan(self, now: float, every: bool = False) -> None:
         """After an exec the new image maps its libraries a moment later; dlopen can add an
-        allocator any time. Rescan recent execs often and every target once per interval."""
+        allocator any time. Rescan recent execs at every poll, `every` target once per interval."""
         for t in list(self.targets.values()):
-            if t.rescan_until and now < t.rescan_until:
+            if t.rescan_until and now >= t.rescan_until:
+                t.rescan_until = 0.0        # the exec window is over: warn if still nothing
+            if every or t.rescan_until:
                 n = len(t.libs)
                 try:
                     self._attach_allocators(t)
@@ -400,9 +408,10 @@ class Recorder:
             "probe_hits": sum(d[C_HITS:C_HITS + 32]), "vm_hits": sum(d[C_VM_HITS:C_VM_HITS + 16]),
             "samples": d[C_SAMPLED], "lost_events": d[C_LOST_EVENTS], "dropped_samples": d[C_LIVE_FULL],
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
-            "cpu_s": cpu_d, "rss": self._proc.memory_info().rss,
+            "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
         }])
         self._events = 0
+        self._vm_dropped = 0
 
     def _target_row(self, t: _Target, event: str, detail: str) -> None:
         i = t.info

@@ -209,6 +209,8 @@ RECORDER = Table(
         Column("live_entries", pa.int64(), "Sampled live blocks tracked at the end of the interval."),
         Column("cpu_s", pa.float64(), "Recorder CPU time (user + system) in the interval."),
         Column("rss", pa.int64(), "Recorder resident memory."),
+        Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
+                                                "of the per-interval cap (the syscalls were still applied)."),
     ),
 )
 

@@ -35,6 +35,8 @@ apt_install() {
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
 # Debug symbols for libc: readable malloc-internal frames (symbolizer uses /usr/lib/debug/.build-id).
 apt_install libc6-dbg
+# Other allocators the tests record (jemalloc, tcmalloc), as users preload them.
+apt_install libjemalloc2 libtcmalloc-minimal4
 
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
 kver=$(uname -r)

@@ -66,6 +66,7 @@ def test_edge_cases(workload, record):
     truth_null = w.call("leak_realloc_null", 24 * 1024, 4096)
     w.call("realloc_zero", 24 * 1024, 4096)
     w.call("failing", 200)
+    kept = w.call("realloc_fail_keeps", 32 * MiB)
     truth_mmap = w.call("leak_mmap", 64, 1 * MiB)
     truth_half = w.call("leak_mmap_half", 64, 2 * MiB)
     rec.wait_snapshot(time.time() + 1.5)
@@ -76,12 +77,27 @@ def test_edge_cases(workload, record):
     zero, _, _ = _estimate(df, "realloc_zero")           # realloc(p, 0) frees p
     assert zero <= 2 * MiB
     assert df[df["site_fn"] == "failing"].empty, "failed allocations were counted"
+    assert _estimate(df, "realloc_fail_keeps")[0] == pytest.approx(kept, rel=1e-3)   # p = 1 - e^-64
     from analysis.dataset import read_table
     out = read_table(rec.out, "outstanding")
     assert out["outstanding_bytes"].max() < 1 << 40, "an impossible allocation was counted"
     mm = final_by_site(rec.out, w.pid, "mmap")
     _check(mm, "leak_mmap", truth_mmap, rel=0.3)
     _check(mm, "leak_mmap_half", truth_half, rel=0.3)    # partial munmap keeps the other half
+
+
+def test_a_full_live_table_is_counted_not_hidden(workload, record):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1", "--live-max", "1024", "--sample-bytes", "4K")
+    rec.wait_attached()
+    w.call("leak_malloc", 4096, 4096)          # 16 MiB at T = 4 KiB: ~4000 samples > 1024
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    from analysis.dataset import read_table
+    procs = read_table(rec.out, "processes")
+    assert procs["dropped_samples"].max() > 1000
+    assert read_table(rec.out, "recorder")["dropped_samples"].sum() > 1000
 
 
 def test_estimates_are_unbiased_within_their_stderr(workload, record):
@@ -103,3 +119,22 @@ def test_estimates_are_unbiased_within_their_stderr(workload, record):
     z = np.array(z)
     assert abs(z.mean()) < 3 / np.sqrt(len(z)), f"biased: z = {np.round(z, 2)}"
     assert 0.4 < z.std(ddof=1) < 1.8, f"stderr mis-stated: z = {np.round(z, 2)}"
+
+
+@pytest.mark.parametrize("library,family", [("libjemalloc.so.2", "jemalloc"),
+                                            ("libtcmalloc_minimal.so.4", "tcmalloc")])
+def test_preloaded_allocators_are_found_and_probed(library, family, workload, record):
+    w = workload(env={"LD_PRELOAD": f"/usr/lib/x86_64-linux-gnu/{library}"})
+    rec = record("--pid", str(w.pid), "-i", "1")
+    rec.wait_attached()
+    truth = w.call("leak_malloc", 24 * 1024, 4096) + w.call("leak_calloc", 1024, 2048)
+    w.call("churn", 50 * 1024, 4096)
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    from analysis.dataset import read_table
+    targets = read_table(rec.out, "targets")
+    assert any(a.startswith(f"{family}:") for a in targets["allocators"].iloc[0])
+    df = final_by_site(rec.out, w.pid)
+    _check(df, "leak_malloc", truth - 1024 * 2048)
+    assert _estimate(df, "churn")[0] <= 2 * MiB

@@ -62,3 +62,14 @@ def test_summary_names_dataset_and_top_stack(workload, bpf_ready, tmp_path):
     assert p.returncode == 0, stderr
     assert f"dataset: {out}" in stdout
     assert "leak_malloc (libleaky.so)" in stdout
+
+
+def test_command_that_execs_a_static_binary_is_reported(tmp_path, record):
+    exe = compile_c(WORKLOADS / "static_alloc.c", tmp_path / "static_alloc", "-static", "-s")
+    rec = record("-i", "1", "-d", "8", "--", str(exe))
+    code = rec.proc.wait(120)
+    assert code == 0, rec.proc.stderr.read()
+    targets = read_table(rec.out, "targets")
+    warnings = targets[targets["event"] == "warning"]["detail"]
+    assert warnings.str.contains("no probeable allocator").sum() == 1
+    assert (targets["event"] == "exec").any()

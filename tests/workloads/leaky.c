@@ -96,6 +96,15 @@ NOINLINE size_t failing(size_t n)
     return 0;
 }
 
+/* a failed realloc leaves its (certainly sampled: size >> T) block allocated */
+NOINLINE size_t realloc_fail_keeps(size_t size)
+{
+    void *q = malloc(size);
+    void *r = realloc(q, (size_t)1 << 62);
+    sink = r ? r : q;
+    return size;
+}
+
 /* 16 distinct allocation sites for sampling statistics; sizes cycle through a mix */
 #define SITE(k) NOINLINE size_t site_##k(size_t n, size_t seed) {                        \
     size_t total = 0, x = seed * 2654435761u + k;                                        \
