@@ -38,6 +38,7 @@ from .smaps import ARENA, HEAP
 from .stacks import StackTable
 from .symbolize import Symbolizer
 from .targets import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
+from .vm_events import VmClassifier
 from .weights import chunk_size, sample_terms
 
 _SOURCE_NAME = {1: MALLOC, 2: MMAP}
@@ -72,6 +73,7 @@ class _Target:
     attached: dict[tuple, AllocatorLib | None] = field(default_factory=dict)
     libs: list[AllocatorLib] = field(default_factory=list)   # probed libraries mapped now
     modes: dict[str, str] = field(default_factory=dict)  # function -> session | perf
+    vm: VmClassifier = field(default_factory=VmClassifier)
     rescan_until: float = 0.0
     warned: bool = False                                 # "no probeable allocator" said once
     drops: tuple[int, int] = (0, 0)
@@ -283,6 +285,7 @@ class Recorder:
             t.table.unmap(ev.addr, ev.size)
             if ev.weight:
                 t.table.map(ev.ret, ev.arg, ev.weight, sid, ev.ts_ns)
+        event = t.vm.classify(op, ev.addr, ev.size, ev.arg, ev.ret)
         if len(self._vm_rows) >= self.opts.vm_events_per_interval:
             self._vm_dropped += 1
             return
@@ -296,6 +299,7 @@ class Recorder:
             new_length = ev.arg
         self._vm_rows.append({
             "ts": self._wall(ev.ts_ns), "pid": ev.pid, "tid": ev.tid, "op": _VM_NAME.get(op, str(op)),
+            "event": event,
             "addr": _i64(ev.addr), "length": _i64(ev.size), "prot": prot, "flags": _i32(flags),
             "advice": advice, "new_length": _i64(new_length) if new_length is not None else None,
             "result": ev.ret, "sampled_weight": float(ev.weight) if ev.weight else None,
@@ -311,6 +315,7 @@ class Recorder:
         elif ev.op == ProcOp.EXEC:
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
             t.table.clear()
+            t.vm = VmClassifier()
             self.stacks.forget(t.info.pid)
             try:
                 t.info = read_info(t.info.pid)
@@ -359,6 +364,7 @@ class Recorder:
     def _process_row(self, t: _Target, now: dt.datetime) -> dict:
         s = sample_process(t.info.pid)
         b = s.breakdown
+        t.vm.learn_regions(b.regions)
         t.peak_rss = max(t.peak_rss, s.rss)
         t.last_rss = s.rss
         heap_live, arena_live, live_var = _live_by_region(t.table, b.regions)

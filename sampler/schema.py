@@ -163,6 +163,13 @@ VM_EVENTS = Table(
         Column("pid", pa.int32(), "Process id."),
         Column("tid", pa.int32(), "Thread id."),
         Column("op", STR, "`mmap`, `munmap`, `mremap`, `brk`, `madvise` or `mprotect`."),
+        Column("event", STR, "What the call does to the allocator's memory: `heap_reserve` (glibc "
+                             "arena heap reservation, PROT_NONE), `heap_reserve_trim` (its unaligned "
+                             "head/tail), `heap_grow` (mprotect RW in an arena heap), `heap_trim` "
+                             "(madvise in an arena heap), `heap_shrink`, `heap_release`, `brk_grow`, "
+                             "`brk_shrink`, `brk_trim` (madvise in [heap]), `brk_query`, `anon_map`, "
+                             "`anon_reserve`, `file_map`, `shared_map`, `unmap`, `remap`, `protect`, "
+                             "`release` (other madvise DONTNEED/FREE), `advise`, `failed`."),
         Column("addr", pa.int64(), "Address argument (brk: requested break)."),
         Column("length", pa.int64(), "Length argument (mremap: old length)."),
         Column("prot", pa.int32(), "mmap/mprotect protection bits, else null."),

@@ -83,3 +83,22 @@ def test_survives_kill_minus_9(workload, record):
     assert not list(rec.out.glob("*/date=*/.*.tmp"))
     rows = pd.read_parquet(rec.out / "recordings")
     assert rows["ended"].isna().all(), "a killed recording has no end time"
+
+
+def test_arena_growth_is_recognised(workload, record):
+    """A thread's first malloc gets it its own glibc arena: the recording shows the heap
+    reservation, its trims and growth, and the live bytes located in arena heaps."""
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1")
+    rec.wait_attached()
+    truth = w.call("leak_malloc", 20 * 1024, 4096, thread=True)       # 80 MiB in a new arena
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    vm = pd.read_parquet(rec.out / "vm_events")
+    events = set(vm["event"].astype(str))
+    assert {"heap_reserve", "heap_reserve_trim", "heap_grow"} <= events, events
+    p = pd.read_parquet(rec.out / "processes").iloc[-1]
+    assert p["arena_heaps"] >= 2 and p["arenas"] >= 1
+    assert p["arena_rss"] >= truth * 0.9
+    assert p["arena_live_bytes"] == pytest.approx(truth * 4112 / 4096, rel=0.25)
