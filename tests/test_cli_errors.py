@@ -37,8 +37,10 @@ def free_pid() -> int:
 
 
 def test_not_root(tmp_path):
+    # nobody, allowed to read the checkout wherever it lives (CAP_DAC_READ_SEARCH), nothing more
     p = run(["record", "--pid", "1", "-o", str(tmp_path)],
-            prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"])
+            prefix=["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                    "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"])
     assert_clean_error(p, 3, "must run as root", "sudo")
 
 
