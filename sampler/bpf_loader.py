@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR = range(5)
 C_HITS, C_VM_HITS, C_N = 16, 48, 64
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
+_libbcc = None
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,39 @@ class ProbeConfig:
 @dataclass
 class _Attachment:
     link_fds: list[int] = field(default_factory=list)
-    perf: list[tuple[str, bytes, int, bool]] = field(default_factory=list)   # kind, path, addr, ret
+    perf: list[tuple[int, bytes]] = field(default_factory=list)   # perf event fd, event name
+
+
+_EINVAL_HINT = ("the kernel refused the uprobe (EINVAL): most likely another tool holds a uprobe at "
+                "the same place with a different ref_ctr_offset, as bcc <= 0.30 Python tools such "
+                "as memleak-bpfcc do (iovisor/bcc#5236, 'ref_ctr_offset mismatch' in dmesg); stop "
+                "that tool and record again")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the C libraries' stderr (fd 2) for a moment."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def _load_libbcc():
+    """A private handle on libbcc, so that our argtypes do not change bcc's own."""
+    lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
+    lib.bpf_attach_uprobe.restype = ctypes.c_int
+    lib.bpf_attach_uprobe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                      ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32]
+    lib.bpf_detach_uprobe.argtypes = [ctypes.c_char_p]
+    lib.bpf_close_perf_event_fd.argtypes = [ctypes.c_int]
+    return lib
 
 
 class BpfProbes:
@@ -63,22 +97,18 @@ class BpfProbes:
         ]
         if _exit_has_group_dead():
             cflags.append("-DEXIT_HAS_GROUP_DEAD")
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        saved = os.dup(2)
         try:
-            os.dup2(devnull, 2)     # clang's warnings about foreign kernel headers are noise
-            self.bpf = BPF(text=text, cflags=cflags)
+            with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
+                self.bpf = BPF(text=text, cflags=cflags)
         except Exception as e:
             raise EnvironmentProblem(
                 f"could not compile or load the BPF programs ({e}); check kernel headers under "
                 f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            os.close(devnull)
         tab = self.bpf["weight_tab"]
         for i, v in enumerate(weights.weight_table()):
             tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
+        global _libbcc
+        _libbcc = _libbcc or _load_libbcc()
         self._targets = self.bpf["targets"]
         self._live = self.bpf["live"]
         self._attached: dict[int, _Attachment] = {}
@@ -101,21 +131,23 @@ class BpfProbes:
     def add_target(self, pid: int) -> None:
         self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
 
-    def attach(self, pid: int, lib: AllocatorLib) -> dict[str, str]:
-        """Attach the allocator probes of one library for one process; returns the mode used
-        per function ('session' or 'perf'). Raises OSError.
+    def attach(self, pid: int, lib: AllocatorLib) -> tuple[dict[str, str], dict[str, str]]:
+        """Attach the allocator probes of one library for one process.
 
-        A session link can be refused for a function that another tool already probes with a
-        return probe (EINVAL; seen with memleak-bpfcc running): such functions fall back to
-        perf uprobes, which coexist with anything."""
+        Returns (mode per probed function: 'session' or 'perf', reason per function that could
+        not be probed). A session link covers all functions at once; when the kernel refuses it,
+        each function is tried alone, then as a classic uprobe. Raises OSError when the process
+        is gone."""
         att = self._attached.setdefault(pid, _Attachment())
         modes: dict[str, str] = {}
-        fallback = lib.points
+        failed: dict[str, str] = {}
+        rest = list(lib.points)
         if self.session:
-            fallback = []
+            rest = []
             for prog_fd, points, session in ((self._alloc_fd, lib.allocs, True),
                                              (self._free_fd, lib.frees, False)):
-                for group in (points, *([p] for p in points)) if points else ():
+                groups = [points, *([p] for p in points)] if len(points) > 1 else [points]
+                for group in groups if points else ():
                     try:
                         att.link_fds.append(uprobe_multi.attach(
                             prog_fd, lib.attach_path, [p.file_offset for p in group],
@@ -124,36 +156,49 @@ class BpfProbes:
                         if e.errno != errno.EINVAL:
                             raise
                         if len(group) == 1:
-                            fallback.append(group[0])
+                            rest.append(group[0])
                         continue
                     modes.update((p.name, "session") for p in group)
                     if group is points:
                         break       # all in one link: no per-function retries
-        path = lib.attach_path.encode()
-        for p in fallback:
-            addr = p.vaddr + p.site.offset
-            prog = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
-            self.bpf.attach_uprobe(name=path, addr=addr, fn_name=prog.encode(), pid=pid)
-            att.perf.append(("p", path, addr, False))
-            if not p.fn.frees:
-                self.bpf.attach_uretprobe(name=path, addr=p.vaddr, fn_name=b"alloc_return", pid=pid)
-                att.perf.append(("r", path, p.vaddr, True))
-            modes[p.name] = "perf"
-        return modes
+        for p in rest:
+            try:
+                self._attach_perf(att, pid, lib, p)
+                modes[p.name] = "perf"
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                failed[p.name] = _EINVAL_HINT
+        return modes, failed
+
+    def _attach_perf(self, att: _Attachment, pid: int, lib: AllocatorLib, p) -> None:
+        """Classic uprobe (+ uretprobe for allocation functions) through libbcc, passing
+        ref_ctr_offset = 0 explicitly: bcc 0.26's Python binding omits that argument and the
+        kernel then sees stack garbage (iovisor/bcc#5236)."""
+        from bcc import BPF
+
+        name = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
+        probes = [(name, 0, p.file_offset)]
+        if not p.fn.frees:
+            probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
+        for prog, kind, offset in probes:
+            fn = self.bpf.load_func(prog.encode(), BPF.KPROBE)
+            ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}".encode()
+            with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
+                fd = _libbcc.bpf_attach_uprobe(fn.fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
+            if fd < 0:
+                err = ctypes.get_errno() or errno.EINVAL
+                raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
+            att.perf.append((fd, ev))
 
     def detach(self, pid: int) -> None:
         att = self._attached.pop(pid, None)
         if att:
             for fd in att.link_fds:
                 os.close(fd)
-            for _kind, path, addr, ret in att.perf:
-                try:
-                    if ret:
-                        self.bpf.detach_uretprobe(name=path, addr=addr, pid=pid)
-                    else:
-                        self.bpf.detach_uprobe(name=path, addr=addr, pid=pid)
-                except Exception:  # noqa: BLE001 - already gone with the process
-                    pass
+            for fd, ev in att.perf:
+                _libbcc.bpf_close_perf_event_fd(fd)
+                _libbcc.bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
         with contextlib.suppress(KeyError):
             del self._targets[ctypes.c_uint32(pid)]
 

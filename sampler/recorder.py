@@ -73,6 +73,7 @@ class _Target:
     attached: dict[tuple, AllocatorLib | None] = field(default_factory=dict)
     libs: list[AllocatorLib] = field(default_factory=list)   # probed libraries mapped now
     modes: dict[str, str] = field(default_factory=dict)  # function -> session | perf
+    failures: list[str] = field(default_factory=list)    # why probes could not be attached
     vm: VmClassifier = field(default_factory=VmClassifier)
     rescan_until: float = 0.0
     warned: bool = False                                 # "no probeable allocator" said once
@@ -125,6 +126,8 @@ class Recorder:
             if not any(t.libs for t in self.targets.values()) and not o.syscalls_only \
                     and not self.launched:
                 t = next(iter(self.targets.values()))
+                if t.failures:
+                    raise EnvironmentProblem(f"pid {t.info.pid} ({t.info.comm}): {t.failures[0]}")
                 raise EnvironmentProblem(
                     f"pid {t.info.pid} ({t.info.comm}): no probeable allocator (statically linked or "
                     "stripped: no malloc symbol in any mapped file); name the allocator library with "
@@ -188,15 +191,20 @@ class Recorder:
                 continue
             t.attached[ident] = None
             try:
-                t.modes.update(self.probes.attach(pid, lib))
+                modes, failed = self.probes.attach(pid, lib)
             except OSError as e:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise ProcessLookupError(pid) from None
-                self._warn(t, f"could not probe {lib.path}: {e}")
-                continue
-            t.attached[ident] = lib
+                modes, failed = {}, {p.name: str(e) for p in lib.points}
+            t.modes.update(modes)
+            for why in dict.fromkeys(failed.values()):
+                names = ", ".join(n for n, w in failed.items() if w == why)
+                t.failures.append(f"could not probe {names} in {lib.path}: {why}")
+                self._warn(t, t.failures[-1])
+            if modes:
+                t.attached[ident] = lib
         t.libs = [a for lib in libs if (a := t.attached.get((lib.path, lib.build_id)))]
-        if not t.libs and not t.rescan_until and not t.warned:
+        if not libs and not t.libs and not t.rescan_until and not t.warned:
             t.warned = True
             self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
@@ -426,7 +434,7 @@ class Recorder:
             "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
             "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs],
             "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
-                       f"{t.modes.get(p.name, '?')})" for lib in t.libs for p in lib.points],
+                       f"{t.modes.get(p.name, 'not attached')})" for lib in t.libs for p in lib.points],
             "detail": detail,
         }])
 

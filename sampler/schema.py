@@ -195,7 +195,8 @@ TARGETS = Table(
         Column("cmdline", pa.string(), "Command line, space-joined."),
         Column("ppid", pa.int32(), "Parent pid."),
         Column("allocators", pa.list_(pa.string()), "Probed allocator libraries as `family:path`."),
-        Column("probes", pa.list_(pa.string()), "Probe sites as `function+offset (emulated|stepped, session|perf)`."),
+        Column("probes", pa.list_(pa.string()),
+               "Probe sites as `function+offset (emulated|stepped, session|perf|not attached)`."),
         Column("detail", pa.string(), "Human-readable detail (warnings, skipped functions, exit status)."),
     ),
 )

@@ -140,6 +140,12 @@ class BenchError(RuntimeError):
     pass
 
 
+class AttachConflict(BenchError):
+    """The kernel refused a uprobe with EINVAL: most likely another tool holds a uprobe on the same
+    libc function registered with another ref_ctr_offset (bcc's Python binding passes garbage
+    there, iovisor/bcc#5236; `dmesg` then shows "ref_ctr_offset mismatch")."""
+
+
 # --- probes in the target's memory ------------------------------------------------------------
 @dataclass
 class _Text:
@@ -314,10 +320,25 @@ class Bench:
             work = self.start_workload(self.workload_argv(workload, n))
             text = _libc_text(work.pid)
             sites = None
-            if variant != "unprobed":
+            retries = 0
+            while variant != "unprobed":
                 logf = open(log, "wb")   # noqa: SIM115 - closed in finally
                 tool = self.start_tool(variant, work.pid, rundir, logf)
-                sites = self.wait_ready(variant, work.pid, text, tool, rundir, log)
+                try:
+                    sites = self.wait_ready(variant, work.pid, text, tool, rundir, log)
+                    break
+                except AttachConflict as e:
+                    # Another uprobe user on this libc (other sessions, tests) registered the same
+                    # function with a different ref_ctr_offset: the kernel refuses ours (EINVAL).
+                    retries += 1
+                    if retries > self.args.attach_retries:
+                        raise BenchError(f"{variant}: gave up after {retries} attach conflicts:\n{e}") from None
+                    print(f"  {variant}: attach conflict (EINVAL), retry {retries} in "
+                          f"{self.args.retry_wait:g} s", file=sys.stderr)
+                    _stop(tool, signal.SIGINT, 20)
+                    logf.close()
+                    shutil.rmtree(rundir / "out", ignore_errors=True)
+                    time.sleep(self.args.retry_wait)
             cpu0 = _cpu_s(tool.pid) if tool else None
             work.stdin.write(b"g")
             work.stdin.close()
@@ -339,6 +360,7 @@ class Bench:
                 raise BenchError(f"workload {workload}: no timing in {out!r}")
             r = Run(workload, variant, rnd, float(m.group(1)), int(m.group(2)), tool_hwm=hwm,
                     probe_sites=sites)
+            r.extra["attach_retries"] = retries
             if cpu0 is not None and cpu1 is not None:
                 r.tool_cpu_s = cpu1 - cpu0
             if tool is not None:
@@ -374,7 +396,8 @@ class Bench:
         why = "nothing yet"
         while time.monotonic() < deadline:
             if tool.poll() is not None:
-                raise BenchError(f"{variant} exited {tool.returncode} before it attached:\n{_tail(log)}")
+                msg = f"{variant} exited {tool.returncode} before it attached:\n{_tail(log)}"
+                raise (AttachConflict if "Invalid argument" in _tail(log, 100000) else BenchError)(msg)
             diffs = patched_offsets(pid, text)
             if variant.startswith("allocsampler"):
                 files = glob.glob(str(rundir / "out" / "targets" / "date=*" / "*.parquet"))
@@ -544,7 +567,7 @@ def write_markdown(path: Path, text: str) -> None:
         if BEGIN in old and END in old:
             head, rest = old.split(BEGIN, 1)
             tail = rest.split(END, 1)[1].lstrip("\n")
-            path.write_text(head + block + tail)
+            path.write_text(head + block + ("\n" + tail if tail else ""))
             return
     path.write_text("# allocsampler overhead (scripts/bench_overhead.py)\n\n" + block)
 
@@ -583,7 +606,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--c-pairs", type=int, default=500_000,
                    help="malloc/free pairs of the C loop (default: %(default)s)")
     p.add_argument("--py-seconds", type=float, default=3.0,
-                   help="calibrate the Python loop to about this many unprobed seconds (default: %(default)s)")
+                   help="calibrate the Python loop to about this many unprobed seconds "
+                   "(default: %(default)s)")
     p.add_argument("--py-iters", type=int, help="Python loop iterations (instead of calibrating)")
     p.add_argument("--workloads", default="c,python", help="comma-separated: c,python (default: %(default)s)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
@@ -594,6 +618,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memleak", default=shutil.which("memleak-bpfcc") or "/usr/sbin/memleak-bpfcc")
     p.add_argument("--attach-timeout", type=float, default=60.0)
     p.add_argument("--stop-timeout", type=float, default=30.0)
+    p.add_argument("--attach-retries", type=int, default=10,
+                   help="retries when a tool's uprobe is refused with EINVAL (default: %(default)s)")
+    p.add_argument("--retry-wait", type=float, default=3.0)
     p.add_argument("--markdown", type=Path, help="also write the results here (replaces the block between "
                    f"{BEGIN} and {END} if the file has them)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (datasets, logs)")
