@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.dataset as ds
 
 from sampler.schema import TABLES
@@ -33,3 +36,70 @@ def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.Da
     stacks = read_table(root, "stacks", columns=["stack_id", "site", "summary", "n_frames"])
     stacks = stacks.drop_duplicates("stack_id")
     return out.merge(stacks, on="stack_id", how="left")
+
+
+@dataclass
+class Dataset:
+    """The tables of one dataset directory, filtered, as DataFrames."""
+
+    root: Path
+    outstanding: pd.DataFrame
+    processes: pd.DataFrame
+    stacks: pd.DataFrame
+    frames: pd.DataFrame
+    vm_events: pd.DataFrame
+    targets: pd.DataFrame
+    recordings: pd.DataFrame
+
+    def frames_of(self, stack_id: int) -> pd.DataFrame:
+        return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
+
+    def snapshots_with_frames(self) -> pd.DataFrame:
+        """Tidy long form: one row per snapshot row and frame of its stack."""
+        f = self.frames.drop(columns=["ts", "recording_id", "host", "date"], errors="ignore")
+        return self.outstanding.merge(f, on="stack_id", how="left")
+
+
+def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
+    expr = None
+    for bound, op in ((since, ">="), (until, "<=")):
+        if bound is None:
+            continue
+        e = ds.field("ts") >= pa.scalar(bound, pa.timestamp("us", tz="UTC")) if op == ">=" else \
+            ds.field("ts") <= pa.scalar(bound, pa.timestamp("us", tz="UTC"))
+        expr = e if expr is None else expr & e
+    return expr
+
+
+def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] | None = None,
+         since: dt.datetime | None = None, until: dt.datetime | None = None) -> Dataset:
+    """Read a dataset, keeping only the given processes, sources and time window."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no dataset at {root}")
+    when = _time_filter(since, until)
+    by_pid = ds.field("pid").isin(pids) if pids else None
+
+    def both(*exprs):
+        exprs = [e for e in exprs if e is not None]
+        if not exprs:
+            return None
+        out = exprs[0]
+        for e in exprs[1:]:
+            out = out & e
+        return out
+
+    src = ds.field("source").isin(sources) if sources else None
+    outstanding = read_table(root, "outstanding", filter=both(when, by_pid, src))
+    stacks = read_table(root, "stacks").drop_duplicates("stack_id")
+    frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
+    return Dataset(
+        root=root,
+        outstanding=outstanding,
+        processes=read_table(root, "processes", filter=both(when, by_pid)),
+        stacks=stacks,
+        frames=frames,
+        vm_events=read_table(root, "vm_events", filter=both(when, by_pid)),
+        targets=read_table(root, "targets", filter=by_pid),
+        recordings=read_table(root, "recordings"),
+    )

@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .dataset import latest_outstanding, read_table
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
+from .units import fmt_bytes
 
 
 def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10):

@@ -74,8 +74,91 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
     t.add_argument("-n", type=int, default=10, help="stacks per process (default: %(default)s)")
 
+    for name, text in (("analyze", "find persistent growth and arena bloat in a dataset"),
+                       ("report", "a report of the findings (terminal, or one HTML file)")):
+        a = sub.add_parser(name, help=text, description=text)
+        a.add_argument("dir", help="dataset directory (record --out, or the daemon's data directory)")
+        a.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+        a.add_argument("--source", action="append", default=[], choices=("malloc", "mmap"),
+                       help="only these allocation sources")
+        a.add_argument("--since", type=_when, help="start of the window (ISO time, UTC if no zone)")
+        a.add_argument("--until", type=_when, help="end of the window (ISO time)")
+        a.add_argument("--last", type=_duration, metavar="DURATION",
+                       help="only the last DURATION of the data, e.g. 30m, 2h")
+        if name == "analyze":
+            a.add_argument("--json", action="store_true", help="print one JSON object (docs/findings.md)")
+        else:
+            a.add_argument("--html", metavar="FILE", help="write a self-contained HTML report to FILE")
+
     sub.add_parser("check", help="check that this machine can record (root, BPF, headers, tracefs)")
     return p
+
+
+def _when(text: str):
+    import datetime as dt
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO time: {text!r} (e.g. 2026-11-22T10:00)") from None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def _duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 2h)") from None
+
+
+def _dataset(args):
+    import datetime as dt
+
+    from analysis.dataset import load, read_table
+
+    from .errors import UsageError
+
+    since = args.since
+    if args.last:
+        procs = read_table(args.dir, "processes", columns=["ts"])
+        if not procs.empty:
+            since = procs["ts"].max().to_pydatetime() - dt.timedelta(seconds=args.last)
+    try:
+        return load(args.dir, pids=args.pid or None, sources=args.source or None, since=since, until=args.until)
+    except FileNotFoundError:
+        raise UsageError(f"no dataset at {args.dir}: give the directory passed to `record --out`") from None
+
+
+def _analyze(args) -> int:
+    import json
+
+    from analysis import analyze
+
+    ds = _dataset(args)
+    findings = analyze.run(ds)
+    if args.json:
+        print(json.dumps(analyze.to_document(findings), indent=2))
+    else:
+        from analysis.report_text import render
+        print(render(ds, findings))
+    return 0
+
+
+def _report(args) -> int:
+    from analysis import analyze
+    from analysis.report_text import render
+
+    ds = _dataset(args)
+    findings = analyze.run(ds)
+    if args.html:
+        from pathlib import Path
+
+        from analysis.report_html import render_html
+        Path(args.html).write_text(render_html(ds, findings))
+        print(f"report written to {args.html}")
+    else:
+        print(render(ds, findings))
+    return 0
 
 
 def _record(args) -> int:
@@ -123,7 +206,8 @@ def _check(_args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"record": _record, "top": _top, "check": _check}[args.command](args)
+        commands = {"record": _record, "top": _top, "check": _check, "analyze": _analyze, "report": _report}
+        return commands[args.command](args)
     except AllocsamplerError as e:
         print(f"allocsampler: error: {e}", file=sys.stderr)
         return e.exit_code

@@ -58,8 +58,15 @@ class Workload:
         return self.proc.pid
 
     def call(self, name: str, *args: int, thread: bool = False) -> int:
+        self.start_call(name, *args, thread=thread)
+        return self.result()
+
+    def start_call(self, name: str, *args: int, thread: bool = False) -> None:
+        """Send a call without waiting for it (collect it with result())."""
         self.proc.stdin.write(json.dumps({"call": name, "args": list(args), "thread": thread}) + "\n")
         self.proc.stdin.flush()
+
+    def result(self) -> int:
         return json.loads(self.proc.stdout.readline())["result"]
 
     def close(self) -> None:

@@ -121,3 +121,27 @@ typedef size_t (*site_fn)(size_t, size_t);
 static site_fn sites[16] = {site_0, site_1, site_2, site_3, site_4, site_5, site_6, site_7,
                             site_8, site_9, site_10, site_11, site_12, site_13, site_14, site_15};
 size_t run_site(int k, size_t n, size_t seed) { return sites[k & 15](n, seed); }
+
+/* A service loop for `seconds`: every 10 ms it leaks `leak_rate / 100` bytes (in `size` blocks)
+ * at one site and pushes as many bytes through a bounded cache of `cache_bytes` at another
+ * (oldest entries freed first): the leak grows to the end, the cache grows then stays flat. */
+#include <time.h>
+NOINLINE static void *leak_step(size_t size) { char *p = malloc(size); p[0] = 1; return p; }
+NOINLINE static void *cache_step(size_t size) { char *p = malloc(size); p[0] = 1; return p; }
+
+size_t service(size_t seconds, size_t leak_rate, size_t cache_bytes, size_t size)
+{
+    size_t slots = cache_bytes / size, head = 0, total = 0;
+    void **cache = calloc(slots, sizeof(void *));
+    struct timespec tick = {0, 10 * 1000 * 1000};
+    for (size_t k = 0; k < seconds * 100; k++) {
+        for (size_t b = 0; b < leak_rate / 100; b += size) { sink = leak_step(size); total += size; }
+        for (size_t b = 0; b < leak_rate / 100; b += size) {
+            free(cache[head]);
+            cache[head] = cache_step(size);
+            head = (head + 1) % slots;
+        }
+        nanosleep(&tick, NULL);
+    }
+    return total;
+}

@@ -1,0 +1,24 @@
+"""Run every detector over a dataset: the `analyze` and `report` commands and the notebook API.
+
+    from analysis import analyze
+    ds = analyze.load("/var/tmp/prof")
+    findings = analyze.run(ds)
+    analyze.findings_frame(findings)      # a DataFrame, one row per finding
+"""
+
+from __future__ import annotations
+
+from .dataset import Dataset, load
+from .findings import Finding, to_dataframe, to_document
+from .growth import classify_series, detect_growth
+
+__all__ = ["load", "run", "findings_frame", "to_document", "classify_series"]
+
+
+def run(ds: Dataset) -> list[Finding]:
+    findings = detect_growth(ds)
+    return sorted(findings, key=lambda f: -f.severity)
+
+
+def findings_frame(findings: list[Finding]):
+    return to_dataframe(findings)

@@ -1,0 +1,298 @@
+"""Persistent growth: which stacks keep growing, and is RSS growth explained by them.
+
+Each (process, source, stack) gives a series of outstanding-bytes estimates y_t with standard
+errors s_t (from the sampling weights). The classification uses three pieces of evidence:
+
+1. Growth beyond sampling noise: the level at the end minus the level at the start (medians over
+   the first and last tenth of the window) against the noise of a change: the sampled blocks
+   born or freed in between (alloc_samples + free_samples) times the per-sample variance term.
+   A leak's change is made of new samples only; a busy bounded cache churns many samples at a
+   constant level, so its changes are correctly judged noisy. Needs z >= 3.
+2. A monotone trend: Mann-Kendall p < 0.01 once there are >= 8 points (robust, rank-based; it
+   ignores the size of sampling spikes). Shorter series must simply never drop by more than
+   2 standard errors, so a leak of a few MB/s is flagged within 3-4 snapshots (~30 s).
+3. Sustained to the end: the growth over the last third of the window has z >= 3 against the
+   same change noise and a slope of at least half the window's average. Grew-then-flat is a
+   plateau (a bounded cache such as deque(maxlen=N)), never a leak.
+Drops by more than max(3 s, 20% of the running maximum) mark batching: two or more make a
+sawtooth, which is reported as a leak only when its troughs rise significantly.
+
+Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 points first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .dataset import Dataset
+from .findings import Finding
+from .stats import bin_series, mann_kendall, normal_sf, theil_sen
+from .units import fmt_bytes, fmt_hours
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Trend:
+    classification: str        # leak | plateau | sawtooth | noise | insufficient
+    pattern: str               # linear | sawtooth
+    rate: float                # bytes per second over the sustained part (leak), else overall slope
+    growth: float              # bytes over the window
+    z: float                   # growth / its sampling error
+    tail_z: float
+    mk_p: float
+    drops: int
+    confidence: float
+
+
+def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | None = None,
+             live: np.ndarray | None = None, *, z_min: float = 3.0, tail_z_min: float = 3.0,
+             alpha: float = 0.01, max_points: int = 200) -> Trend:
+    """Classify one series: t seconds, y outstanding bytes, s their stderr; churn = sampled
+    allocations + frees of the stack since the previous point, live = live samples.
+
+    The change of the estimate between two snapshots is a Horvitz-Thompson sum over the sampled
+    blocks born or freed in between, so its variance is (their count) x (the per-sample variance
+    term): the noise of a *change*, which the snapshots' own stderrs overstate for a leak (shared
+    samples) and cannot see for a busy cache (turnover at a constant level). Without churn counts
+    the conservative sqrt(s_a^2 + s_b^2) is used."""
+    if len(t) < 3 or t[-1] <= t[0]:
+        return Trend("insufficient", "linear", 0.0, 0.0, 0.0, 0.0, 1.0, 0, 0.0)
+    t, y, s = (np.asarray(a, float) for a in (t, y, s))
+    cum = np.cumsum(churn) if churn is not None else None
+    var1 = 0.0
+    if cum is not None and live is not None and np.sum(live) > 0:
+        var1 = float(np.sum(s ** 2) / np.sum(live))
+    if len(t) > max_points:
+        keep = np.unique(np.linspace(0, len(t) - 1, max_points).astype(int))
+        cum = cum[keep] if cum is not None else None
+        t, y, s = bin_series(t, y, s, max_points)
+        if cum is not None and len(cum) != len(t):
+            cum = np.interp(np.arange(len(t)), np.linspace(0, len(t) - 1, len(cum)), cum)
+    n = len(t)
+
+    def sigma(a: int | np.ndarray, b: int | np.ndarray) -> np.ndarray:
+        if var1 > 0:
+            return np.sqrt(var1 * np.maximum(cum[b] - cum[a], 1.0))
+        return np.hypot(s[a], s[b])
+
+    idx = np.arange(n)
+    pair = sigma(idx[:-1], idx[1:])
+    step = np.diff(y)
+    running_max = np.maximum.accumulate(y)[:-1]
+    drop = -step > np.maximum(3 * pair, 0.2 * running_max)
+    drops = int(drop.sum())
+
+    if drops >= 2:
+        # troughs: the first point and every point right after a drop
+        tr_idx = np.concatenate(([0], np.nonzero(drop)[0] + 1))
+        beta = theil_sen(t[tr_idx], y[tr_idx]) if len(tr_idx) >= 3 else 0.0
+        growth = beta * (t[tr_idx[-1]] - t[0])
+        z = growth / max(float(sigma(0, tr_idx[-1])), 1.0)
+        if len(tr_idx) >= 3 and z >= z_min:
+            return Trend("leak", "sawtooth", beta, growth, z, z, 1.0, drops, _confidence(z, z, None))
+        return Trend("sawtooth", "sawtooth", beta, growth, z, 0.0, 1.0, drops, 0.0)
+
+    beta = theil_sen(t, y)
+    # growth: level at the end minus level at the start (medians over a tenth of the window each),
+    # so that grew-then-flat still counts as growth before the tail test
+    span = (t[-1] - t[0]) / 10
+    head, end = np.nonzero(t <= t[0] + span)[0], np.nonzero(t >= t[-1] - span)[0]
+    growth = float(np.median(y[end]) - np.median(y[head]))
+    z = growth / max(float(sigma(head[len(head) // 2], end[len(end) // 2])), 1.0)
+    _, mk_p = mann_kendall(y)
+    # short series: no drop beyond noise instead of a rank test that needs more points
+    trending = mk_p < alpha if n >= 8 else bool((step >= -2 * pair).all()) and y[-1] > y[0]
+    if not (z >= z_min and trending):
+        return Trend("noise", "linear", beta, growth, z, 0.0, mk_p, drops, 0.0)
+
+    tail = np.nonzero(t >= t[-1] - (t[-1] - t[0]) / 3)[0]
+    if len(tail) < 3:
+        tail = idx[-3:]
+    tail_beta = theil_sen(t[tail], y[tail])
+    tail_z = tail_beta * (t[tail[-1]] - t[tail[0]]) / max(float(sigma(tail[0], tail[-1])), 1.0)
+    # sustained: significant on its own, and at least half the average pace of the window
+    if tail_z < tail_z_min or tail_beta < 0.5 * growth / (t[-1] - t[0]):
+        return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
+    # the rate: over the whole window, or over its last half when growth started late
+    half = t >= t[-1] - (t[-1] - t[0]) / 2
+    rate = max(beta, theil_sen(t[half], y[half])) if half.sum() >= 3 else beta
+    return Trend("leak", "linear", rate, growth, z, tail_z, mk_p, drops,
+                 _confidence(z, tail_z, mk_p if n >= 8 else None))
+
+
+def _confidence(z: float, tail_z: float, mk_p: float | None) -> float:
+    p = max(normal_sf(z), normal_sf(tail_z), mk_p or 0.0)
+    return min(0.999, max(0.0, 1.0 - p))
+
+
+def _seconds(ts: pd.Series) -> np.ndarray:
+    return (ts - ts.iloc[0]).dt.total_seconds().to_numpy()
+
+
+def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
+    """One row per (recording, pid, source, stack) whose outstanding reached `min_bytes`: its
+    classification and numbers. Missing snapshots of a stack mean nothing outstanding (0)."""
+    out = ds.outstanding
+    cols = ["recording_id", "pid", "source", "stack_id"]
+    if out.empty:
+        return pd.DataFrame(columns=[*cols, "classification"])
+    peak = out.groupby(cols, observed=True)["outstanding_bytes"].max()
+    keep = peak[peak >= min_bytes].index
+    rows = []
+    for (rec, pid), g in out.groupby(["recording_id", "pid"], observed=True):
+        times = pd.Series(np.sort(g["ts"].unique()))
+        for key, sg in g.groupby(["source", "stack_id"], observed=True):
+            if (rec, pid, *key) not in keep:
+                continue
+            sg = sg.set_index("ts").reindex(times)
+            y = sg["outstanding_bytes"].fillna(0.0).to_numpy()
+            s = sg["outstanding_stderr_bytes"].fillna(0.0).to_numpy()
+            live = sg["live_samples"].fillna(0)
+            churn = (sg["alloc_samples"].fillna(0) + sg["free_samples"].fillna(0)).to_numpy(float)
+            tr = classify(_seconds(times), y, s, churn, live.to_numpy(float))
+            first = times[(live > 0).to_numpy()]
+            rows.append({
+                "recording_id": rec, "pid": pid, "comm": str(g["comm"].iloc[-1]), "source": key[0],
+                "stack_id": key[1], "classification": tr.classification, "pattern": tr.pattern,
+                "rate_bytes_per_s": tr.rate, "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z,
+                "mk_p": tr.mk_p, "drops": tr.drops, "confidence": tr.confidence,
+                "outstanding_bytes": float(y[-1]), "outstanding_stderr_bytes": float(s[-1]),
+                "first_seen": first.iloc[0] if len(first) else times.iloc[0], "last_seen": times.iloc[-1],
+                "window_s": float(_seconds(times)[-1]), "points": len(times),
+            })
+    return pd.DataFrame(rows)
+
+
+def _process_trend(ds: Dataset, rec: str, pid: int) -> dict:
+    p = ds.processes
+    p = p[(p["recording_id"] == rec) & (p["pid"] == pid)].sort_values("ts")
+    if len(p) < 2:
+        return {}
+    t = _seconds(p["ts"])
+    last = p.iloc[-1]
+    return {"rss": float(last["rss"]), "limit": float(last["memory_limit"] or 0),
+            "rss_slope": theil_sen(t, p["rss"].to_numpy(float)), "rows": p, "t": t}
+
+
+def time_to_oom_hours(rss: float, limit: float, rss_slope: float, leak_rate: float) -> tuple[float | None, str]:
+    """Hours until RSS reaches the limit: from the RSS trend when RSS grows, else assuming the
+    leak adds to RSS at its own rate."""
+    if limit <= 0 or rss >= limit:
+        return (0.0, "rss_at_limit") if limit > 0 else (None, "")
+    if rss_slope > 0:
+        return (limit - rss) / rss_slope / 3600, "rss_trend"
+    if leak_rate > 0:
+        return (limit - rss) / leak_rate / 3600, "leak_rate"
+    return None, ""
+
+
+def frames_json(ds: Dataset, stack_id: int) -> list[dict]:
+    def val(v):
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
+             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind)}
+            for r in ds.frames_of(stack_id).itertuples()]
+
+
+def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
+    """persistent_growth findings (leaks), and unexplained_growth when RSS grows beyond what the
+    sampled allocations account for."""
+    series = classify_series(ds) if series is None else series
+    findings: list[Finding] = []
+    trends: dict[tuple, dict] = {}
+    for r in series[series["classification"] == "leak"].itertuples() if len(series) else ():
+        pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
+        rate_h = r.rate_bytes_per_s * 3600
+        ttoom, basis = time_to_oom_hours(pt.get("rss", 0), pt.get("limit", 0), pt.get("rss_slope", 0),
+                                         r.rate_bytes_per_s)
+        frames = frames_json(ds, r.stack_id)
+        site = _site(frames)
+        limit = pt.get("limit", 0)
+        severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
+        text = (f"{site} holds {fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)} "
+                f"({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the window"
+                + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
+        if ttoom is not None:
+            text += f"; the process reaches its {fmt_bytes(limit)} limit in {fmt_hours(ttoom)}"
+        findings.append(Finding(
+            "persistent_growth", r.pid, r.comm, severity, r.confidence, text + ".",
+            {"source": r.source, "stack_id": int(r.stack_id), "frames": frames,
+             "growth_bytes_per_hour": rate_h, "outstanding_bytes": r.outstanding_bytes,
+             "outstanding_stderr_bytes": r.outstanding_stderr_bytes, "first_seen": r.first_seen,
+             "last_seen": r.last_seen, "time_to_oom_hours": ttoom, "time_to_oom_basis": basis or None,
+             "memory_limit_bytes": limit or None, "pattern": r.pattern, "classification": "leak",
+             "z": r.z, "recording_id": r.recording_id}))
+    findings += _unexplained(ds, series)
+    return findings
+
+
+def _site(frames: list[dict]) -> str:
+    for f in frames:
+        if f["function"]:
+            return f"{f['function']} ({f['module']})"
+    return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
+
+
+def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
+    """RSS growth that the sampled stacks do not account for."""
+    findings = []
+    p = ds.processes
+    if p.empty:
+        return findings
+    for (rec, pid), g in p.groupby(["recording_id", "pid"], observed=True):
+        g = g.sort_values("ts")
+        if len(g) < 4:
+            continue
+        t = _seconds(g["ts"])
+        rss = g["rss"].to_numpy(float)
+        slope = theil_sen(t, rss)
+        growth = slope * t[-1]
+        _, mk_p = mann_kendall(rss)
+        if growth < max(16 * MiB, 0.05 * rss[0]) or (len(g) >= 8 and mk_p >= 0.01):
+            continue
+        sampled = _sampled_growth(ds, rec, pid)
+        unexplained = growth - sampled
+        if unexplained < 0.5 * growth:
+            continue
+        first, last = g.iloc[0], g.iloc[-1]
+        regions = {k: float(last[k] - first[k]) for k in ("heap_rss", "arena_rss", "anon_rss", "file_rss", "stack_rss")}
+        where = max(regions, key=regions.get)
+        hint = {"heap_rss": "the brk heap grew without sampled live blocks to match: see arena_bloat / malloc_trim",
+                "arena_rss": "glibc arenas grew without sampled live blocks to match: see arena_bloat",
+                "anon_rss": "anonymous memory outside sampled allocations: mmap by other code paths "
+                            "(Python obmalloc arenas, custom allocators, GPU driver mappings)",
+                "file_rss": "file-backed memory (mapped files, shared libraries, page cache of mmaps)",
+                "stack_rss": "thread stacks (more threads, or deep recursion)"}[where]
+        limit = float(last["memory_limit"] or 0)
+        ttoom, basis = time_to_oom_hours(float(last["rss"]), limit, slope, 0.0)
+        rate_h = slope * 3600
+        findings.append(Finding(
+            "unexplained_growth", pid, str(last["comm"]),
+            min(100.0, 100.0 * rate_h * 24 / limit) * 0.8 if limit else 30.0, 1.0 - (mk_p if len(g) >= 8 else 0.0),
+            f"RSS grew {fmt_bytes(growth)} ({fmt_bytes(rate_h)}/h) but sampled allocations explain only "
+            f"{fmt_bytes(max(0.0, sampled))}: growth is outside sampled allocations, mostly {where[:-4]} - {hint}.",
+            {"rss_growth_bytes": growth, "rss_growth_bytes_per_hour": rate_h, "explained_bytes": max(0.0, sampled),
+             "unexplained_bytes": unexplained, "region_growth_bytes": regions, "time_to_oom_hours": ttoom,
+             "time_to_oom_basis": basis or None, "memory_limit_bytes": limit or None,
+             "first_seen": first["ts"], "last_seen": last["ts"], "recording_id": rec}))
+    return findings
+
+
+def _sampled_growth(ds: Dataset, rec: str, pid: int) -> float:
+    """Growth of sampled outstanding bytes: malloc, plus mmap made outside the allocator (glibc's
+    own large-chunk mmaps are already in malloc)."""
+    o = ds.outstanding
+    o = o[(o["recording_id"] == rec) & (o["pid"] == pid)]
+    if o.empty:
+        return 0.0
+    top = ds.frames[ds.frames["depth"] == 0].set_index("stack_id")["module"].astype(str)
+    via_libc = o["stack_id"].map(top).fillna("").str.startswith("libc.so")
+    use = (o["source"] == "malloc") | ((o["source"] == "mmap") & ~via_libc)
+    per_ts = o[use].groupby("ts")["outstanding_bytes"].sum().sort_index()
+    return float(per_ts.iloc[-1] - per_ts.iloc[0]) if len(per_ts) >= 2 else 0.0

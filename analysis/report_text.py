@@ -1,0 +1,72 @@
+"""The terminal report: findings ranked by severity, with stacks, numbers and next steps."""
+
+from __future__ import annotations
+
+import textwrap
+
+from .dataset import Dataset
+from .findings import Finding
+from .units import fmt_bytes, fmt_hours
+
+# Frames that say nothing about who allocated: process start-up and interpreter plumbing.
+_BORING = ("_start", "__libc_start_main", "__libc_start_call_main", "start_thread", "clone", "clone3",
+           "_PyEval_EvalFrameDefault", "PyEval_EvalCode", "_PyFunction_Vectorcall", "ffi_call")
+
+_NEXT = {
+    "persistent_growth": "Find who keeps references to these allocations (the innermost frames are the allocation "
+                         "site); compare with `allocsampler top` over time.",
+    "unexplained_growth": "Record with the other sources enabled, or look at the processes table's region split.",
+    "arena_bloat": "",
+}
+
+
+def interesting_frames(frames: list[dict], limit: int = 8) -> list[str]:
+    """The allocation site first; unknown and start-up frames dropped, repeats collapsed."""
+    out: list[str] = []
+    for f in frames:
+        fn = f.get("function")
+        if not fn or fn in _BORING:
+            continue
+        where = f" {f['file']}:{f['line']}" if f.get("file") and f.get("line") else ""
+        label = f"{fn} ({f.get('module')}){where}"
+        if not out or out[-1] != label:
+            out.append(label)
+        if len(out) == limit:
+            break
+    return out
+
+
+def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
+    lines = [f"allocsampler analysis of {ds.root}"]
+    procs = ds.processes
+    if not procs.empty:
+        span = f"{procs['ts'].min():%Y-%m-%d %H:%M:%S} .. {procs['ts'].max():%H:%M:%S} UTC"
+        lines.append(f"{procs['pid'].nunique()} process(es), {span}")
+    if not findings:
+        lines.append("\nNo findings: no stack grows persistently and no glibc arena bloat was detected.")
+        return "\n".join(lines)
+    lines.append(f"\n{len(findings)} finding(s), most severe first:")
+    for i, f in enumerate(sorted(findings, key=lambda f: -f.severity), 1):
+        head = f"{i}. [{f.kind}] pid {f.pid} ({f.comm})  severity {f.severity:.0f}  confidence {f.confidence:.0%}"
+        lines += ["", head]
+        lines += textwrap.wrap(f.summary, width, initial_indent="   ", subsequent_indent="   ")
+        d = f.details
+        if f.kind == "persistent_growth":
+            lines.append(f"   outstanding {fmt_bytes(d['outstanding_bytes'])} ± "
+                         f"{fmt_bytes(d['outstanding_stderr_bytes'])}, growth {fmt_bytes(d['growth_bytes_per_hour'])}/h"
+                         + (f", OOM in {fmt_hours(d['time_to_oom_hours'])} ({d['time_to_oom_basis']})"
+                            if d.get("time_to_oom_hours") is not None else ""))
+            lines.append("   stack (allocation site first):")
+            lines += [f"     {s}" for s in interesting_frames(d.get("frames", []))] or ["     [no symbols]"]
+        elif f.kind == "arena_bloat":
+            lines.append(f"   resident {fmt_bytes(d['resident_bytes'])}, live {fmt_bytes(d['live_bytes'])}, "
+                         f"bloat {fmt_bytes(d['bloat_bytes'])}, {d.get('arenas')} arenas")
+            if d.get("recommendation"):
+                lines += textwrap.wrap("next: " + d["recommendation"], width, initial_indent="   ",
+                                       subsequent_indent="         ")
+        elif f.kind == "unexplained_growth":
+            regions = ", ".join(f"{k[:-4]} {fmt_bytes(v)}" for k, v in d["region_growth_bytes"].items() if v)
+            lines.append(f"   region growth: {regions}")
+        if _NEXT.get(f.kind):
+            lines += textwrap.wrap("next: " + _NEXT[f.kind], width, initial_indent="   ", subsequent_indent="         ")
+    return "\n".join(lines)

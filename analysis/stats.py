@@ -1,0 +1,57 @@
+"""Small robust statistics for short, noisy time series (numpy only)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def theil_sen(t: np.ndarray, y: np.ndarray) -> float:
+    """Median of pairwise slopes: robust to outliers and to a few sampling spikes."""
+    n = len(t)
+    if n < 2:
+        return 0.0
+    i, j = np.triu_indices(n, k=1)
+    dt = t[j] - t[i]
+    ok = dt > 0
+    if not ok.any():
+        return 0.0
+    return float(np.median((y[j] - y[i])[ok] / dt[ok]))
+
+
+def mann_kendall(y: np.ndarray) -> tuple[float, float]:
+    """Mann-Kendall trend test: (S, one-sided p-value for an increasing trend).
+
+    Normal approximation with the tie correction and continuity correction; a series with fewer
+    than 3 points or no variation has p = 1."""
+    n = len(y)
+    if n < 3:
+        return 0.0, 1.0
+    i, j = np.triu_indices(n, k=1)
+    s = float(np.sign(y[j] - y[i]).sum())
+    _, counts = np.unique(y, return_counts=True)
+    var = (n * (n - 1) * (2 * n + 5) - float((counts * (counts - 1) * (2 * counts + 5)).sum())) / 18.0
+    if var <= 0:
+        return s, 1.0
+    z = (s - 1) / math.sqrt(var) if s > 0 else (s + 1) / math.sqrt(var) if s < 0 else 0.0
+    return s, normal_sf(z)
+
+
+def normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def bin_series(t: np.ndarray, y: np.ndarray, s: np.ndarray, max_points: int) -> tuple[np.ndarray, ...]:
+    """At most `max_points` points: per equal-time bin the median time and value and the rms
+    stderr. Keeps Theil-Sen and Mann-Kendall O(max_points^2) on long recordings."""
+    if len(t) <= max_points:
+        return t, y, s
+    edges = np.linspace(t[0], t[-1], max_points + 1)
+    idx = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max_points - 1)
+    keep = np.unique(idx)
+    tb = np.array([np.median(t[idx == k]) for k in keep])
+    yb = np.array([np.median(y[idx == k]) for k in keep])
+    sb = np.array([math.sqrt(float(np.mean(s[idx == k] ** 2))) for k in keep])
+    return tb, yb, sb

@@ -1,0 +1,147 @@
+"""Growth classification on synthetic series with realistic sampling error.
+
+Series are simulated the way the recorder sees them: sampled blocks arrive as a Poisson process
+(rate = bytes per second / T, each standing for T bytes) and live for a while; a snapshot's
+estimate is T x (live samples) with standard error T x sqrt(live samples).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.dataset import Dataset
+from analysis.growth import classify, classify_series, detect_growth
+from sampler.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS
+
+T = 512 << 10
+MiB = 1 << 20
+
+
+def simulate(rng, duration, interval, rate, lifetime=np.inf, start=0.0, stop=np.inf, batch_period=None):
+    """Snapshot times, estimates and stderrs for blocks allocated at `rate` bytes/s between
+    start and stop, each living `lifetime` s (or until the next batch boundary)."""
+    times = np.arange(interval, duration + interval / 2, interval)
+    n = rng.poisson(rate * (min(duration, stop) - start) / T) if rate > 0 else 0
+    born = np.sort(rng.uniform(start, min(duration, stop), n))
+    dies = born + lifetime
+    if batch_period:
+        dies = np.minimum(dies, (np.floor(born / batch_period) + 1) * batch_period)
+    live = np.array([((born <= t) & (dies > t)).sum() for t in times])
+    edges = np.concatenate(([0.0], times))
+    churn = np.histogram(born, edges)[0] + np.histogram(dies[dies <= duration], edges)[0]
+    return times, live * T, np.sqrt(live) * T, churn, live
+
+
+def test_steady_leak_is_flagged_with_its_rate():
+    rng = np.random.default_rng(1)
+    tr = classify(*simulate(rng, 600, 10, rate=2 * MiB))
+    assert tr.classification == "leak" and tr.confidence > 0.99
+    assert tr.rate == pytest.approx(2 * MiB, rel=0.15)
+
+
+def test_a_few_mb_per_second_is_flagged_within_30_seconds():
+    rng = np.random.default_rng(2)
+    series = simulate(rng, 30, 10, rate=3 * MiB)
+    assert len(series[0]) == 3
+    assert classify(*series).classification == "leak"
+
+
+def test_bounded_cache_is_a_plateau_not_a_leak():
+    hits = 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        # deque(maxlen=N): fills in ~2 min, then each new record evicts one (lifetime 120 s)
+        tr = classify(*simulate(rng, 900, 10, rate=1 * MiB, lifetime=120))
+        hits += tr.classification == "leak"
+        assert tr.classification in ("plateau", "noise")
+    assert hits == 0
+
+
+def test_batching_is_a_sawtooth_unless_its_troughs_rise():
+    rng = np.random.default_rng(3)
+    t, y, s, c, n = simulate(rng, 900, 10, rate=4 * MiB, batch_period=150)
+    assert classify(t, y, s, c, n).classification == "sawtooth"
+    # the same batches on top of a leak
+    _, y2, s2, c2, n2 = simulate(rng, 900, 10, rate=1 * MiB)
+    tr = classify(t, y + y2, np.hypot(s, s2), c + c2, n + n2)
+    assert tr.classification == "leak" and tr.pattern == "sawtooth"
+
+
+def test_noise_at_realistic_sampling_error_is_never_a_leak():
+    flagged = 0
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        # churn: blocks live ~2 s, snapshots every 10 s; plus a static pool allocated before
+        t, y, s, c, n = simulate(rng, 600, 10, rate=20 * MiB, lifetime=2)
+        _, y2, s2, c2, n2 = simulate(rng, 600, 10, rate=0)
+        flagged += classify(t, y + y2, np.hypot(s, s2), c + c2, n + n2).classification == "leak"
+    assert flagged <= 1
+
+
+def test_long_windows():
+    rng = np.random.default_rng(4)
+    tr = classify(*simulate(rng, 24 * 3600, 10, rate=20 << 10))          # 20 KiB/s for a day: 1.6 GiB
+    assert tr.classification == "leak" and tr.rate == pytest.approx(20 << 10, rel=0.1)
+    stopped = simulate(rng, 24 * 3600, 10, rate=20 << 10, stop=6 * 3600)   # stopped after 6 h
+    assert classify(*stopped).classification == "plateau"
+
+
+def _dataset(series: dict[int, tuple], limit: int = 16 << 30) -> Dataset:
+    """A Dataset with one process per pid, each with one stack per (stack_id -> series)."""
+    t0 = pd.Timestamp("2026-11-22T00:00:00Z")
+    out_rows, proc_rows, frame_rows, stack_rows = [], [], [], []
+    for pid, stacks in series.items():
+        times = None
+        for sid, (t, y, s, churn, live) in stacks.items():
+            times = t
+            for ti, yi, si, ci, ni in zip(t, y, s, churn, live, strict=True):
+                out_rows.append({"ts": t0 + pd.Timedelta(seconds=float(ti)), "recording_id": "r", "host": "h",
+                                 "interval_s": 10.0, "pid": pid, "comm": f"p{pid}", "source": "malloc",
+                                 "stack_id": sid, "outstanding_bytes": yi, "outstanding_stderr_bytes": si,
+                                 "live_samples": int(ni), "alloc_samples": int(ci), "free_samples": 0})
+            frame_rows.append({"stack_id": sid, "depth": 0, "function": f"site_{sid}", "module": "libx.so",
+                               "kind": "native"})
+            stack_rows.append({"stack_id": sid, "n_frames": 1, "site": f"site_{sid} (libx.so)"})
+        for ti in times:
+            proc_rows.append({"ts": t0 + pd.Timedelta(seconds=float(ti)), "recording_id": "r", "host": "h",
+                              "pid": pid, "comm": f"p{pid}", "rss": int(500 * MiB), "memory_limit": limit})
+
+    def frame(table, rows):
+        empty = table.schema.empty_table().to_pandas()
+        return pd.concat([empty, pd.DataFrame(rows)], ignore_index=True) if rows else empty
+
+    return Dataset(root=".", outstanding=frame(OUTSTANDING, out_rows), processes=frame(PROCESSES, proc_rows),
+                   stacks=frame(STACKS, stack_rows), frames=frame(FRAMES, frame_rows),
+                   vm_events=pd.DataFrame(), targets=pd.DataFrame(), recordings=pd.DataFrame())
+
+
+def test_many_processes_get_the_expected_decisions():
+    rng = np.random.default_rng(5)
+    procs = {}
+    for pid in range(100, 120):
+        procs[pid] = {
+            pid * 10 + 1: simulate(rng, 1200, 10, rate=1 * MiB),                     # leak
+            pid * 10 + 2: simulate(rng, 1200, 10, rate=2 * MiB, lifetime=180),        # bounded cache
+            pid * 10 + 3: simulate(rng, 1200, 10, rate=30 * MiB, lifetime=1),         # churn
+        }
+    ds = _dataset(procs)
+    series = classify_series(ds)
+    leaks = series[series["classification"] == "leak"]
+    assert set(leaks["stack_id"] % 10) == {1}
+    assert len(leaks) == 20
+    findings = detect_growth(ds, series)
+    growth = [f for f in findings if f.kind == "persistent_growth"]
+    assert len(growth) == 20
+    f = growth[0]
+    assert f.details["frames"][0]["function"].startswith("site_")
+    assert f.details["growth_bytes_per_hour"] == pytest.approx(3600 * MiB, rel=0.3)
+    assert f.details["time_to_oom_hours"] > 0 and f.details["time_to_oom_basis"] == "leak_rate"
+    assert 0 < f.confidence <= 1 and f.summary.endswith(".")
+
+
+def test_empty_dataset_has_no_findings():
+    ds = _dataset({})
+    assert classify_series(ds).empty
+    assert detect_growth(ds) == []
