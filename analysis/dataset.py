@@ -20,9 +20,10 @@ def read_table(root: str | Path, name: str, *, filter=None, columns: list[str] |
     table = TABLES[name]
     path = Path(root) / name
     if not path.is_dir() or not any(path.glob("date=*/*.parquet")):
-        return table.schema.empty_table().to_pandas()
+        empty = table.schema.empty_table().to_pandas()
+        return empty[columns] if columns else empty
     dataset = ds.dataset(path, format="parquet", partitioning="hive")
-    return dataset.to_table(filter=filter, columns=columns).to_pandas()
+    return dataset.to_table(filter=filter, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
 
 
 def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame:
@@ -71,9 +72,17 @@ def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
     return expr
 
 
+# What the detectors and reports read of `outstanding` (the big table): the rest stays on disk.
+OUTSTANDING_COLUMNS = ["ts", "recording_id", "pid", "comm", "source", "stack_id", "outstanding_bytes",
+                       "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples",
+                       "allocated_bytes", "freed_bytes"]
+
+
 def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] | None = None,
-         since: dt.datetime | None = None, until: dt.datetime | None = None) -> Dataset:
-    """Read a dataset, keeping only the given processes, sources and time window."""
+         since: dt.datetime | None = None, until: dt.datetime | None = None,
+         outstanding_columns: list[str] | None = OUTSTANDING_COLUMNS) -> Dataset:
+    """Read a dataset, keeping only the given processes, sources and time window (and, of the
+    outstanding table, the columns analysis uses; None reads all)."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"no dataset at {root}")
@@ -90,7 +99,7 @@ def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] 
         return out
 
     src = ds.field("source").isin(sources) if sources else None
-    outstanding = read_table(root, "outstanding", filter=both(when, by_pid, src))
+    outstanding = read_table(root, "outstanding", filter=both(when, by_pid, src), columns=outstanding_columns)
     stacks = read_table(root, "stacks").drop_duplicates("stack_id")
     frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
     return Dataset(

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
+
+
+@functools.lru_cache(maxsize=512)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)
 
 
 def theil_sen(t: np.ndarray, y: np.ndarray) -> float:
@@ -12,7 +18,7 @@ def theil_sen(t: np.ndarray, y: np.ndarray) -> float:
     n = len(t)
     if n < 2:
         return 0.0
-    i, j = np.triu_indices(n, k=1)
+    i, j = _pairs(n)
     dt = t[j] - t[i]
     ok = dt > 0
     if not ok.any():
@@ -28,7 +34,7 @@ def mann_kendall(y: np.ndarray) -> tuple[float, float]:
     n = len(y)
     if n < 3:
         return 0.0, 1.0
-    i, j = np.triu_indices(n, k=1)
+    i, j = _pairs(n)
     s = float(np.sign(y[j] - y[i]).sum())
     _, counts = np.unique(y, return_counts=True)
     var = (n * (n - 1) * (2 * n + 5) - float((counts * (counts - 1) * (2 * counts + 5)).sum())) / 18.0
@@ -44,14 +50,13 @@ def normal_sf(z: float) -> float:
 
 
 def bin_series(t: np.ndarray, y: np.ndarray, s: np.ndarray, max_points: int) -> tuple[np.ndarray, ...]:
-    """At most `max_points` points: per equal-time bin the median time and value and the rms
-    stderr. Keeps Theil-Sen and Mann-Kendall O(max_points^2) on long recordings."""
+    """At most `max_points` points: per equal-time bin the mean time and value and the rms stderr.
+    Keeps Theil-Sen and Mann-Kendall O(max_points^2) on long recordings. `t` is sorted."""
     if len(t) <= max_points:
         return t, y, s
-    edges = np.linspace(t[0], t[-1], max_points + 1)
-    idx = np.clip(np.searchsorted(edges, t, side="right") - 1, 0, max_points - 1)
-    keep = np.unique(idx)
-    tb = np.array([np.median(t[idx == k]) for k in keep])
-    yb = np.array([np.median(y[idx == k]) for k in keep])
-    sb = np.array([math.sqrt(float(np.mean(s[idx == k] ** 2))) for k in keep])
-    return tb, yb, sb
+    edges = np.linspace(t[0], t[-1], max_points + 1)[1:-1]
+    starts = np.unique(np.concatenate(([0], np.searchsorted(t, edges))))
+    starts = starts[starts < len(t)]
+    counts = np.diff(np.append(starts, len(t)))
+    mean = lambda a: np.add.reduceat(a, starts) / counts  # noqa: E731
+    return mean(t), mean(y), np.sqrt(mean(s * s))

@@ -27,10 +27,11 @@ class DatasetWriter:
         self.root.mkdir(parents=True, exist_ok=True, mode=dir_mode)
         remove_temporaries(self.root)
 
-    def write(self, table: Table, rows: list[dict], *, name: str | None = None,
+    def write(self, table: Table, rows: list[dict] | pa.Table, *, name: str | None = None,
               day: dt.date | None = None) -> Path | None:
-        """Write rows as one new file (or replace the file `name`). Returns its path."""
-        if not rows:
+        """Write rows (dicts, or an Arrow table of the schema) as one new file, or replace the
+        file `name`. Returns its path."""
+        if len(rows) == 0:
             return None
         day = day or dt.datetime.now(dt.timezone.utc).date()
         directory = self.root / table.name / f"date={day.isoformat()}"
@@ -40,7 +41,7 @@ class DatasetWriter:
             name = f"{self.recording_id}-{seq:06d}"
         path = directory / f"{name}.parquet"
         tmp = directory / f".{name}.parquet.tmp"
-        data = pa.Table.from_pylist(rows, schema=table.schema)
+        data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=table.schema)
         try:
             with open(tmp, "wb") as f:
                 pq.write_table(data, f, compression="zstd")

@@ -37,6 +37,8 @@ apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
 apt_install libc6-dbg
 # Other allocators the tests record (jemalloc, tcmalloc), as users preload them.
 apt_install libjemalloc2 libtcmalloc-minimal4
+# Headless browser and a font for the HTML report's rendering test (tests/test_report_html.py).
+apt_install chromium fonts-dejavu-core
 
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
 kver=$(uname -r)

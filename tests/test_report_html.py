@@ -1,0 +1,311 @@
+"""The HTML report: flame graph layout and rendering on synthetic datasets, and a real recording's
+report opened in headless Chromium (screenshot not blank, charts and flame graphs in the DOM)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import flamegraph
+from analysis.dataset import Dataset, load
+from analysis.findings import Finding
+from analysis.html_charts import byte_ticks, time_ticks
+from analysis.report_html import format_detail, render_html, trim_frames
+
+CHROMIUM = "/usr/bin/chromium"
+KiB = 1024
+T0 = pd.Timestamp("2026-01-02 03:04:00", tz="UTC")
+
+# stack_id -> frames outermost first, and its bytes at the end (growing linearly from 0)
+STACKS = {1: (["main", "parse", "alloc_a"], 300 * KiB),
+          2: (["main", "parse", "std::vector<int>::push_back"], 100 * KiB),
+          3: (["main", "cache_put"], 600 * KiB),
+          4: (None, 50 * KiB)}                     # no frames recorded
+
+
+def synthetic(n: int = 10) -> Dataset:
+    times = [T0 + pd.Timedelta(seconds=10 * i) for i in range(n)]
+    out = pd.DataFrame([{"ts": t, "pid": 42, "comm": "svc", "source": "malloc", "stack_id": sid,
+                         "outstanding_bytes": final * i / (n - 1), "outstanding_stderr_bytes": final * 0.05}
+                        for i, t in enumerate(times) for sid, (_, final) in STACKS.items()])
+    frames = pd.DataFrame([{"stack_id": sid, "depth": len(fns) - 1 - k, "function": fn, "module": "svc",
+                            "offset": 0x1000 + k, "file": None, "line": None, "kind": "native"}
+                           for sid, (fns, _) in STACKS.items() if fns for k, fn in enumerate(fns)])
+    mib = 1 << 20
+    procs = pd.DataFrame([{"ts": t, "pid": 42, "comm": "svc", "rss": 90 * mib + i * mib, "heap_rss": 40 * mib,
+                           "arena_rss": 20 * mib + i * mib, "anon_rss": 10 * mib, "file_rss": 19 * mib,
+                           "stack_rss": mib, "heap_live_bytes": 30.0 * mib, "arena_live_bytes": 5.0 * mib,
+                           "heap_arena_live_stderr_bytes": 0.5 * mib, "memory_limit": 8 << 30, "arenas": 3}
+                          for i, t in enumerate(times)])
+    empty = pd.DataFrame()
+    return Dataset(root=Path("/data/synthetic"), outstanding=out, processes=procs, stacks=empty, frames=frames,
+                   vm_events=empty, targets=empty, recordings=empty)
+
+
+def flame_frames(doc: str) -> list[list[tuple[float, float, int, str]]]:
+    """(x, width, depth, label) of the frames of each flame graph in a document."""
+    graphs = re.findall(r'<svg class="flame".*?</svg>', doc, re.S)
+    frame = r'data-x="([\d.]+)" data-w="([\d.]+)" data-d="(\d+)" data-l="([^"]*)"'
+    return [[(float(x), float(w), int(d), label) for x, w, d, label in re.findall(frame, g)] for g in graphs]
+
+
+def test_flame_graph_layout_widths_are_bytes_and_children_nest():
+    ds = synthetic()
+    stacks = flamegraph.stack_frames(ds.frames)
+    assert [f["function"] for f in stacks[1]] == ["alloc_a", "parse", "main"]      # innermost first
+    last = ds.outstanding[ds.outstanding["ts"] == ds.outstanding["ts"].max()].set_index("stack_id")
+    root = flamegraph.tree_from_values(last["outstanding_bytes"], stacks, "all malloc")
+    total = sum(b for _, b in STACKS.values())
+    assert root.value == pytest.approx(total)
+    rects = flamegraph.layout(root)
+    width = {r.node.function: r.w for r in rects}
+    assert width["all malloc"] == pytest.approx(1)
+    assert width["main"] == pytest.approx(1000 * KiB / total)
+    assert width["parse"] == pytest.approx(400 * KiB / total)
+    assert width["cache_put"] == pytest.approx(600 * KiB / total)
+    assert width["[no stack]"] == pytest.approx(50 * KiB / total)
+    at = {id(r.node): r for r in rects}
+    for r in rects:                          # children lie inside their parent, one row below, apart
+        kids = sorted((at[id(c)] for c in r.node.children.values()), key=lambda k: k.x)
+        assert sum(k.w for k in kids) <= r.w + 1e-12
+        for k in kids:
+            assert k.depth == r.depth + 1 and r.x - 1e-12 <= k.x and k.x + k.w <= r.x + r.w + 1e-12
+        for a, b in zip(kids, kids[1:], strict=False):
+            assert a.x + a.w <= b.x + 1e-12
+    # the same in the report's SVG: the end-of-window graph, then the growth graph (all grew from 0)
+    doc = render_html(ds, [])
+    outstanding, growth = flame_frames(doc)
+    for graph in (outstanding, growth):
+        w = {label: width for _, width, _, label in graph}
+        full = w["all malloc"]
+        assert w["main"] / full == pytest.approx(1000 / 1050, abs=1e-3)
+        assert w["alloc_a"] / full == pytest.approx(300 / 1050, abs=1e-3)
+        assert "std::vector&lt;int&gt;::push_back" in w              # escaped, not markup
+    assert "<int>" not in doc
+
+
+def test_labels_are_truncated_to_fit():
+    assert flamegraph.label_for("a_rather_long_function_name", 1000) == "a_rather_long_function_name"
+    short = flamegraph.label_for("a_rather_long_function_name", 80)
+    assert short.endswith("…") and len(short) * flamegraph.CHAR <= 80
+    assert flamegraph.label_for("f", 10) == ""
+
+
+def test_empty_inputs():
+    assert flamegraph.layout(flamegraph.build_tree([])) == []
+    assert flamegraph.layout(flamegraph.build_tree([([("f", "m")], 0.0), ([("g", "m")], -5.0)])) == []
+    assert "nothing to show" in flamegraph.render_svg(flamegraph.build_tree([]))
+    assert flamegraph.stack_frames(pd.DataFrame()) == {}
+    bare = pd.DataFrame()
+    no_rows = synthetic()
+    no_rows.outstanding, no_rows.processes = no_rows.outstanding.iloc[0:0], no_rows.processes.iloc[0:0]
+    for ds in (Dataset(Path("/nowhere"), bare, bare, bare, bare, bare, bare, bare), no_rows):
+        doc = render_html(ds, [])
+        assert "No findings" in doc and "No process data" in doc and doc.rstrip().endswith("</html>")
+
+
+def test_empty_dataset_directory(tmp_path):
+    doc = render_html(load(tmp_path), [], title="nothing yet")
+    assert "<title>nothing yet</title>" in doc and "No process data" in doc
+
+
+def test_one_snapshot_and_many_processes():
+    ds = synthetic(2)
+    last = ds.outstanding["ts"].max()
+    ds.outstanding, ds.processes = ds.outstanding[ds.outstanding["ts"] == last], ds.processes.iloc[-1:]
+    doc = render_html(ds, [])
+    assert doc.count('<svg class="chart"') == 3 and "<circle" in doc
+    assert len(flame_frames(doc)) == 1                 # at the end; one snapshot has no growth
+    many = synthetic(3)
+    many.processes = pd.concat([many.processes.assign(pid=pid) for pid in range(100, 105)])
+    doc = render_html(many, [], max_processes=2)
+    assert doc.count("<section") == 2 and "4 more processes are not charted" in doc
+
+
+def test_process_without_outstanding_or_without_heap_columns():
+    ds = synthetic()
+    ds.outstanding = ds.outstanding.iloc[0:0]
+    ds.processes = ds.processes.drop(columns=["heap_live_bytes", "arena_live_bytes", "stack_rss"])
+    doc = render_html(ds, [])
+    assert "No sampled allocations" in doc and 'class="flame"' not in doc
+    assert doc.count('<svg class="chart"') == 2 and "thread stacks" not in doc
+
+
+def test_findings_ranked_with_units_and_any_details():
+    frames = [{"function": "malloc", "module": "libc.so.6"},
+              {"function": "leak_here", "module": "svc", "file": "/src/svc.c", "line": 42.0, "kind": "native"},
+              {"function": "main", "module": "svc"},
+              {"function": "__libc_start_call_main", "module": "libc.so.6"}]
+    findings = [
+        Finding("arena_bloat", 42, "svc", 40, 0.7, "arenas hold memory", {
+            "resident_bytes": 300 << 20, "live_bytes": 100 << 20, "bloat_bytes": 200 << 20, "arenas": 8,
+            "recommendation": ["MALLOC_ARENA_MAX=2 (saves ~150 MiB)", {"action": "malloc_trim", "saving_bytes": 1e8}]}),
+        Finding("persistent_growth", 42, "svc", 90, 0.95, "leak in leak_here", {
+            "frames": frames, "growth_bytes_per_hour": np.float64(3 << 30), "outstanding_bytes": 5 << 20,
+            "outstanding_stderr_bytes": 1 << 20, "time_to_oom_hours": math.nan, "first_seen": T0,
+            "classification": "leak"}),
+        Finding("gpu_growth", 7, "trainer", 60, 0.5, "device memory creeps", {"odd": {"nested": [1, 2]}}),
+    ]
+    doc = render_html(synthetic(), findings)
+    table = doc[doc.index('<table class="findings">'):]
+    assert table.index("leak in leak_here") < table.index("device memory creeps") < table.index("arenas hold")
+    for text in ("3.0 GiB/h", "5.0 MiB ± 1.0 MiB", "200.0 MiB", "2026-01-02 03:04:00 UTC",
+                 "MALLOC_ARENA_MAX=2", "saving_bytes: 95.4 MiB",
+                 "{&quot;nested&quot;: [1, 2]}", "time to OOM</span> –"):
+        assert text in table, text
+    # the allocator's and the entry frames are trimmed; the full stack is one click away
+    assert '<ol class="stack"><li>leak_here (svc)  svc.c:42</li><li>main (svc)</li></ol>' in table
+    assert "all 4 frames" in table
+    assert 'href="#pid-42"' in table and 'href="#pid-7"' not in doc          # pid 7 has no data to link to
+
+
+def test_axes_have_units_and_round_ticks():
+    ticks, unit, scale = byte_ticks(45 * 2**20)
+    assert (unit, scale) == ("MiB", 2**20) and [t / scale for t in ticks] == [0, 10, 20, 30, 40, 50]
+    assert byte_ticks(3.2 * 2**30)[1] == "GiB" and byte_ticks(0)[1] == "KiB"
+    assert time_ticks(100, 103.5) == ([100, 101, 102, 103], "%H:%M:%S")
+    ticks, fmt = time_ticks(0, 86400 - 10, 8)
+    assert ticks[1] - ticks[0] == 3 * 3600 and fmt == "%H:%M"
+    doc = render_html(synthetic(), [])
+    assert ">800 KiB</text>" in doc and ">03:05:30</text>" in doc and "time (UTC, 2026-01-02)" in doc
+
+
+def test_trim_frames_and_format_detail():
+    frames = [{"function": "operator new", "module": "libstdc++.so.6"},
+              {"function": None, "module": "python3.11", "offset": 0x10},
+              {"function": None, "module": "python3.11", "offset": 0x20},
+              {"function": "handler", "module": "svc", "file": math.nan, "line": math.nan},   # from pandas
+              {"function": "_start", "module": "svc"}]
+    shown, hidden = trim_frames(frames)
+    assert shown == ["[2 frames in python3.11]", "handler (svc)"] and hidden == 2
+    assert trim_frames([{"function": "malloc", "module": "libc.so.6"}]) == (["malloc (libc.so.6)"], 0)
+    assert format_detail("time_to_oom_hours", 30.0) == "30.0 h"
+    assert format_detail("time_to_oom_hours", 100.0) == "4.2 days"
+    assert format_detail("last_seen", "2026-01-02T03:04:05+00:00") == "2026-01-02 03:04:05 UTC"
+    assert format_detail("arenas", np.int64(8)) == "8"
+    assert format_detail("growth_bytes_per_hour", None) == "–"
+
+
+# --- a real recording in a real browser ---------------------------------------------------------
+
+def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} is missing: the report's browser test needs Debian's chromium "
+                    "(scripts/setup.sh installs it: apt-get install -y chromium)")
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+
+
+def png_pixels(data: bytes) -> tuple[int, int, np.ndarray]:
+    """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes): (width, height, pixels)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat = 8, []
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat.append(body)
+        pos += 12 + n
+    assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
+    bpp = 3 if color == 2 else 4
+    stride = w * bpp
+    raw = zlib.decompress(b"".join(idat))
+    prev, rows = bytearray(stride), []
+    for y in range(h):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        for i in range(stride) if kind else ():                  # undo the row filter
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], (prev[i - bpp] if i >= bpp else 0)
+            if kind == 1:
+                line[i] = (line[i] + a) & 255
+            elif kind == 2:
+                line[i] = (line[i] + b) & 255
+            elif kind == 3:
+                line[i] = (line[i] + ((a + b) >> 1)) & 255
+            else:
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return w, h, np.frombuffer(b"".join(rows), np.uint8).reshape(h, w, bpp)[:, :, :3]
+
+
+# clicks a frame of the first flame graph and hovers the first chart, then reports what it saw
+PROBE = """<script>
+const gs = [...document.querySelectorAll("svg.flame")[0].querySelectorAll("g.fr")];
+const g = gs.find(e => e.dataset.l === "leak_malloc");
+g.querySelector("rect").dispatchEvent(new MouseEvent("click", {bubbles: true}));
+const svg = document.querySelector(".chartbox svg"), b = svg.getBoundingClientRect();
+svg.dispatchEvent(new MouseEvent("mousemove", {clientX: b.left + b.width / 2, clientY: b.top + 40}));
+document.body.dataset.probe = JSON.stringify({width: +g.querySelector("rect").getAttribute("width"),
+  tip: document.getElementById("tip").textContent});
+</script></body>"""
+
+
+@pytest.mark.bpf
+def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "0.5")
+    rec.wait_attached()
+    w.call("leak_malloc", 4096, 4096, thread=True)               # an arena for the arena chart
+    for _ in range(6):
+        w.call("leak_malloc", 2048, 4096)
+        w.call("leak_mmap", 2, 1 << 20)
+        time.sleep(0.4)
+    rec.wait_snapshot(time.time() + 0.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    ds = load(rec.out)
+    leak = ds.frames[ds.frames["function"] == "leak_malloc"]["stack_id"].iloc[0]
+    frames = [{k: f[k] for k in ("function", "module", "file", "line", "kind")}
+              for f in ds.frames_of(leak).to_dict("records")]
+    finding = Finding("persistent_growth", w.pid, "python", 90, 0.99, "leak_malloc leaks about 8 MiB per call",
+                      {"source": "malloc", "frames": frames, "growth_bytes_per_hour": 20e9,
+                       "outstanding_bytes": 64e6, "outstanding_stderr_bytes": 3e6, "classification": "leak"})
+    doc = render_html(ds, [finding])
+    page = tmp_path / "report.html"
+    page.write_text(doc)
+
+    # self-contained: no resource of any kind is referenced, only in-page anchors
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//|url\(\s*["']?\s*(https?:)?//|@import""", doc, re.I)
+    assert not re.search(r"""\ssrc\s*=""", doc, re.I)
+    assert all(h.startswith("#") for h in re.findall(r"""href\s*=\s*["']([^"']*)""", doc))
+
+    shot = tmp_path / "report.png"
+    chromium(tmp_path, f"--screenshot={shot}", "--window-size=1280,2400", page.as_uri())
+    width, height, px = png_pixels(shot.read_bytes())
+    assert (width, height) == (1280, 2400)
+    ink = (px.min(axis=2) < 235).mean()
+    colored = (px.max(axis=2).astype(int) - px.min(axis=2) > 60).sum()
+    assert ink > 0.03 and colored > 50_000, (ink, colored)         # text, lines, areas and flame frames
+
+    dom = chromium(tmp_path, "--dump-dom", page.as_uri()).stdout
+    assert '<html lang="en" class="js">' in dom                    # the page's script ran
+    assert dom.count('<svg class="chart"') == 3                     # top stacks, memory by kind, arenas
+    assert len(flame_frames(dom)) >= 3                              # malloc and mmap at the end, growth
+    assert 'data-l="leak_malloc"' in dom and "leak_malloc (libleaky.so)" in dom
+    for text in ("glibc arenas", "estimated live", "18.6 GiB/h", "61.0 MiB ± 2.9 MiB"):
+        assert text in dom, text
+
+    probe = tmp_path / "probe.html"
+    probe.write_text(doc.replace("</body>", PROBE))
+    dom = chromium(tmp_path, "--dump-dom", probe.as_uri()).stdout
+    seen = json.loads(re.search(r'data-probe="([^"]*)"', dom).group(1).replace("&quot;", '"'))
+    assert seen["width"] == pytest.approx(1159.5, abs=1)            # zoomed to the full width
+    assert "UTC" in seen["tip"] and "leak_malloc" in seen["tip"]
