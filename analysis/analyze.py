@@ -8,15 +8,17 @@
 
 from __future__ import annotations
 
+from .arenas import detect_arena_bloat
 from .dataset import Dataset, load
 from .findings import Finding, to_dataframe, to_document
 from .growth import classify_series, detect_growth
 
-__all__ = ["load", "run", "findings_frame", "to_document", "classify_series"]
+__all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "detect_arena_bloat"]
 
 
 def run(ds: Dataset) -> list[Finding]:
-    findings = detect_growth(ds)
+    """Every detector's findings, most severe first."""
+    findings = detect_growth(ds) + detect_arena_bloat(ds)
     return sorted(findings, key=lambda f: -f.severity)
 
 

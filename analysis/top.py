@@ -41,11 +41,11 @@ def print_summary(root: str | Path, recording_id: str, finished) -> None:
     procs = read_table(root, "processes")
     procs = procs[procs["recording_id"] == recording_id] if not procs.empty else procs
     print(f"\ndataset: {Path(root).resolve()}  (recording {recording_id})")
-    for t, why in finished:
-        pid = t.info.pid
+    for info, why in finished:
+        pid = info.pid
         p = procs[procs["pid"] == pid] if not procs.empty else procs
         rss = f"peak RSS {fmt_bytes(p['rss'].max())}, last {fmt_bytes(p['rss'].iloc[-1])}" if len(p) else ""
-        print(f"pid {pid} ({t.info.comm}): {why}; {rss}")
+        print(f"pid {pid} ({info.comm}): {why}; {rss}")
     df = top_stacks(root, None, 5)
     if not df.empty:
         df = df[df["recording_id"] == recording_id]

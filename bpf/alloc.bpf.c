@@ -12,34 +12,36 @@ struct pending {
     u64 size;
     u64 weight;   /* 0: not sampled (a realloc of a sampled block) */
     u64 old;      /* realloc: the sampled old block; posix_memalign: the memptr out-parameter */
+    u64 old_born; /* realloc: the old block's allocation time (its value in `live`) */
     u32 fn;
     u32 pad;
 };
 
 BPF_HASH(pending, u32, struct pending, 16384);
 
-/* a * b, or 0 when it overflows (the allocation fails). The barrier keeps LLVM from turning
- * the check into a 128-bit multiply, which BPF lacks. */
-static __always_inline u64 mul_or_zero(u64 a, u64 b)
+/* a * b, or the largest size when it overflows: the call then fails and is not counted (0
+ * would read as realloc(p, 0), which frees). The barrier keeps LLVM from turning the check
+ * into a 128-bit multiply, which BPF lacks. */
+static __always_inline u64 mul_or_max(u64 a, u64 b)
 {
     if (!a)
         return 0;
     u64 lim = ~0ULL / a;
     asm volatile("" : "+r"(lim));
-    return b > lim ? 0 : a * b;
+    return b > lim ? ~0ULL : a * b;
 }
 
 static __always_inline u64 requested_size(u32 fn, u64 a, u64 b, u64 c)
 {
     switch (fn) {
     case FN_CALLOC:
-        return mul_or_zero(a, b);
+        return mul_or_max(a, b);
     case FN_REALLOC:
     case FN_ALIGNED_ALLOC:
     case FN_MEMALIGN:
         return b;
     case FN_REALLOCARRAY:
-        return mul_or_zero(b, c);
+        return mul_or_max(b, c);
     case FN_POSIX_MEMALIGN:
         return c;
     case FN_PVALLOC:
@@ -81,10 +83,13 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
     p.size = requested_size(fn, a, b, c);
     p.weight = sample_bytes(p.size);
     u64 id = bpf_get_current_pid_tgid();
+    struct live_key old = {.pid = id >> 32, .addr = a};
     if (fn == FN_REALLOC || fn == FN_REALLOCARRAY) {
-        struct live_key k = {.pid = id >> 32, .addr = a};
-        if (k.addr && live.lookup(&k))
-            p.old = k.addr;
+        u64 *born = a ? live.lookup(&old) : 0;
+        if (born) {
+            p.old = a;
+            p.old_born = *born;
+        }
     } else if (p.weight && fn == FN_POSIX_MEMALIGN) {
         p.old = a;
     }
@@ -99,14 +104,18 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
         count(C_PENDING_FULL, 1);
         return 1;
     }
+    /* realloc may release the old block before it returns, and another thread may get (and
+     * sample) the same address meanwhile: take the old block out of `live` now, put it back
+     * if the call fails. */
+    if (p.old && p.old_born)
+        live.delete(&old);
     return 0;
 }
 
-static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
+/* A FREE record carries the block's allocation time, so that user space never applies a late
+ * free to a newer block that got the same address. */
+static __always_inline void submit_free(u32 pid, u32 tid, u32 fn, u64 addr, u64 born)
 {
-    struct live_key k = {.pid = pid, .addr = addr};
-    if (live.delete(&k))          /* not a sampled block (or a double free) */
-        return;
     struct ev_hdr *e = events.ringbuf_reserve(sizeof(struct ev_hdr));
     if (!e) {
         count_drop(pid, C_LOST_EVENTS);
@@ -114,7 +123,20 @@ static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
     }
     init_hdr(e, EV_FREE, SRC_MALLOC, fn, pid, tid);
     e->addr = addr;
+    e->arg = born;
     events.ringbuf_submit(e, 0);
+}
+
+static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
+{
+    struct live_key k = {.pid = pid, .addr = addr};
+    u64 *bp = live.lookup(&k);
+    if (!bp)                      /* not a sampled block */
+        return;
+    u64 born = *bp;
+    if (live.delete(&k))          /* a concurrent double free won */
+        return;
+    submit_free(pid, tid, fn, addr, born);
 }
 
 static __always_inline int on_alloc_return(struct pt_regs *ctx)
@@ -134,9 +156,14 @@ static __always_inline int on_alloc_return(struct pt_regs *ctx)
         if ((int)ret == 0 && p.old)
             bpf_probe_read_user(&addr, sizeof(addr), (void *)p.old);
     } else if (p.old) {
-        /* realloc frees the old block on success, and also for size 0 (glibc returns NULL) */
-        if (ret || p.size == 0)
-            emit_free(pid, tid, p.fn, p.old);
+        /* realloc frees the old block on success, and also for size 0 (glibc returns NULL);
+         * a failed realloc leaves it allocated: back into `live` */
+        if (ret || p.size == 0) {
+            submit_free(pid, tid, p.fn, p.old, p.old_born);
+        } else {
+            struct live_key k = {.pid = pid, .addr = p.old};
+            live.update(&k, &p.old_born);
+        }
     }
     if (!p.weight || !addr)       /* failed allocations are never counted */
         return 0;

@@ -33,7 +33,12 @@ TRACEPOINT_PROBE(sched, sched_process_exec)
 TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
-    u32 pid = id >> 32;
+    u32 pid = id >> 32, tid = id;
+    if (!targets.lookup(&pid))
+        return 0;
+    /* a thread that dies inside a tracked call never returns: drop its pending state */
+    pending.delete(&tid);
+    vm_pending.delete(&tid);
 #ifdef EXIT_HAS_GROUP_DEAD
     if (!args->group_dead)
         return 0;
@@ -41,7 +46,6 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     if ((u32)id != pid)
         return 0;
 #endif
-    if (targets.lookup(&pid))
-        emit_proc(PROC_EXIT, pid, id, 0);
+    emit_proc(PROC_EXIT, pid, id, 0);
     return 0;
 }

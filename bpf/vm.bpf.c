@@ -1,7 +1,7 @@
 /* Memory-mapping syscalls of the targets: mmap, munmap, mremap, brk, madvise, mprotect.
  *
- * Every call by a target emits a small EV_VM record at syscall exit (they are rare next to
- * malloc: each already costs a kernel entry). Anonymous private read/write mmaps and the new
+ * Every call by a target emits a small EV_VM record at syscall exit (munmap: at entry) - they
+ * are rare next to malloc: each already costs a kernel entry. Anonymous private read/write mmaps and the new
  * extent of a mremap are also a sampled allocation source (SRC_MMAP): sampled ones carry a
  * weight and a user stack. Partial unmaps are resolved in user space.
  */
@@ -27,6 +27,21 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
     if (!targets.lookup(&pid))
         return 0;
     count(C_VM_HITS + op, 1);
+    if (op == VM_MUNMAP) {
+        /* reported at entry: once the range is free another thread's mmap may get it, and its
+         * event must come after this one (a failing munmap is rare: it is taken as done) */
+        struct ev_hdr *h = events.ringbuf_reserve(sizeof(struct ev_hdr));
+        if (!h) {
+            count_drop(pid, C_LOST_EVENTS);
+            return 0;
+        }
+        init_hdr(h, EV_VM, SRC_MMAP, op, pid, tid);
+        h->flags = EVF_FIRST_IS_IP;
+        h->addr = addr;
+        h->size = len;
+        events.ringbuf_submit(h, 0);
+        return 0;
+    }
     struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op};
     if (vm_pending.update(&tid, &v))
         count(C_PENDING_FULL, 1);
@@ -91,7 +106,6 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return vm_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return vm_enter(VM_MUNMAP, args->addr, args->len, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_munmap) { return vm_exit(args, args->ret); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 {

@@ -72,18 +72,21 @@ C_NAMES: dict[str, Fn] = {
     "pvalloc": Fn.PVALLOC, "free": Fn.FREE,
 }
 # C++ operators, probed only in allocator libraries that define them (libstdc++'s call malloc).
+# Only the nothrow `new` variants: a return probe replaces the return address with the kernel's
+# trampoline, which has no unwind information, so a std::bad_alloc thrown through a probed
+# throwing `new` would reach std::terminate and kill the target.
 CXX_NAMES: dict[str, Fn] = {
     **{n: Fn.NEW for n in (
-        "_Znwm", "_Znam", "_ZnwmRKSt9nothrow_t", "_ZnamRKSt9nothrow_t", "_ZnwmSt11align_val_t",
-        "_ZnamSt11align_val_t", "_ZnwmSt11align_val_tRKSt9nothrow_t",
+        "_ZnwmRKSt9nothrow_t", "_ZnamRKSt9nothrow_t", "_ZnwmSt11align_val_tRKSt9nothrow_t",
         "_ZnamSt11align_val_tRKSt9nothrow_t")},
     **{n: Fn.DELETE for n in (
         "_ZdlPv", "_ZdaPv", "_ZdlPvm", "_ZdaPvm", "_ZdlPvSt11align_val_t", "_ZdaPvSt11align_val_t",
         "_ZdlPvmSt11align_val_t", "_ZdaPvmSt11align_val_t", "_ZdlPvRKSt9nothrow_t",
         "_ZdaPvRKSt9nothrow_t")},
 }
+THROWING_NEW = ("_Znwm", "_Znam", "_ZnwmSt11align_val_t", "_ZnamSt11align_val_t", "tc_new", "tc_newarray")
 TCMALLOC_EXTRA: dict[str, Fn] = {
-    "tc_new": Fn.NEW, "tc_newarray": Fn.NEW, "tc_new_nothrow": Fn.NEW, "tc_newarray_nothrow": Fn.NEW,
+    "tc_new_nothrow": Fn.NEW, "tc_newarray_nothrow": Fn.NEW,
     "tc_delete": Fn.DELETE, "tc_deletearray": Fn.DELETE, "tc_delete_nothrow": Fn.DELETE,
     "tc_deletearray_nothrow": Fn.DELETE, "tc_cfree": Fn.FREE,
 }
@@ -162,7 +165,12 @@ def _candidates(image: ElfImage, family: Family) -> dict[str, Fn]:
 
 def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -> AllocatorLib:
     lib = AllocatorLib(family.name, path, attach_path, image.build_id)
+    if family.name == "static" and image.symbol("malloc") is None:
+        return lib      # an executable is an allocator only if it defines malloc itself
     names = _candidates(image, family)
+    if family.cxx:
+        lib.skipped += [(n, "throws: a return probe would break exception unwinding (not probed)")
+                        for n in THROWING_NEW if image.symbol(n) is not None]
     plt = image.plt_targets()
     seen: dict[int, str] = {}
     for name, fn in names.items():

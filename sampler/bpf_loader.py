@@ -12,6 +12,7 @@ import ctypes
 import errno
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,7 +192,8 @@ class BpfProbes:
                 raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
             att.perf.append((fd, ev))
 
-    def detach(self, pid: int) -> None:
+    def detach_probes(self, pid: int) -> None:
+        """Close a process's allocator probes, keep it a target (re-attach after an exec)."""
         att = self._attached.pop(pid, None)
         if att:
             for fd in att.link_fds:
@@ -199,6 +201,10 @@ class BpfProbes:
             for fd, ev in att.perf:
                 _libbcc.bpf_close_perf_event_fd(fd)
                 _libbcc.bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
+
+    def detach(self, pid: int) -> None:
+        """Close a process's probes and stop tracing its syscalls."""
+        self.detach_probes(pid)
         with contextlib.suppress(KeyError):
             del self._targets[ctypes.c_uint32(pid)]
 
@@ -215,13 +221,21 @@ class BpfProbes:
     def open_events(self, handle: Callable[[bytes], None]) -> None:
         def _cb(_ctx, data, size):
             handle(ctypes.string_at(data, size))
+            # libbpf keeps consuming while records arrive: under a burst faster than Python
+            # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
+            # this record is consumed, the rest waits for the next poll.
+            return -1 if time.monotonic() > self._poll_deadline else 0
         self._cb = _cb
+        self._poll_deadline = float("inf")
         self.bpf["events"].open_ring_buffer(_cb)
 
     def poll(self, timeout_ms: int) -> None:
+        self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
         self.bpf.ring_buffer_poll(timeout_ms)
 
-    def drain(self) -> None:
+    def drain(self, budget_s: float = 1.0) -> None:
+        """Read what is in the ring buffer now (bounded in time, like poll)."""
+        self._poll_deadline = time.monotonic() + budget_s
         self.bpf.ring_buffer_consume()
 
     def counters(self) -> list[int]:

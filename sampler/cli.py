@@ -171,6 +171,8 @@ def _record(args) -> int:
         raise UsageError("nothing to record: give --pid PID or a command after --")
     if not 1 <= args.max_frames <= 127:
         raise UsageError(f"--max-frames must be between 1 and 127, got {args.max_frames}")
+    if args.sample_bytes > 1 << 36:
+        raise UsageError(f"--sample-bytes must be at most 64G, got {args.sample_bytes}")
     if args.live_max < 1024:
         raise UsageError(f"--live-max must be at least 1024, got {args.live_max}")
     try:

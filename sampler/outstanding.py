@@ -41,18 +41,28 @@ class StackStats:
 
 
 @dataclass(slots=True)
+class _Fragment:
+    """A piece of a sampled mmap region (a partial munmap splits one)."""
+
+    end: int
+    mapping: _Block
+
+
+@dataclass(slots=True)
 class _Block:
     key: tuple[str, int]      # (source, stack_id)
     size: int                 # bytes it still covers (mmap: after partial unmaps)
     p: float                  # inclusion probability it was sampled with
     end: int = 0              # mmap regions only
+    born: int = 0             # malloc: allocation time (ns), which tells a late free of an older
+                              # block apart; mmap: the region's first start (its key in `born`)
 
 
 class ProcessTable:
     def __init__(self) -> None:
         self.stats: dict[tuple[str, int], StackStats] = {}
         self.blocks: dict[int, _Block] = {}           # malloc: addr -> block
-        self.regions: dict[int, _Block] = {}          # mmap: start -> region
+        self.regions: dict[int, _Fragment] = {}       # mmap: fragment start -> fragment
         self._starts: list[int] = []                  # sorted region starts
 
     # malloc source -----------------------------------------------------------------------
@@ -66,13 +76,16 @@ class ProcessTable:
             self._release(addr, old, count_freed=False)
         p = size / weight
         key = (MALLOC, stack_id)
-        self.blocks[addr] = _Block(key, size, p)
+        self.blocks[addr] = _Block(key, size, p, born=ts_ns)
         self._born(key, addr, size, weight, ts_ns)
 
-    def free(self, addr: int) -> bool:
-        block = self.blocks.pop(addr, None)
-        if block is None:
+    def free(self, addr: int, born: int = 0) -> bool:
+        """Free a sampled block; `born` (its allocation time, when known) must match, so that a
+        free reported late never removes a newer block at the same address."""
+        block = self.blocks.get(addr)
+        if block is None or (born and block.born and born != block.born):
             return False
+        del self.blocks[addr]
         self._release(addr, block)
         return True
 
@@ -80,37 +93,51 @@ class ProcessTable:
     def map(self, start: int, length: int, weight: float, stack_id: int, ts_ns: int) -> None:
         self.unmap(start, length)    # MAP_FIXED over an old sampled region replaces it
         key = (MMAP, stack_id)
-        self.regions[start] = _Block(key, length, length / weight, start + length)
+        mapping = _Block(key, length, length / weight, start + length, born=start)
+        self.regions[start] = _Fragment(start + length, mapping)
         bisect.insort(self._starts, start)
         self._born(key, start, length, weight, ts_ns)
 
     def unmap(self, start: int, length: int) -> None:
-        """Remove [start, start+length) from sampled regions. A region cut in part is replaced
-        by its remaining fragments, each standing for (its bytes) / p like the whole did."""
+        """Remove [start, start+length) from sampled regions. A region cut in part keeps its
+        fragments; they share one sampling decision, so the mapping still counts as one sample
+        and stands for (its remaining bytes) / p."""
         if not self._starts:
             return
         end = start + length
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         while i < len(self._starts) and self._starts[i] < end:
-            rs = self._starts[i]
-            r = self.regions[rs]
-            if r.end <= start:
+            lo = self._starts[i]
+            frag = self.regions[lo]
+            if frag.end <= start:
                 i += 1
                 continue
-            st = self.stats[r.key]
             del self._starts[i]
-            del self.regions[rs]
-            born = st.born.pop(rs, 0)
-            st.live.add(r.size, r.size / r.p, -1)
-            cut = min(r.end, end) - max(rs, start)
-            st.freed.add(cut, cut / r.p)
-            for lo, hi in ((rs, max(rs, start)), (min(r.end, end), r.end)):
-                if hi > lo:
-                    self.regions[lo] = _Block(r.key, hi - lo, r.p, hi)
-                    st.live.add(hi - lo, (hi - lo) / r.p)
-                    st.born[lo] = born
-                    bisect.insort(self._starts, lo)
+            del self.regions[lo]
+            self._shrink(frag.mapping, min(frag.end, end) - max(lo, start))
+            for a, b in ((lo, max(lo, start)), (min(frag.end, end), frag.end)):
+                if b > a:
+                    self.regions[a] = _Fragment(b, frag.mapping)
+                    bisect.insort(self._starts, a)
                     i += 1
+
+    def _shrink(self, m: _Block, cut: int) -> None:
+        """A sampled mapping lost `cut` bytes: move its weight from live to freed."""
+        st = self.stats[m.key]
+        q = 1.0 - m.p
+        old, new = m.size / m.p, (m.size - cut) / m.p
+        st.live.bytes += new - old
+        st.live.var += (new * new - old * old) * q
+        st.freed.bytes += old - new
+        st.freed.var += (old - new) ** 2 * q
+        m.size -= cut
+        if m.size <= 0:                                 # the whole mapping is gone
+            st.live.objects -= 1 / m.p
+            st.live.objects_var -= q / (m.p * m.p)
+            st.live.samples -= 1
+            st.freed.objects += 1 / m.p
+            st.freed.samples += 1
+            st.born.pop(m.born, None)
 
     # shared ---------------------------------------------------------------------------------
     def _born(self, key, addr: int, size: int, weight: float, ts_ns: int) -> None:

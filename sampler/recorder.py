@@ -17,14 +17,26 @@ import psutil
 
 from . import __version__, preflight
 from .allocators import AllocatorLib, Family, find_allocators
-from .bpf_loader import C_HITS, C_LIVE_FULL, C_LOST_EVENTS, C_SAMPLED, C_VM_HITS, BpfProbes, ProbeConfig
+from .bpf_loader import (
+    C_HITS,
+    C_LIVE_FULL,
+    C_LOST_EVENTS,
+    C_PENDING_FULL,
+    C_SAMPLED,
+    C_STACK_ERR,
+    C_VM_HITS,
+    BpfProbes,
+    ProbeConfig,
+)
 from .dataset_writer import DatasetWriter
 from .errors import EnvironmentProblem, TargetGone
 from .events import EvType, ProcOp, VmOp, decode
+from .malloc_arenas import arena_rows
 from .outstanding import MALLOC, MMAP, ProcessTable
 from .procmetrics import sample_process
 from .schema import (
     FRAMES,
+    MALLOC_ARENAS,
     OUTSTANDING,
     PROCESSES,
     RECORDER,
@@ -89,7 +101,7 @@ class Recorder:
         self.started = dt.datetime.now(dt.timezone.utc)
         self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}"
         self.targets: dict[int, _Target] = {}
-        self.finished: list[tuple[_Target, str]] = []
+        self.finished: list[tuple[ProcessInfo, str]] = []
         self._stop = False
         self._vm_rows: list[dict] = []
         self._vm_dropped = 0
@@ -122,7 +134,10 @@ class Recorder:
         self.probes.open_events(self._on_event)
         try:
             for info in infos:
-                self._add_target(info, initial=True)
+                self._add_target(info)
+            if not self.targets:
+                raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
+                                 "nothing to record")
             if not any(t.libs for t in self.targets.values()) and not o.syscalls_only \
                     and not self.launched:
                 t = next(iter(self.targets.values()))
@@ -166,7 +181,7 @@ class Recorder:
         self._stop = True
 
     # targets ----------------------------------------------------------------------------------
-    def _add_target(self, info: ProcessInfo, initial: bool = False) -> None:
+    def _add_target(self, info: ProcessInfo) -> None:
         pid = info.pid
         t = self.targets[pid] = _Target(info)
         self.probes.add_target(pid)
@@ -174,9 +189,6 @@ class Recorder:
             self._attach_allocators(t)
         except ProcessLookupError:
             self._drop_target(pid, "exited while being attached")
-            if initial and not self.targets:
-                raise TargetGone(f"process {pid} ({info.comm}) exited while being attached: "
-                                 "nothing to record") from None
             return
         self._target_row(t, "attach", self._attach_detail(t))
 
@@ -236,7 +248,7 @@ class Recorder:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
         self.stacks.forget(pid)
-        self.finished.append((t, why))
+        self.finished.append((t.info, why))
 
     def _warn(self, t: _Target, msg: str) -> None:
         self._target_row(t, "warning", msg)
@@ -250,12 +262,12 @@ class Recorder:
             self.probes.drain()
             self._exit(self.launched.pid)
 
-    def _exit(self, pid: int) -> None:
+    def _exit(self, pid: int, write_rows: bool = True) -> None:
         t = self.targets.get(pid)
         if t is None:
             return
-        rows = self._outstanding_rows(t, self._wall_now())
-        self._write(OUTSTANDING, rows)
+        if write_rows:    # not when the interval's snapshot already has its rows
+            self._write(OUTSTANDING, self._outstanding_rows(t, self._wall_now()))
         status = ""
         if self.launched and self.launched.pid == pid:
             # the exit tracepoint fires just before the parent can reap it
@@ -274,7 +286,7 @@ class Recorder:
         if ev.type == EvType.ALLOC:
             t.table.alloc(ev.addr, ev.size, ev.weight, self.stacks.intern(ev), ev.ts_ns)
         elif ev.type == EvType.FREE:
-            t.table.free(ev.addr)
+            t.table.free(ev.addr, ev.arg)
         elif ev.type == EvType.VM:
             self._on_vm(t, ev)
         elif ev.type == EvType.PROC:
@@ -308,8 +320,8 @@ class Recorder:
         self._vm_rows.append({
             "ts": self._wall(ev.ts_ns), "pid": ev.pid, "tid": ev.tid, "op": _VM_NAME.get(op, str(op)),
             "event": event,
-            "addr": _i64(ev.addr), "length": _i64(ev.size), "prot": prot, "flags": _i32(flags),
-            "advice": advice, "new_length": _i64(new_length) if new_length is not None else None,
+            "addr": _i64(ev.addr), "length": _i64(ev.size), "prot": _i32(prot), "flags": _i32(flags),
+            "advice": _i32(advice), "new_length": _i64(new_length) if new_length is not None else None,
             "result": ev.ret, "sampled_weight": float(ev.weight) if ev.weight else None,
             "stack_id": sid,
         })
@@ -321,6 +333,11 @@ class Recorder:
                 with contextlib.suppress(ProcessLookupError):
                     self._add_target(read_info(child))
         elif ev.op == ProcOp.EXEC:
+            if ev.addr != ev.pid:
+                # exec from a non-leader thread: the old leader task, to which the probe links
+                # were bound, is gone; attach again to the new image
+                self.probes.detach_probes(ev.pid)
+                t.attached.clear()
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
             t.table.clear()
             t.vm = VmClassifier()
@@ -345,16 +362,17 @@ class Recorder:
         drops = self.probes.drops()
         out_rows: list[dict] = []
         proc_rows: list[dict] = []
+        arenas: list[dict] = []
         for pid, t in list(self.targets.items()):
             t.drops = drops.get(pid, t.drops)
             out_rows += self._outstanding_rows(t, now, interval)
             try:
-                proc_rows.append(self._process_row(t, now))
+                proc_rows.append(self._process_row(t, now, arenas))
             except ProcessLookupError:
-                self.probes.drain()
-                self._exit(pid)
+                self._exit(pid, write_rows=False)
         self._write(OUTSTANDING, out_rows)
         self._write(PROCESSES, proc_rows)
+        self._write(MALLOC_ARENAS, arenas)
         self._write_stacks(now)
         self._write(VM_EVENTS, [{**r, "recording_id": self.recording_id, "host": self.host}
                                 for r in self._vm_rows])
@@ -369,13 +387,15 @@ class Recorder:
         mono_now = time.monotonic_ns()
         return [{**common, **r} for r in t.table.snapshot(mono_now)]
 
-    def _process_row(self, t: _Target, now: dt.datetime) -> dict:
+    def _process_row(self, t: _Target, now: dt.datetime, arenas: list[dict]) -> dict:
         s = sample_process(t.info.pid)
         b = s.breakdown
         t.vm.learn_regions(b.regions)
         t.peak_rss = max(t.peak_rss, s.rss)
         t.last_rss = s.rss
         heap_live, arena_live, live_var = _live_by_region(t.table, b.regions)
+        arenas += [{"ts": now, "recording_id": self.recording_id, "host": self.host, **r}
+                   for r in arena_rows(t.info.pid, b.regions, t.table)]
         mb, ms = t.table.totals(MALLOC)
         mmb, mms = t.table.totals(MMAP)
         return {
@@ -421,6 +441,7 @@ class Recorder:
             "targets": len(self.targets), "events": self._events,
             "probe_hits": sum(d[C_HITS:C_HITS + 32]), "vm_hits": sum(d[C_VM_HITS:C_VM_HITS + 16]),
             "samples": d[C_SAMPLED], "lost_events": d[C_LOST_EVENTS], "dropped_samples": d[C_LIVE_FULL],
+            "pending_full": d[C_PENDING_FULL], "stack_errors": d[C_STACK_ERR],
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
         }])

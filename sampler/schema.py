@@ -159,7 +159,7 @@ VM_EVENTS = Table(
     "Memory-mapping syscalls of the targets, one row per call (glibc heap and arena growth, "
     "trims, mmap allocations). Capped per interval; `processes` has no cap.",
     (
-        *_common("Time of the syscall's return."),
+        *_common("Time of the syscall's return (munmap: of its entry)."),
         Column("pid", pa.int32(), "Process id."),
         Column("tid", pa.int32(), "Thread id."),
         Column("op", STR, "`mmap`, `munmap`, `mremap`, `brk`, `madvise` or `mprotect`."),
@@ -176,7 +176,8 @@ VM_EVENTS = Table(
         Column("flags", pa.int32(), "mmap flags, else null."),
         Column("advice", pa.int32(), "madvise advice (4 = MADV_DONTNEED, 8 = MADV_FREE), else null."),
         Column("new_length", pa.int64(), "mremap new length, else null."),
-        Column("result", pa.int64(), "Return value (address, 0, or -errno; brk: the new break)."),
+        Column("result", pa.int64(), "Return value (address, 0, or -errno; brk: the new break; munmap: "
+                                     "0, it is reported at entry so that it orders before a reuse)."),
         Column("sampled_weight", pa.float64(), "Weight in bytes when this mmap/mremap was a sampled "
                                                "allocation of source `mmap`, else null."),
         Column("stack_id", pa.int64(), "Stack of a sampled call, else null."),
@@ -217,6 +218,9 @@ RECORDER = Table(
         Column("live_entries", pa.int64(), "Sampled live blocks tracked at the end of the interval."),
         Column("cpu_s", pa.float64(), "Recorder CPU time (user + system) in the interval."),
         Column("rss", pa.int64(), "Recorder resident memory."),
+        Column("pending_full", pa.int64(), "Tracked calls dropped because the per-thread pending table was "
+                                           "full (their samples are lost)."),
+        Column("stack_errors", pa.int64(), "Samples whose user stack could not be captured."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
     ),
@@ -241,5 +245,35 @@ RECORDINGS = Table(
     ),
 )
 
+MALLOC_ARENAS = Table(
+    "malloc_arenas",
+    "One row per interval, process and glibc arena (the main arena of `[heap]` and each secondary "
+    "arena): its resident memory, the sampled live bytes in it and, read from the arena's bins "
+    "through /proc/PID/mem, its free chunks. The free-list columns are null when the metadata could "
+    "not be read consistently (the process runs on while it is read) or the walk ran over its budget.",
+    (
+        *_common("Time of the measurement."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("arena", pa.int64(), "Address of the arena's `malloc_state` (0: main arena not located)."),
+        Column("main", pa.bool_(), "The main arena (`[heap]`, grown with brk)."),
+        Column("heaps", pa.int32(), "Heaps of the arena (64 MiB-aligned; 1 for the main arena)."),
+        Column("size", pa.int64(), "Committed (read/write) bytes of its heaps."),
+        Column("rss", pa.int64(), "Resident bytes of its heaps (pagemap present bits)."),
+        Column("swap", pa.int64(), "Swapped bytes of its heaps."),
+        Column("live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in its heaps "
+                                           "(sampled blocks, glibc chunk sizes)."),
+        Column("live_stderr_bytes", pa.float64(), "Standard error of `live_bytes`."),
+        Column("live_samples", pa.int32(), "Sampled live blocks located in its heaps."),
+        Column("free_bytes", pa.int64(), "Bytes of free chunks in its bins plus the top chunk (exact, as "
+                                         "mallinfo2's fordblks; tcache and fastbin chunks count as in use)."),
+        Column("free_chunks", pa.int64(), "Free chunks in its bins."),
+        Column("top_bytes", pa.int64(), "Size of its top chunk."),
+        Column("free_resident_bytes", pa.int64(), "Resident bytes inside free chunks and the top chunk."),
+        Column("trimmable_bytes", pa.int64(), "Resident bytes that `malloc_trim(0)` would return to the "
+                                              "system: whole pages inside free chunks of the unsorted and "
+                                              "large bins, and (main arena) the top chunk."),
+    ),
+)
+
 TABLES: dict[str, Table] = {t.name: t for t in (
-    OUTSTANDING, STACKS, FRAMES, PROCESSES, VM_EVENTS, TARGETS, RECORDER, RECORDINGS)}
+    OUTSTANDING, STACKS, FRAMES, PROCESSES, VM_EVENTS, TARGETS, RECORDER, RECORDINGS, MALLOC_ARENAS)}

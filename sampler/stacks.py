@@ -51,6 +51,8 @@ class StackTable:
         if known is None:
             self._by_id[sid] = content
             self._new.append(Stack(sid, frames, len(addrs) >= self.max_frames, ev.ts_ns))
+        if any(f.module == "[unknown]" for f in frames):
+            return sid                  # symbolize again next time: the library may appear
         self._memo[memo_key] = sid
         if len(self._memo) > self.memo_size:
             self._memo.popitem(last=False)

@@ -68,9 +68,10 @@ class Symbolizer:
             frame = self._memo.get(key)
             if frame is None:
                 view, frame = self._resolve(pid, view, where)
-                self._memo[(pid, view.generation, addr, is_ip)] = frame
-                if len(self._memo) > self._memo_size:
-                    self._memo.popitem(last=False)
+                if frame.module != "[unknown]":    # a miss may be a dlopen not yet seen: retry later
+                    self._memo[(pid, view.generation, addr, is_ip)] = frame
+                    if len(self._memo) > self._memo_size:
+                        self._memo.popitem(last=False)
             else:
                 self._memo.move_to_end(key)
             out.append(frame)

@@ -43,14 +43,7 @@ def read_info(pid: int) -> ProcessInfo:
 
 def is_process(tid: int) -> bool:
     """A new task from a fork tracepoint: a process (its own thread group) or just a thread?"""
-    try:
-        with open(f"/proc/{tid}/status") as f:
-            for line in f:
-                if line.startswith("Tgid:"):
-                    return int(line.split()[1]) == tid
-    except OSError:
-        pass
-    return False
+    return _tgid(tid) == tid
 
 
 def check_pid(pid: int) -> ProcessInfo:
@@ -67,7 +60,21 @@ def check_pid(pid: int) -> ProcessInfo:
     if not info.exe:
         raise UsageError(f"process {pid} ({info.comm}) is a kernel thread: it has no user-space "
                          "allocator to record")
+    tgid = _tgid(pid)
+    if tgid not in (None, pid):
+        raise UsageError(f"{pid} is a thread of process {tgid} ({info.comm}): give --pid {tgid}")
     return info
+
+
+def _tgid(tid: int) -> int | None:
+    try:
+        with open(f"/proc/{tid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 class LaunchedCommand:

@@ -163,3 +163,35 @@ def test_vm_classifier_names_a_glibc_heap_lifecycle():
     assert c.classify(VmOp.BRK, 0x5001000, 0, 0, 0x5001000) == "brk_shrink"
     assert c.classify(VmOp.MMAP, 0, 1 << 20, 3 | ((0x02 | 0x20) << 32), 0x7F1000000000) == "anon_map"
     assert c.classify(VmOp.MMAP, 0, 1 << 20, 3, -12) == "failed"
+
+
+def test_a_late_free_does_not_remove_a_newer_block():
+    t = ProcessTable()
+    t.alloc(0x1000, 64, T, 1, ts_ns=100)
+    t.alloc(0x1000, 64, T, 2, ts_ns=200)        # same address reused before the free arrived
+    assert not t.free(0x1000, born=100)           # the old block's free: ignored
+    assert t.totals(MALLOC)[0] == pytest.approx(T)
+    assert t.free(0x1000, born=200)
+    assert t.totals(MALLOC)[0] == 0
+
+
+def test_fragments_of_one_mapping_are_one_sample():
+    t = ProcessTable()
+    size = 8 << 20
+    p = weights.inclusion_probability(size, 64 << 20)          # a mapping sampled with p ~ 0.12
+    t.map(0x20000000, size, size / p, 9, ts_ns=0)
+    t.map(0x40000000, size, size / p, 9, ts_ns=50 * 10**9)
+    for k in range(7):                                          # seven single pages unmapped
+        t.unmap(0x20000000 + (k + 1) * (1 << 20), 4096)
+    remaining = size - 7 * 4096
+    row = t.snapshot(now_ns=100 * 10**9)[0]
+    assert row["live_samples"] == 2
+    assert row["outstanding_objects"] == pytest.approx(2 / p)
+    assert row["outstanding_bytes"] == pytest.approx((remaining + size) / p)
+    assert row["outstanding_stderr_bytes"] == pytest.approx(((remaining / p) ** 2 * (1 - p)
+                                                             + (size / p) ** 2 * (1 - p)) ** 0.5)
+    assert row["oldest_age_s"] == pytest.approx(100)
+    t.unmap(0x20000000, size)
+    t.unmap(0x40000000, size)
+    row = t.snapshot(now_ns=101 * 10**9)[0]
+    assert row["live_samples"] == 0 and row["outstanding_bytes"] == pytest.approx(0, abs=1e-3)
