@@ -74,8 +74,7 @@ def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
 
 # What the detectors and reports read of `outstanding` (the big table): the rest stays on disk.
 OUTSTANDING_COLUMNS = ["ts", "recording_id", "pid", "comm", "source", "stack_id", "outstanding_bytes",
-                       "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples",
-                       "allocated_bytes", "freed_bytes"]
+                       "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples"]
 
 
 def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] | None = None,

@@ -138,56 +138,58 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
     """One row per (recording, pid, source, stack) whose outstanding reached `min_bytes`: its
     classification and numbers. A stack absent from a snapshot has nothing outstanding (0).
 
-    Vectorized over rows (a day of 10 s snapshots of 50 processes is millions of rows): one sort,
-    group boundaries by index arithmetic, then one classify() per qualifying series."""
+    A day of 10 s snapshots of 50 processes is millions of rows: rows are grouped by process
+    with one argsort, and each process's slice is sorted into series with index arithmetic, so
+    temporary arrays stay the size of one process."""
     out = ds.outstanding
     if out.empty:
         return pd.DataFrame(columns=["recording_id", "pid", "source", "stack_id", "classification"])
     rec = out["recording_id"].astype("category")
     src = out["source"].astype("category")
-    ts = out["ts"].dt.as_unit("us").astype("int64").to_numpy()            # microseconds
+    comm = out["comm"].astype("category")
     proc = rec.cat.codes.to_numpy().astype(np.int64) << 32 | out["pid"].to_numpy().astype(np.int64)
-    series_key = np.stack([proc, src.cat.codes.to_numpy().astype(np.int64), out["stack_id"].to_numpy()])
-    order = np.lexsort((ts, series_key[2], series_key[1], series_key[0]))
-    key = series_key[:, order]
-    new = np.ones(len(order), bool)
-    new[1:] = (key[:, 1:] != key[:, :-1]).any(axis=0)
-    starts = np.nonzero(new)[0]
-    ends = np.append(starts[1:], len(order))
-    y_all = out["outstanding_bytes"].to_numpy(float)[order]
-    peak = np.maximum.reduceat(y_all, starts)
-    s_all = out["outstanding_stderr_bytes"].to_numpy(float)[order]
-    live_all = out["live_samples"].to_numpy(float)[order]
-    churn_all = (out["alloc_samples"].to_numpy(float) + out["free_samples"].to_numpy(float))[order]
-    ts_sorted = ts[order]
-    comm_cat = out["comm"].astype("category")
-    comm_codes = comm_cat.cat.codes.to_numpy()[order]
-    # every snapshot time of each process (a stack missing from a snapshot had nothing live)
-    by_proc = np.lexsort((ts, proc))
-    p_sorted, t_sorted = proc[by_proc], ts[by_proc]
-    bounds = np.searchsorted(p_sorted, np.unique(p_sorted))
-    grids = {int(p_sorted[b]): np.unique(t_sorted[b:e])
-             for b, e in zip(bounds, np.append(bounds[1:], len(p_sorted)), strict=True)}
+    by_proc = np.argsort(proc, kind="stable")
+    edges = np.flatnonzero(np.diff(proc[by_proc])) + 1
+    cols = {name: out[name].to_numpy() for name in ("outstanding_bytes", "outstanding_stderr_bytes",
+                                                    "live_samples", "alloc_samples", "free_samples", "stack_id")}
+    ts_all = out["ts"].dt.as_unit("us")
     rows = []
-    for a, b in zip(starts[peak >= min_bytes], ends[peak >= min_bytes], strict=True):
-        grid = grids[key[0, a]]
-        at = np.searchsorted(grid, ts_sorted[a:b])
-        y, s, live, churn = (np.zeros(len(grid)) for _ in range(4))
-        y[at], s[at], live[at], churn[at] = y_all[a:b], s_all[a:b], live_all[a:b], churn_all[a:b]
+    for idx in np.split(by_proc, edges):
+        p = int(proc[idx[0]])
+        ts = ts_all.iloc[idx].astype("int64").to_numpy()                 # microseconds
+        grid = np.unique(ts)                                              # every snapshot of the process
+        skey, stack = src.cat.codes.to_numpy()[idx], cols["stack_id"][idx]
+        order = np.lexsort((ts, stack, skey))
+        ts, skey, stack = ts[order], skey[order], stack[order]
+        y_all = cols["outstanding_bytes"][idx][order].astype(float)
+        s_all = cols["outstanding_stderr_bytes"][idx][order].astype(float)
+        live_all = cols["live_samples"][idx][order].astype(float)
+        churn_all = (cols["alloc_samples"][idx][order] + cols["free_samples"][idx][order]).astype(float)
+        new = np.ones(len(order), bool)
+        new[1:] = (skey[1:] != skey[:-1]) | (stack[1:] != stack[:-1])
+        starts = np.flatnonzero(new)
+        ends = np.append(starts[1:], len(order))
+        peak = np.maximum.reduceat(y_all, starts)
+        last_comm = str(comm.iloc[idx[-1]])
         t = (grid - grid[0]) / 1e6
-        tr = classify(t, y, s, churn, live)
-        first = grid[at[live_all[a:b] > 0][0]] if (live_all[a:b] > 0).any() else grid[0]
-        rows.append({
-            "recording_id": rec.cat.categories[key[0, a] >> 32], "pid": int(key[0, a] & 0xFFFFFFFF),
-            "comm": str(comm_cat.cat.categories[comm_codes[b - 1]]), "source": src.cat.categories[key[1, a]],
-            "stack_id": int(key[2, a]),
-            "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
-            "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
-            "confidence": tr.confidence, "outstanding_bytes": float(y[-1]), "outstanding_stderr_bytes": float(s[-1]),
-            "first_seen": pd.Timestamp(int(first), unit="us", tz="UTC"),
-            "last_seen": pd.Timestamp(int(grid[-1]), unit="us", tz="UTC"),
-            "window_s": float(t[-1]), "points": len(grid),
-        })
+        for a, b in zip(starts[peak >= min_bytes], ends[peak >= min_bytes], strict=True):
+            at = np.searchsorted(grid, ts[a:b])
+            y, sd, live, churn = (np.zeros(len(grid)) for _ in range(4))
+            y[at], sd[at], live[at], churn[at] = y_all[a:b], s_all[a:b], live_all[a:b], churn_all[a:b]
+            tr = classify(t, y, sd, churn, live)
+            seen = live_all[a:b] > 0
+            first = grid[at[seen][0]] if seen.any() else grid[0]
+            rows.append({
+                "recording_id": rec.cat.categories[p >> 32], "pid": p & 0xFFFFFFFF, "comm": last_comm,
+                "source": src.cat.categories[skey[a]], "stack_id": int(stack[a]),
+                "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
+                "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
+                "confidence": tr.confidence, "outstanding_bytes": float(y[-1]),
+                "outstanding_stderr_bytes": float(sd[-1]),
+                "first_seen": pd.Timestamp(int(first), unit="us", tz="UTC"),
+                "last_seen": pd.Timestamp(int(grid[-1]), unit="us", tz="UTC"),
+                "window_s": float(t[-1]), "points": len(grid),
+            })
     return pd.DataFrame(rows)
 
 
@@ -319,10 +321,11 @@ def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
     o = ds.outstanding
     if o.empty:
         return {}
-    top = ds.frames[ds.frames["depth"] == 0].set_index("stack_id")["module"].astype(str)
-    via_libc = o["stack_id"].map(top).fillna("").str.startswith("libc.so").to_numpy()
-    src = o["source"].astype(str).to_numpy()
-    use = (src == "malloc") | ((src == "mmap") & ~via_libc)
-    per_ts = o[use].groupby(["recording_id", "pid", "ts"], observed=True)["outstanding_bytes"].sum()
+    f = ds.frames
+    top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
+    via_libc = o["stack_id"].isin(set(top)).to_numpy()
+    use = (o["source"] == "malloc").to_numpy() | ((o["source"] == "mmap").to_numpy() & ~via_libc)
+    cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
+    per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
     ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
     return {(str(r), int(p)): float(v["last"] - v["first"]) for (r, p), v in ends.iterrows()}
