@@ -145,3 +145,21 @@ def test_empty_dataset_has_no_findings():
     ds = _dataset({})
     assert classify_series(ds).empty
     assert detect_growth(ds) == []
+
+
+def test_rss_growth_outside_sampled_allocations_is_reported():
+    rng = np.random.default_rng(6)
+    ds = _dataset({7: {71: simulate(rng, 600, 10, rate=2 * MiB, lifetime=30)}})     # a busy cache
+    p = ds.processes
+    grow = np.linspace(0, 300 * MiB, len(p))                      # RSS +300 MiB in anonymous memory
+    p["rss"] = (500 * MiB + grow).astype("int64")
+    for col in ("heap_rss", "arena_rss", "file_rss", "stack_rss"):
+        p[col] = 10 * MiB
+    p["anon_rss"] = (100 * MiB + grow).astype("int64")
+    findings = detect_growth(ds)
+    assert [f.kind for f in findings] == ["unexplained_growth"]
+    d = findings[0].details
+    assert d["rss_growth_bytes"] == pytest.approx(300 * MiB, rel=0.05)
+    assert d["unexplained_bytes"] > 0.8 * d["rss_growth_bytes"]           # the cache explains its own fill
+    assert max(d["region_growth_bytes"], key=d["region_growth_bytes"].get) == "anon_rss"
+    assert "anon" in findings[0].summary and findings[0].details["time_to_oom_hours"] > 0
