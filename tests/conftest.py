@@ -93,6 +93,47 @@ def workload(leaky_lib):
         w.close()
 
 
+class GatedTarget:
+    """A compiled target that announces itself on a pipe and waits for a go line on stdin, so
+    that the recorder can attach before the interesting part runs."""
+
+    def __init__(self, argv: list[str], *, ready: str, stream: str = "stderr", env: dict | None = None):
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True,
+                                     stdout=subprocess.PIPE if stream == "stdout" else None,
+                                     stderr=subprocess.PIPE if stream == "stderr" else None,
+                                     env={**os.environ, **(env or {})})
+        self._out = self.proc.stdout if stream == "stdout" else self.proc.stderr
+        assert self.line() == ready
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def line(self) -> str:
+        return self._out.readline().strip()
+
+    def go(self, text: str = "go\n") -> None:
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def gated():
+    made: list[GatedTarget] = []
+
+    def start(argv: list[str], **kw) -> GatedTarget:
+        made.append(GatedTarget(argv, **kw))
+        return made[-1]
+
+    yield start
+    for t in made:
+        t.kill()
+
+
 def allocsampler_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sampler.cli", *args]
 

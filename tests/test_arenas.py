@@ -3,14 +3,12 @@ detector's decisions on small synthetic datasets."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import WORKLOADS, compile_c
+from conftest import WORKLOADS, GatedTarget, compile_c
 
 from analysis.arenas import detect_arena_bloat
 from analysis.dataset import Dataset, load
@@ -30,22 +28,18 @@ def arena_bloat_bin(tmp_path_factory) -> Path:
 def record_reproducer(record, binary: Path, mode: str, **env: str) -> Path:
     """Attach first, let a snapshot pass, then release the allocations, and keep the process alive
     for 4 snapshots after they are done: Live then covers every block."""
-    proc = subprocess.Popen([str(binary), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **env})
+    target = GatedTarget([str(binary), mode], ready="waiting", stream="stdout", env=env)
     try:
-        assert proc.stdout.readline().strip() == "waiting"
-        rec = record("--pid", str(proc.pid), "-i", "1")
+        rec = record("--pid", str(target.pid), "-i", "1")
         rec.wait_attached()
         rec.wait_snapshot(time.time())
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "ready"
+        target.go()
+        assert target.line() == "ready"
         rec.wait_snapshot(time.time() + 4)
         code, _, err = rec.stop()
         assert code == 0, err
     finally:
-        proc.kill()
-        proc.wait()
+        target.kill()
     return rec.out
 
 

@@ -75,50 +75,37 @@ def test_command_that_execs_a_static_binary_is_reported(tmp_path, record):
     assert (targets["event"] == "exec").any()
 
 
-def test_cpp_target_keeps_catching_bad_alloc(tmp_path, record):
+def test_cpp_target_keeps_catching_bad_alloc(tmp_path, record, gated):
     """With tcmalloc preloaded, `operator new` is the allocator's own: a return probe on it would
     break exception unwinding. The recorder must leave it alone."""
     exe = tmp_path / "throw"
     subprocess.run(["g++", "-O1", "-o", str(exe), str(WORKLOADS / "throw_bad_alloc.cc")], check=True)
-    target = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"})
-    try:
-        assert target.stderr.readline().strip() == "ready"
-        rec = record("--pid", str(target.pid), "-i", "1")
-        rec.wait_attached()
-        target.stdin.write("g")
-        target.stdin.flush()
-        assert target.stderr.readline().strip() == "caught 5"
-        code, _, err = rec.stop()
-        assert code == 0, err
-        rows = read_table(rec.out, "targets")
-        detail = " ".join(rows["detail"].dropna())
-        assert "_Znwm (throws" in detail
-    finally:
-        target.kill()
-        target.wait()
+    target = gated([str(exe)], ready="ready",
+                   env={"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"})
+    rec = record("--pid", str(target.pid), "-i", "1")
+    rec.wait_attached()
+    target.go("g")
+    assert target.line() == "caught 5"
+    code, _, err = rec.stop()
+    assert code == 0, err
+    detail = " ".join(read_table(rec.out, "targets")["detail"].dropna())
+    assert "_Znwm (throws" in detail
 
 
-def test_exec_from_a_thread_is_followed(tmp_path, record):
+def test_exec_from_a_thread_is_followed(tmp_path, record, gated):
     """The probe links are bound to the leader task, which an exec from another thread replaces."""
     exe = compile_c(WORKLOADS / "thread_exec.c", tmp_path / "thread_exec", "-pthread")
-    target = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert target.stderr.readline().strip() == "ready"
-        rec = record("--pid", str(target.pid), "-i", "1")
-        rec.wait_attached()
-        target.stdin.write("g")
-        target.stdin.flush()
-        assert target.stderr.readline().strip() == "leaked"
-        rec.wait_snapshot(time.time() + 1.2)
-        code, _, err = rec.stop()
-        assert code == 0, err
-        df = final_by_site(rec.out, target.pid)
-        est = df[df["site_fn"] == "leak_after_exec"]["outstanding_bytes"].sum()
-        assert est == pytest.approx(96 * MiB, rel=0.25)
-    finally:
-        target.kill()
-        target.wait()
+    target = gated([str(exe)], ready="ready")
+    rec = record("--pid", str(target.pid), "-i", "1")
+    rec.wait_attached()
+    target.go("g")
+    assert target.line() == "leaked"
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    df = final_by_site(rec.out, target.pid)
+    est = df[df["site_fn"] == "leak_after_exec"]["outstanding_bytes"].sum()
+    assert est == pytest.approx(96 * MiB, rel=0.25)
 
 
 def test_a_burst_of_events_does_not_stall_the_recorder(tmp_path, record):
