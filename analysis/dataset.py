@@ -51,6 +51,7 @@ class Dataset:
     vm_events: pd.DataFrame
     targets: pd.DataFrame
     recordings: pd.DataFrame
+    sources: list[str] | None = None    # the source filter it was loaded with (None: all)
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:
         return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
@@ -110,4 +111,5 @@ def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] 
         vm_events=read_table(root, "vm_events", filter=both(when, by_pid)),
         targets=read_table(root, "targets", filter=by_pid),
         recordings=read_table(root, "recordings"),
+        sources=sources,
     )

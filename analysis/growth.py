@@ -30,7 +30,7 @@ import pandas as pd
 
 from .dataset import Dataset
 from .findings import Finding
-from .stats import bin_series, mann_kendall, normal_sf, theil_sen
+from .stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
 from .units import fmt_bytes, fmt_hours
 
 MiB = 1 << 20
@@ -68,11 +68,9 @@ def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | No
     if cum is not None and live is not None and np.sum(live) > 0:
         var1 = float(np.sum(s ** 2) / np.sum(live))
     if len(t) > max_points:
-        keep = np.unique(np.linspace(0, len(t) - 1, max_points).astype(int))
-        cum = cum[keep] if cum is not None else None
+        if cum is not None:     # churn up to the end of each bin, aligned with the binned points
+            cum = cum[np.append(bin_starts(t, max_points)[1:], len(t)) - 1]
         t, y, s = bin_series(t, y, s, max_points)
-        if cum is not None and len(cum) != len(t):
-            cum = np.interp(np.arange(len(t)), np.linspace(0, len(t) - 1, len(cum)), cum)
     n = len(t)
 
     def sigma(a: int | np.ndarray, b: int | np.ndarray) -> np.ndarray:
@@ -115,12 +113,18 @@ def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | No
         tail = idx[-3:]
     tail_beta = theil_sen(t[tail], y[tail])
     tail_z = tail_beta * (t[tail[-1]] - t[tail[0]]) / max(float(sigma(tail[0], tail[-1])), 1.0)
-    # sustained: significant on its own, and at least half the average pace of the window
-    if tail_z < tail_z_min or tail_beta < 0.5 * growth / (t[-1] - t[0]):
+    # sustained: significant on its own, at least half the average pace of the window, and spread
+    # over the tail rather than one step (a single large block allocated once is not a leak)
+    tail_steps = np.diff(y[tail])
+    tail_growth = y[tail[-1]] - y[tail[0]]
+    one_step = tail_steps.max(initial=0.0) > (0.5 if len(tail_steps) >= 5 else 0.8) * tail_growth
+    if tail_z < tail_z_min or tail_beta < 0.5 * growth / (t[-1] - t[0]) or one_step:
         return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
     # the rate: over the whole window, or over its last half when growth started late
     half = t >= t[-1] - (t[-1] - t[0]) / 2
     rate = max(beta, theil_sen(t[half], y[half])) if half.sum() >= 3 else beta
+    if rate <= 0:
+        return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
     return Trend("leak", "linear", rate, growth, z, tail_z, mk_p, drops,
                  _confidence(z, tail_z, mk_p if n >= 8 else None))
 
@@ -200,7 +204,12 @@ def _process_trend(ds: Dataset, rec: str, pid: int) -> dict:
         return {}
     t, rss, _ = _binned(p)
     last = p.iloc[-1]
-    return {"rss": float(last["rss"]), "limit": float(last["memory_limit"] or 0), "rss_slope": theil_sen(t, rss)}
+    return {"rss": float(last["rss"]), "limit": _limit(last["memory_limit"]), "rss_slope": theil_sen(t, rss)}
+
+
+def _limit(v) -> float:
+    """The memory limit, 0 when unknown (null in merged or older datasets)."""
+    return float(v) if pd.notna(v) and v > 0 else 0.0
 
 
 def _binned(p: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -274,7 +283,7 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
     """RSS growth that the sampled stacks do not account for."""
     findings = []
     p = ds.processes
-    if p.empty:
+    if p.empty or ds.sources:      # with a source filter the sampled side is incomplete: no verdict
         return findings
     sampled_growth = _sampled_growth(ds)
     for (rec, pid), g in p.groupby(["recording_id", "pid"], observed=True):
@@ -300,7 +309,7 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
                             "(Python obmalloc arenas, custom allocators, GPU driver mappings)",
                 "file_rss": "file-backed memory (mapped files, shared libraries, page cache of mmaps)",
                 "stack_rss": "thread stacks (more threads, or deep recursion)"}[where]
-        limit = float(last["memory_limit"] or 0)
+        limit = _limit(last["memory_limit"])
         ttoom, basis = time_to_oom_hours(float(last["rss"]), limit, slope, 0.0)
         rate_h = slope * 3600
         findings.append(Finding(

@@ -49,14 +49,19 @@ def normal_sf(z: float) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def bin_starts(t: np.ndarray, max_points: int) -> np.ndarray:
+    """Index of the first point of each of at most `max_points` equal-time bins (t sorted)."""
+    edges = np.linspace(t[0], t[-1], max_points + 1)[1:-1]
+    starts = np.unique(np.concatenate(([0], np.searchsorted(t, edges))))
+    return starts[starts < len(t)]
+
+
 def bin_series(t: np.ndarray, y: np.ndarray, s: np.ndarray, max_points: int) -> tuple[np.ndarray, ...]:
     """At most `max_points` points: per equal-time bin the mean time and value and the rms stderr.
     Keeps Theil-Sen and Mann-Kendall O(max_points^2) on long recordings. `t` is sorted."""
     if len(t) <= max_points:
         return t, y, s
-    edges = np.linspace(t[0], t[-1], max_points + 1)[1:-1]
-    starts = np.unique(np.concatenate(([0], np.searchsorted(t, edges))))
-    starts = starts[starts < len(t)]
+    starts = bin_starts(t, max_points)
     counts = np.diff(np.append(starts, len(t)))
     mean = lambda a: np.add.reduceat(a, starts) / counts  # noqa: E731
     return mean(t), mean(y), np.sqrt(mean(s * s))

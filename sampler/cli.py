@@ -120,8 +120,10 @@ def _dataset(args):
 
     since = args.since
     if args.last:
-        procs = read_table(args.dir, "processes", columns=["ts"])
-        if not procs.empty:
+        procs = read_table(args.dir, "processes", columns=["ts", "pid"])
+        if args.pid:
+            procs = procs[procs["pid"].isin(args.pid)]
+        if not procs.empty:     # the last DURATION of the selected processes' data
             since = procs["ts"].max().to_pydatetime() - dt.timedelta(seconds=args.last)
     try:
         return load(args.dir, pids=args.pid or None, sources=args.source or None, since=since, until=args.until)

@@ -163,3 +163,22 @@ def test_rss_growth_outside_sampled_allocations_is_reported():
     assert d["unexplained_bytes"] > 0.8 * d["rss_growth_bytes"]           # the cache explains its own fill
     assert max(d["region_growth_bytes"], key=d["region_growth_bytes"].get) == "anon_rss"
     assert "anon" in findings[0].summary and findings[0].details["time_to_oom_hours"] > 0
+
+
+@pytest.mark.parametrize("k", [30, 45, 48, 50, 52, 55])
+def test_one_large_block_allocated_once_is_not_a_leak(k):
+    t = np.arange(1, 61) * 10.0
+    y = np.where(np.arange(60) >= k, 100.0 * MiB, 0.0)        # far above T: sampled with p = 1
+    churn = (np.arange(60) == k).astype(float)
+    assert classify(t, y, np.zeros(60), churn, (y > 0).astype(float)).classification != "leak"
+
+
+def test_a_source_filter_gives_no_unexplained_verdict():
+    rng = np.random.default_rng(7)
+    ds = _dataset({7: {71: simulate(rng, 600, 10, rate=2 * MiB, lifetime=30)}})
+    ds.processes["rss"] = (500 * MiB + np.linspace(0, 300 * MiB, len(ds.processes))).astype("int64")
+    for col in ("heap_rss", "arena_rss", "anon_rss", "file_rss", "stack_rss"):
+        ds.processes[col] = 0
+    assert [f.kind for f in detect_growth(ds)] == ["unexplained_growth"]
+    ds.sources = ["mmap"]
+    assert detect_growth(ds) == []
