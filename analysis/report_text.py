@@ -6,11 +6,8 @@ import textwrap
 
 from .dataset import Dataset
 from .findings import Finding
+from .report_html import trim_frames
 from .units import fmt_bytes, fmt_hours
-
-# Frames that say nothing about who allocated: process start-up and interpreter plumbing.
-_BORING = ("_start", "__libc_start_main", "__libc_start_call_main", "start_thread", "clone", "clone3",
-           "_PyEval_EvalFrameDefault", "PyEval_EvalCode", "_PyFunction_Vectorcall", "ffi_call")
 
 _NEXT = {
     "persistent_growth": "Find who keeps references to these allocations (the innermost frames are the allocation "
@@ -18,22 +15,6 @@ _NEXT = {
     "unexplained_growth": "Record with the other sources enabled, or look at the processes table's region split.",
     "arena_bloat": "",
 }
-
-
-def interesting_frames(frames: list[dict], limit: int = 8) -> list[str]:
-    """The allocation site first; unknown and start-up frames dropped, repeats collapsed."""
-    out: list[str] = []
-    for f in frames:
-        fn = f.get("function")
-        if not fn or fn in _BORING:
-            continue
-        where = f" {f['file']}:{f['line']}" if f.get("file") and f.get("line") else ""
-        label = f"{fn} ({f.get('module')}){where}"
-        if not out or out[-1] != label:
-            out.append(label)
-        if len(out) == limit:
-            break
-    return out
 
 
 def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
@@ -57,7 +38,10 @@ def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
                          + (f", OOM in {fmt_hours(d['time_to_oom_hours'])} ({d['time_to_oom_basis']})"
                             if d.get("time_to_oom_hours") is not None else ""))
             lines.append("   stack (allocation site first):")
-            lines += [f"     {s}" for s in interesting_frames(d.get("frames", []))] or ["     [no symbols]"]
+            shown, hidden = trim_frames(d.get("frames", []))
+            lines += [f"     {s}" for s in shown] or ["     [no symbols]"]
+            if hidden:
+                lines.append(f"     ({hidden} more frames)")
         elif f.kind == "arena_bloat":
             lines.append(f"   resident {fmt_bytes(d['resident_bytes'])}, live {fmt_bytes(d['live_bytes'])}, "
                          f"bloat {fmt_bytes(d['bloat_bytes'])}, {d.get('arenas')} arenas")

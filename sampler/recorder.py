@@ -90,8 +90,6 @@ class _Target:
     rescan_until: float = 0.0
     warned: bool = False                                 # "no probeable allocator" said once
     drops: tuple[int, int] = (0, 0)
-    peak_rss: int = 0
-    last_rss: int = 0
 
 
 class Recorder:
@@ -391,8 +389,6 @@ class Recorder:
         s = sample_process(t.info.pid)
         b = s.breakdown
         t.vm.learn_regions(b.regions)
-        t.peak_rss = max(t.peak_rss, s.rss)
-        t.last_rss = s.rss
         heap_live, arena_live, live_var = _live_by_region(t.table, b.regions)
         arenas += [{"ts": now, "recording_id": self.recording_id, "host": self.host, **r}
                    for r in arena_rows(t.info.pid, b.regions, t.table)]
