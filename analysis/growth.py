@@ -23,6 +23,7 @@ Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 poi
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -273,10 +274,26 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
 
 
 def _site(frames: list[dict]) -> str:
-    for f in frames:
-        if f["function"]:
-            return f"{f['function']} ({f['module']})"
-    return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
+    """The innermost named frame, and the innermost Python frame above it (the line a Python
+    user recognises), e.g. `alloc_cpu (libc10.so) from train_step (train.py:41)`."""
+    named = next((f for f in frames if f["function"]), None)
+    if named is None:
+        return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
+    site = _where(named)
+    py = [f for f in frames if f.get("kind") == "python"]
+    mine = next((f for f in py if not _LIBRARY_CODE.search(str(f.get("file") or ""))), py[0] if py else None)
+    return site if mine is None or mine is named else f"{site} from {_where(mine)}"
+
+
+# Python code of the interpreter and of installed packages: the user's own frame is the
+# innermost one outside these (torch's `relu` is where, `train_step` is why).
+_LIBRARY_CODE = re.compile(r"/lib/python3[^/]*/|/(site|dist)-packages/|^<frozen ")
+
+
+def _where(f: dict) -> str:
+    if f.get("kind") == "python" and f.get("line"):
+        return f"{f['function']} ({f['module']}:{f['line']})"
+    return f"{f['function']} ({f['module']})"
 
 
 def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:

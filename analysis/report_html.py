@@ -311,8 +311,8 @@ def trim_frames(frames: list[dict[str, Any]], keep: int = SHOWN_FRAMES) -> tuple
                 lines.append(f"{module}+{_hex(f.get('offset'))}" if _finite(f.get("offset")) else f"? ({module})")
             continue
         run = 0
-        text = f"{fn(f)} ({module})"
-        if _text(f.get("file")):
+        text = _frame_text(f)
+        if f.get("kind") != "python" and _text(f.get("file")):
             line = f.get("line")
             text += f"  {Path(f['file']).name}" + (f":{int(line)}" if _finite(line) else "")
         lines.append(text)
@@ -345,6 +345,8 @@ def _stack_html(frames: list[dict[str, Any]]) -> str:
 
 def _frame_text(f: dict[str, Any]) -> str:
     name = _text(f.get("function")) or _hex(f.get("offset"))
+    if f.get("kind") == "python" and _finite(f.get("line")):
+        return f"{name} ({f.get('module') or '?'}:{int(f['line'])})"
     return f"{name} ({f.get('module') or '?'})"
 
 

@@ -13,6 +13,8 @@ struct pending {
     u64 weight;   /* 0: not sampled (a realloc of a sampled block) */
     u64 old;      /* realloc: the sampled old block; posix_memalign: the memptr out-parameter */
     u64 old_born; /* realloc: the old block's allocation time (its value in `live`) */
+    u64 ra_slot;  /* the return address (and where it is on the stack) at entry: the return probe */
+    u64 ra;       /* replaces it with a trampoline until the call returns (see vm.bpf.c) */
     u32 fn;
     u32 pad;
 };
@@ -73,7 +75,7 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
 {
     /* arguments are read once, up front: the verifier rejects loads through a ctx pointer
      * that the compiler has offset */
-    u64 a = PT_REGS_PARM1(ctx), b = PT_REGS_PARM2(ctx), c = PT_REGS_PARM3(ctx);
+    u64 a = PT_REGS_PARM1(ctx), b = PT_REGS_PARM2(ctx), c = PT_REGS_PARM3(ctx), sp = PT_REGS_SP(ctx);
     u32 fn = cookie & 0xff;
     count(C_HITS + (fn & 31), 1);
     if ((cookie & FNF_DELEGATES) && delegated(fn, a, b))
@@ -97,6 +99,8 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
         return 1;
     u32 tid = id;
     p.ts = bpf_ktime_get_ns();
+    p.ra_slot = sp;               /* probes sit where sp still points at the return address */
+    bpf_probe_read_user(&p.ra, sizeof(p.ra), (void *)sp);
     struct pending *outer = pending.lookup(&tid);
     if (outer && p.ts - outer->ts < 1000000000ULL)
         return 1;                 /* nested in a tracked call of another probed function */
@@ -139,6 +143,38 @@ static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
     submit_free(pid, tid, fn, addr, born);
 }
 
+/* Track a sampled block whose ALLOC record is already in the ring buffer. A full table cancels
+ * the record with a FREE, so that user space never holds a block whose free it cannot see. */
+static __always_inline void publish_live(u32 pid, u32 tid, u32 fn, u64 addr, u64 born)
+{
+    struct live_key k = {.pid = pid, .addr = addr};
+    if (live.update(&k, &born)) {
+        count_drop(pid, C_LIVE_FULL);
+        submit_free(pid, tid, fn, addr, born);
+    }
+}
+
+/* A sampled allocation without a stack (the scratch record is in use on this CPU). */
+static __always_inline void emit_alloc_nostack(u32 pid, u32 tid, struct pending *p, u64 addr, u64 ret)
+{
+    struct ev_hdr *e = events.ringbuf_reserve(sizeof(struct ev_hdr));
+    if (!e) {
+        count_drop(pid, C_LOST_EVENTS);
+        return;
+    }
+    init_hdr(e, EV_ALLOC, SRC_MALLOC, p->fn, pid, tid);
+    e->flags = EVF_SAMPLED | EVF_STACK_ERR;
+    e->addr = addr;
+    e->size = p->size;
+    e->weight = p->weight;
+    e->arg = p->old;
+    e->ret = ret;
+    u64 born = e->ts;
+    events.ringbuf_submit(e, 0);
+    count(C_STACK_ERR, 1);
+    publish_live(pid, tid, p->fn, addr, born);
+}
+
 static __always_inline int on_alloc_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
@@ -168,28 +204,30 @@ static __always_inline int on_alloc_return(struct pt_regs *ctx)
     if (!p.weight || !addr)       /* failed allocations are never counted */
         return 0;
 
-    /* Reserve before publishing the address in `live`: a free on another CPU then always
-     * lands after this event in the ring buffer, never before it. */
-    struct ev_stack *e = events.ringbuf_reserve(sizeof(struct ev_stack));
+    /* Sent before the address is published in `live`: a free on another CPU then always lands
+     * after this record in the ring buffer, never before it. */
+    struct ev_stack *e = scratch_acquire();
     if (!e) {
-        count_drop(pid, C_LOST_EVENTS);
+        emit_alloc_nostack(pid, tid, &p, addr, ret);
         return 0;
     }
     init_hdr(&e->h, EV_ALLOC, SRC_MALLOC, p.fn, pid, tid);
-    struct live_key k = {.pid = pid, .addr = addr};
-    if (live.update(&k, &e->h.ts)) {
-        count_drop(pid, C_LIVE_FULL);
-        events.ringbuf_discard(e, 0);
-        return 0;
-    }
-    e->h.flags = EVF_SAMPLED;     /* frames[0] is the return address into the caller */
+    e->h.flags = EVF_SAMPLED;     /* ip is the return address into the caller */
     e->h.addr = addr;
     e->h.size = p.size;
     e->h.weight = p.weight;
     e->h.arg = p.old;
     e->h.ret = ret;
-    capture_stack(ctx, e);
-    events.ringbuf_submit(e, 0);
+    u64 born = e->h.ts;
+    e->ra_slot = e->ra = 0;
+    u32 len = capture_user(e, PT_REGS_IP(ctx), PT_REGS_SP(ctx), PT_REGS_FP(ctx));
+    long err = events.ringbuf_output(e, len, 0);
+    scratch_release();
+    if (err) {
+        count_drop(pid, C_LOST_EVENTS);
+        return 0;
+    }
+    publish_live(pid, tid, p.fn, addr, born);
     return 0;
 }
 

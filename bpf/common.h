@@ -2,7 +2,8 @@
  *
  * Compile-time parameters (set by sampler/bpf_loader.py with -D):
  *   SAMPLE_MEAN   mean bytes between samples (Poisson process over requested bytes)
- *   MAX_FRAMES    user stack frames captured per sampled event
+ *   STACK_BYTES   user stack bytes copied per sampled event (multiple of STACK_CHUNK)
+ *   PY_MAX        Python frames captured per sampled event
  *   LIVE_MAX      capacity of the sampled-live-address table
  *   RINGBUF_PAGES ring buffer size in pages
  *
@@ -13,9 +14,15 @@
 #ifndef SAMPLE_MEAN
 #define SAMPLE_MEAN (512 * 1024)
 #endif
-#ifndef MAX_FRAMES
-#define MAX_FRAMES 127
+#ifndef STACK_BYTES
+#define STACK_BYTES 16384
 #endif
+#ifndef PY_MAX
+#define PY_MAX 96
+#endif
+/* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
+ * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
+#define STACK_CHUNK 1024
 #ifndef LIVE_MAX
 #define LIVE_MAX 262144
 #endif
@@ -31,7 +38,9 @@
 
 enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4 };
 enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2 };
-enum ev_flags { EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4 };
+/* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
+ * PY_MISS: a Python target whose thread is not (yet) in `pythreads`. */
+enum ev_flags { EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16 };
 
 /* Allocator functions; values are shared with sampler/allocators.py (Fn). */
 enum fn_id {
@@ -53,7 +62,8 @@ enum counter {
     C_LIVE_FULL,         /* sampled allocation not tracked: live table full */
     C_PENDING_FULL,      /* per-thread pending table full */
     C_SAMPLED,
-    C_STACK_ERR,
+    C_STACK_ERR,         /* no stack captured (registers unreadable, scratch busy) */
+    C_PY_MISS,           /* Python target, thread state unknown */
     C_HITS = 16,         /* + fn_id: allocator probe hits */
     C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
     C_N = 64,
@@ -65,7 +75,7 @@ struct ev_hdr {
     u16 op;          /* fn_id, vm_op or proc_op */
     u32 pid;
     u32 tid;
-    u16 nframes;
+    u16 pad;
     u16 flags;
     u64 ts;
     u64 addr;        /* ALLOC/FREE: block; VM: syscall address argument; PROC: child pid */
@@ -75,11 +85,22 @@ struct ev_hdr {
     u64 ret;         /* VM: syscall return value */
 };
 
+/* A sampled event with its stack: user registers, the Python frames of the thread (npy pairs of
+ * u64: code object | entry byte << 56, instruction word), then stack_len bytes copied from sp.
+ * Only the used part of `data` is sent. */
 struct ev_stack {
     struct ev_hdr h;
-    u64 sp_word;     /* syscall events: the word at the user sp (the return address into the
-                      * caller of a leaf syscall wrapper, which a frame-pointer walk skips) */
-    u64 frames[MAX_FRAMES];
+    u64 ip;
+    u64 sp;
+    u64 bp;
+    u64 ra_slot;     /* when nonzero: the stack word at ra_slot holds a uretprobe trampoline */
+    u64 ra;          /* address instead of this original return address (an event inside a
+                      * sampled allocation call, whose return probe is pending) */
+    u16 stack_len;
+    u16 npy;
+    u32 pad;
+    /* + 2 chunks of slack: the verifier's bounds on `off + n` in copy_stack are loose */
+    u8 data[PY_MAX * 16 + STACK_BYTES + 2 * STACK_CHUNK];
 };
 
 struct live_key {
@@ -96,6 +117,29 @@ BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
 BPF_HASH(live, struct live_key, u64, LIVE_MAX);
 /* Processes being recorded (tgid -> flags); syscall tracepoints fire host-wide and check it. */
 BPF_HASH(targets, u32, u32, 4096);
+
+/* CPython targets: per-process layout of the frame chain (sampler/pyruntime.py PyLayout), and
+ * each thread's PyThreadState, filled from user space (the interpreter's "current thread"
+ * pointer is NULL whenever the GIL is released, as in every torch op). */
+struct py_layout {
+    u32 version;
+    u16 tstate_frame;
+    u16 cframe_frame;    /* 0xffff: no _PyCFrame indirection */
+    u16 frame_code;
+    u16 frame_back;
+    u16 frame_instr;
+    u16 frame_entry;     /* 0xffff: none */
+};
+BPF_HASH(pyprocs, u32, struct py_layout, 4096);
+BPF_HASH(pythreads, u32, u64, 65536);
+/* Per process: stack bytes worth copying, learnt in user space from how deep its walks go (a
+ * smaller record per sample); absent: STACK_BYTES. */
+BPF_HASH(stack_hint, u32, u32, 4096);
+
+/* Per-CPU scratch for stack records (too big for the BPF stack), with a busy flag: a program
+ * preempted on this CPU must not have its record overwritten by the next one. */
+BPF_PERCPU_ARRAY(stack_scratch, struct ev_stack, 1);
+BPF_PERCPU_ARRAY(scratch_busy, u64, 1);
 
 /* Per-process drop accounting (rare path only). */
 struct drops {
@@ -196,7 +240,7 @@ static __always_inline void init_hdr(struct ev_hdr *e, u8 type, u8 source, u16 o
     e->op = op;
     e->pid = pid;
     e->tid = tid;
-    e->nframes = 0;
+    e->pad = 0;
     e->flags = 0;
     e->ts = bpf_ktime_get_ns();
     e->addr = 0;
@@ -206,27 +250,117 @@ static __always_inline void init_hdr(struct ev_hdr *e, u8 type, u8 source, u16 o
     e->ret = 0;
 }
 
-/* Fill a stack event's frames with the user stack (frame-pointer walk by the kernel).
- * Kept behind this one function so that a later unwinder can replace the capture. */
-static __always_inline void capture_stack(void *ctx, struct ev_stack *e)
+static __always_inline struct ev_stack *scratch_acquire(void)
 {
-    e->sp_word = 0;
-    long n = bpf_get_stack(ctx, e->frames, sizeof(e->frames), BPF_F_USER_STACK);
-    if (n < 0) {
-        e->h.nframes = 0;
-        e->h.flags |= EVF_STACK_ERR;
-        count(C_STACK_ERR, 1);
-    } else {
-        e->h.nframes = n / sizeof(u64);
+    u32 zero = 0;
+    u64 *busy = scratch_busy.lookup(&zero);
+    if (!busy || __sync_fetch_and_add(busy, 1)) {
+        if (busy)
+            __sync_fetch_and_add(busy, -1);
+        return 0;
     }
+    return stack_scratch.lookup(&zero);
 }
 
-/* At a syscall: the word at the user stack pointer, validated in user space. */
-static __always_inline void capture_sp_word(struct ev_stack *e)
+static __always_inline void scratch_release(void)
+{
+    u32 zero = 0;
+    u64 *busy = scratch_busy.lookup(&zero);
+    if (busy)
+        __sync_fetch_and_add(busy, -1);
+}
+
+/* The thread's Python frames, innermost first, into e->data; returns their number. */
+static __always_inline u32 capture_python(struct ev_stack *e, u32 pid, u32 tid)
+{
+    struct py_layout *lp = pyprocs.lookup(&pid);
+    if (!lp)
+        return 0;
+    struct py_layout L = *lp;
+    u64 *tsp = pythreads.lookup(&tid);
+    if (!tsp) {
+        e->h.flags |= EVF_PY_MISS;
+        count(C_PY_MISS, 1);
+        return 0;
+    }
+    u64 f = 0;
+    if (bpf_probe_read_user(&f, sizeof(f), (void *)(*tsp + L.tstate_frame)))
+        return 0;
+    if (L.cframe_frame != 0xffff && f && bpf_probe_read_user(&f, sizeof(f), (void *)(f + L.cframe_frame)))
+        return 0;
+    u32 n = 0;
+    for (u32 i = 0; i < PY_MAX; i++) {
+        if (!f)
+            return n;
+        u64 *slot = (u64 *)(e->data + i * 16);
+        u64 code = 0, instr = 0;
+        u8 entry = 0;
+        bpf_probe_read_user(&code, sizeof(code), (void *)(f + L.frame_code));
+        bpf_probe_read_user(&instr, sizeof(instr), (void *)(f + L.frame_instr));
+        if (L.frame_entry != 0xffff)
+            bpf_probe_read_user(&entry, 1, (void *)(f + L.frame_entry));
+        slot[0] = code | (u64)entry << 56;
+        slot[1] = instr;
+        n = i + 1;
+        if (bpf_probe_read_user(&f, sizeof(f), (void *)(f + L.frame_back)))
+            return n;
+    }
+    if (f)
+        e->h.flags |= EVF_PY_TRUNC;
+    return n;
+}
+
+/* Up to STACK_BYTES of the user stack from sp, stopping at the end of the stack mapping (or at
+ * a page that is not resident). Returns the bytes copied, at e->data + off. */
+static __always_inline u32 copy_stack(struct ev_stack *e, u32 off, u64 sp)
+{
+    if (off > PY_MAX * 16)
+        return 0;
+    u32 pid = e->h.pid;
+    u32 *hint = stack_hint.lookup(&pid);
+    u32 limit = hint ? *hint : STACK_BYTES;
+    u32 first = STACK_CHUNK - (sp & (STACK_CHUNK - 1));
+    if (bpf_probe_read_user(e->data + off, first, (void *)sp))
+        return 0;
+    u32 n = first;
+#pragma unroll
+    for (int i = 0; i < STACK_BYTES / STACK_CHUNK - 1; i++) {
+        if (n >= limit)
+            break;
+        if (bpf_probe_read_user(e->data + off + n, STACK_CHUNK, (void *)(sp + n)))
+            break;
+        n += STACK_CHUNK;
+    }
+    return n;
+}
+
+/* Fill the stack part of a scratch record; returns the record's length. The header is set. */
+static __always_inline u32 capture_user(struct ev_stack *e, u64 ip, u64 sp, u64 bp)
+{
+    e->ip = ip;
+    e->sp = sp;
+    e->bp = bp;
+    u32 npy = capture_python(e, e->h.pid, e->h.tid);
+    if (npy > PY_MAX)
+        npy = PY_MAX;
+    u32 n = copy_stack(e, npy * 16, sp);
+    if (!n) {
+        e->h.flags |= EVF_STACK_ERR;
+        count(C_STACK_ERR, 1);
+    }
+    e->npy = npy;
+    e->stack_len = n;
+    e->pad = 0;
+    u32 len = offsetof(struct ev_stack, data) + npy * 16 + n;
+    return len > sizeof(*e) ? sizeof(*e) : len;
+}
+
+/* The user registers of the current task (at a syscall tracepoint). */
+static __always_inline void user_regs(u64 *ip, u64 *sp, u64 *bp)
 {
     struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(
         (struct task_struct *)bpf_get_current_task_btf());
-    u64 sp = 0;
-    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-    bpf_probe_read_user(&e->sp_word, sizeof(e->sp_word), (void *)sp);
+    bpf_probe_read_kernel(ip, sizeof(*ip), &regs->ip);
+    bpf_probe_read_kernel(sp, sizeof(*sp), &regs->sp);
+    bpf_probe_read_kernel(bp, sizeof(*bp), &regs->bp);
 }

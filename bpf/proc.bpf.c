@@ -39,6 +39,7 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     /* a thread that dies inside a tracked call never returns: drop its pending state */
     pending.delete(&tid);
     vm_pending.delete(&tid);
+    pythreads.delete(&tid);       /* the tid may be reused by a thread without a PyThreadState */
 #ifdef EXIT_HAS_GROUP_DEAD
     if (!args->group_dead)
         return 0;

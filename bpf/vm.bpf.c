@@ -69,14 +69,8 @@ static __always_inline int vm_exit(void *ctx, long ret)
         weight = sample_bytes(v.arg);              /* new length */
     }
 
-    struct ev_hdr *h;
-    struct ev_stack *e = 0;
-    if (weight) {
-        e = events.ringbuf_reserve(sizeof(struct ev_stack));
-        h = (struct ev_hdr *)e;
-    } else {
-        h = events.ringbuf_reserve(sizeof(struct ev_hdr));
-    }
+    struct ev_stack *e = weight ? scratch_acquire() : 0;
+    struct ev_hdr *h = e ? &e->h : events.ringbuf_reserve(sizeof(struct ev_hdr));
     if (!h) {
         count_drop(pid, C_LOST_EVENTS);
         return 0;
@@ -88,12 +82,24 @@ static __always_inline int vm_exit(void *ctx, long ret)
     h->weight = weight;
     h->arg = v.arg;
     h->ret = ret;
-    if (e) {
+    if (weight)
         h->flags |= EVF_SAMPLED;
-        capture_stack(ctx, e);
-        capture_sp_word(e);
-        events.ringbuf_submit(e, 0);
+    if (e) {
+        u64 ip = 0, sp = 0, bp = 0;
+        user_regs(&ip, &sp, &bp);
+        struct pending *outer = pending.lookup(&tid);     /* inside a sampled malloc (glibc's
+                                                           * mmap of a large block) */
+        e->ra_slot = outer ? outer->ra_slot : 0;
+        e->ra = outer ? outer->ra : 0;
+        u32 len = capture_user(e, ip, sp, bp);
+        if (events.ringbuf_output(e, len, 0))
+            count_drop(pid, C_LOST_EVENTS);
+        scratch_release();
     } else {
+        if (weight) {             /* sampled, but the scratch record is in use on this CPU */
+            h->flags |= EVF_STACK_ERR;
+            count(C_STACK_ERR, 1);
+        }
         events.ringbuf_submit(h, 0);
     }
     return 0;

@@ -24,7 +24,7 @@ from .allocators import AllocatorLib, Fn
 from .errors import EnvironmentProblem
 
 SOURCES = ("alloc.bpf.c", "vm.bpf.c", "proc.bpf.c")
-C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR = range(5)
+C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS = range(6)
 C_HITS, C_VM_HITS, C_N = 16, 48, 64
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
@@ -34,9 +34,10 @@ _libbcc = None
 @dataclass(frozen=True)
 class ProbeConfig:
     sample_mean: int = 512 * 1024
-    max_frames: int = 127
+    stack_bytes: int = 16 << 10   # user stack copied per sampled event (multiple of 1 KiB)
+    py_max: int = 96              # Python frames captured per sampled event
     live_max: int = 262144
-    ringbuf_bytes: int = 8 << 20
+    ringbuf_bytes: int = 32 << 20   # a burst of sampled stacks (1-16 KiB each) must fit
     mode: str = "auto"            # auto | session | perf
 
 
@@ -91,7 +92,8 @@ class BpfProbes:
         pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
         cflags = [
             f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
-            f"-DMAX_FRAMES={cfg.max_frames}",
+            f"-DSTACK_BYTES={cfg.stack_bytes}",
+            f"-DPY_MAX={cfg.py_max}",
             f"-DLIVE_MAX={cfg.live_max}",
             f"-DRINGBUF_PAGES={pages}",
             "-Wno-unused-function",
@@ -207,6 +209,34 @@ class BpfProbes:
         self.detach_probes(pid)
         with contextlib.suppress(KeyError):
             del self._targets[ctypes.c_uint32(pid)]
+
+    # CPython targets ------------------------------------------------------------------------
+    def set_python(self, pid: int, layout: bytes | None) -> None:
+        """The frame-chain layout of a CPython process (sampler/pyruntime.PyLayout), or None."""
+        tab = self.bpf["pyprocs"]
+        if layout is None:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(pid)]
+        else:
+            tab[tab.Key(pid)] = tab.Leaf.from_buffer_copy(layout)
+
+    def set_python_threads(self, add: dict[int, int], remove=()) -> None:
+        """Thread id -> PyThreadState address, for the BPF Python walk."""
+        tab = self.bpf["pythreads"]
+        for tid in remove:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(tid)]
+        for tid, tstate in add.items():
+            tab[tab.Key(tid)] = tab.Leaf(tstate)
+
+    def set_stack_hint(self, pid: int, nbytes: int | None) -> None:
+        """Stack bytes to copy per sample of `pid` (None: the configured maximum)."""
+        tab = self.bpf["stack_hint"]
+        if nbytes is None:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(pid)]
+        else:
+            tab[tab.Key(pid)] = tab.Leaf(nbytes)
 
     def forget_live(self, pid: int, addrs) -> None:
         """Drop sampled-live entries of a process that exited or exec'd."""

@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="session: uprobe_multi sessions (Linux >= 6.13, return probe only for sampled "
                         "calls); perf: classic uprobes (default: auto)")
     r.add_argument("--live-max", type=int, default=262144, help="capacity of the sampled-live table")
-    r.add_argument("--max-frames", type=int, default=127, help="stack frames per sample (<= 127)")
+    r.add_argument("--max-frames", type=int, default=127, help="native frames unwound per stack (<= 512)")
+    r.add_argument("--stack-bytes", type=_size, default=16 << 10, metavar="SIZE",
+                   help="user stack copied per sample for unwinding, 1K..24K in steps of 1K (default: 16K)")
+    r.add_argument("--no-python", dest="python", action="store_false",
+                   help="do not read Python frames of CPython targets")
+    r.add_argument("--interpreter-frames", action="store_true",
+                   help="keep the interpreter's own frames between Python frames")
     r.add_argument("--quiet", "-q", action="store_true", help="no summary at the end")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: start and record a command")
 
@@ -90,8 +96,46 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             a.add_argument("--html", metavar="FILE", help="write a self-contained HTML report to FILE")
 
+    e = sub.add_parser("export", help="write a pprof profile or collapsed stacks of a dataset",
+                       description="Export outstanding (inuse_*) and allocated (alloc_*) bytes and objects "
+                                   "per stack: a gzipped pprof Profile and/or collapsed stacks.")
+    e.add_argument("dir", help="dataset directory (record --out)")
+    e.add_argument("--pprof", metavar="OUT.pb.gz", help="write a gzipped pprof profile")
+    e.add_argument("--collapsed", metavar="OUT.txt", help="write collapsed stacks ('-': standard output)")
+    e.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+    e.add_argument("--source", choices=("malloc", "mmap"), default="malloc",
+                   help="allocation source (they overlap, so one at a time; default: %(default)s)")
+    when = e.add_mutually_exclusive_group()
+    when.add_argument("--at", type=_when, metavar="TIME", help="inuse at TIME, alloc up to TIME (default: "
+                      "the end of the data)")
+    when.add_argument("--window", type=_when, nargs=2, metavar=("START", "END"),
+                      help="alloc over the snapshot intervals ending in (START, END], inuse at END")
+    e.add_argument("--value", choices=("inuse_space", "inuse_objects", "alloc_space", "alloc_objects"),
+                   help="what --collapsed counts (default: inuse_space, alloc_space with --window)")
+
+    d = sub.add_parser("diff", help="compare a baseline dataset with a new one (CI memory gate)",
+                       description="Per process name and stack: peak and final outstanding memory, peak RSS, "
+                                   "arena resident, GPU reserved. Exit 1 when a metric grows beyond --budget.")
+    d.add_argument("baseline", help="baseline dataset directory")
+    d.add_argument("new", help="new dataset directory")
+    d.add_argument("--budget", type=_budget, help="allowed growth of each metric: a share of the baseline "
+                   "(5%%) or a size (64M); without it nothing fails")
+    d.add_argument("--metric", action="append", default=[], metavar="NAME",
+                   help="only these metrics count against the budget: peak_rss, peak_arena_resident, "
+                        "peak_outstanding, final_outstanding, gpu_reserved (default: all)")
+    d.add_argument("-n", type=int, default=10, help="stacks listed per kind of change (default: %(default)s)")
+    d.add_argument("--json", action="store_true", help="print one JSON object (docs/querying.md)")
+
     sub.add_parser("check", help="check that this machine can record (root, BPF, headers, tracefs)")
     return p
+
+
+def _budget(text: str):
+    from analysis.diff import parse_budget
+    try:
+        return parse_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _when(text: str):
@@ -171,8 +215,10 @@ def _record(args) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not args.pid and not cmd:
         raise UsageError("nothing to record: give --pid PID or a command after --")
-    if not 1 <= args.max_frames <= 127:
-        raise UsageError(f"--max-frames must be between 1 and 127, got {args.max_frames}")
+    if not 1 <= args.max_frames <= 512:
+        raise UsageError(f"--max-frames must be between 1 and 512, got {args.max_frames}")
+    if args.stack_bytes % 1024 or not 1024 <= args.stack_bytes <= 24 << 10:
+        raise UsageError(f"--stack-bytes must be a multiple of 1K between 1K and 24K, got {args.stack_bytes}")
     if args.sample_bytes > 1 << 36:
         raise UsageError(f"--sample-bytes must be at most 64G, got {args.sample_bytes}")
     if args.live_max < 1024:
@@ -185,7 +231,8 @@ def _record(args) -> int:
         out=args.out, pids=args.pid, command=cmd, duration=args.duration, interval=args.interval,
         sample_mean=args.sample_bytes, children=args.children, allocators=families,
         syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, live_max=args.live_max,
-        max_frames=args.max_frames, quiet=args.quiet, argv=" ".join(sys.argv))
+        max_frames=args.max_frames, stack_bytes=args.stack_bytes, python=args.python,
+        interpreter_frames=args.interpreter_frames, quiet=args.quiet, argv=" ".join(sys.argv))
     rec = Recorder(opts)
     code = rec.run()
     if not args.quiet:
@@ -200,6 +247,65 @@ def _top(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from pathlib import Path
+
+    from analysis.collapsed import collapsed_lines
+    from analysis.pprof import Window, profile_values, stack_frames, write_pprof
+    from analysis.units import fmt_bytes
+
+    from .errors import UsageError
+
+    if not args.pprof and not args.collapsed:
+        raise UsageError("nothing to write: give --pprof OUT.pb.gz and/or --collapsed OUT.txt")
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"no dataset at {args.dir}: give the directory passed to `record --out`")
+    start, end = args.window if args.window else (None, args.at)
+    if start is not None and start >= end:
+        raise UsageError("--window START END: START must be before END")
+    window = Window(start, end)
+    values = profile_values(args.dir, window=window, source=args.source, pids=args.pid or None)
+    frames = stack_frames(args.dir)
+    log = sys.stderr if args.collapsed == "-" else sys.stdout
+    try:
+        if args.pprof:
+            write_pprof(args.dir, values, args.pprof, source=args.source, window=window, frames=frames)
+            print(f"pprof profile written to {args.pprof}: {len(values)} samples of "
+                  f"{values.groupby(['recording_id', 'pid']).ngroups} processes, inuse_space "
+                  f"{fmt_bytes(values['inuse_space'].sum())}, alloc_space {fmt_bytes(values['alloc_space'].sum())} "
+                  f"(source {args.source})", file=log)
+        if args.collapsed:
+            value = args.value or ("alloc_space" if args.window else "inuse_space")
+            text = "".join(line + "\n" for line in collapsed_lines(values, frames, value))
+            if args.collapsed == "-":
+                sys.stdout.write(text)
+            else:
+                Path(args.collapsed).write_text(text)
+                print(f"collapsed stacks ({value}) written to {args.collapsed}", file=log)
+    except OSError as e:
+        raise UsageError(f"cannot write {e.filename}: {e.strerror}") from None
+    return 0
+
+
+def _diff(args) -> int:
+    import json
+
+    from analysis.dataset import read_table
+    from analysis.diff import METRICS, compare, render
+
+    from .errors import UsageError
+
+    bad = sorted(set(args.metric) - set(METRICS))
+    if bad:
+        raise UsageError(f"unknown --metric {', '.join(bad)}: choose from {', '.join(METRICS)}")
+    for d in (args.baseline, args.new):
+        if read_table(d, "processes", columns=["pid"]).empty:
+            raise UsageError(f"no recording in {d}: give a directory written by `record --out`")
+    report = compare(args.baseline, args.new, args.budget, tuple(args.metric) or METRICS)
+    print(json.dumps(report.to_json(), indent=2) if args.json else render(report, n=args.n))
+    return 1 if report.over_budget else 0
+
+
 def _check(_args) -> int:
     from . import preflight
     preflight.check_all()
@@ -210,7 +316,8 @@ def _check(_args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"record": _record, "top": _top, "check": _check, "analyze": _analyze, "report": _report}
+        commands = {"record": _record, "top": _top, "check": _check, "analyze": _analyze, "report": _report,
+                    "export": _export, "diff": _diff}
         return commands[args.command](args)
     except AllocsamplerError as e:
         print(f"allocsampler: error: {e}", file=sys.stderr)

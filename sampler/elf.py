@@ -376,6 +376,28 @@ class ElfImage:
                 return self._main.mm[off : min(off + n, seg.offset + seg.filesz)]
         raise ValueError(f"{self.path}: vaddr {vaddr:#x} is not backed by the file")
 
+    def section(self, name: str) -> tuple[int, memoryview] | None:
+        """(sh_addr, contents) of section `name` of the file itself, without copying.
+
+        `.debug_frame` is not loaded at run time, so strip moves it to the separate debug file:
+        it is looked up there too.
+        """
+        files = [self._main]
+        if name == ".debug_frame" and self.debug_path:
+            try:
+                fd = os.open(self.debug_path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    files.append(_File(fd, self.debug_path))
+                finally:
+                    os.close(fd)
+            except (OSError, ElfFormatError):
+                pass
+        for f in files:
+            for sec in f.sections:
+                if sec.name == name and sec.type != SHT_NOBITS and sec.offset + sec.size <= len(f.mm):
+                    return sec.addr, memoryview(f.mm)[sec.offset : sec.offset + sec.size]
+        return None
+
     # Symbols
 
     def symbol(self, name: str) -> Symbol | None:

@@ -1,7 +1,7 @@
 """Decoding of the records that the BPF programs put in the ring buffer.
 
 Layout mirrors `struct ev_hdr` / `struct ev_stack` in bpf/common.h: a 64-byte header, and for
-stack records the sp word and the frames.
+stack records the user registers, the Python frames and a copy of the top of the user stack.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 HEADER = struct.Struct("<BBHIIHHQQQQQQ")
 assert HEADER.size == 64
+STACK_HEAD = struct.Struct("<QQQQQHHI")    # ip, sp, bp, ra_slot, ra, stack_len, npy, pad
 
 
 class EvType(enum.IntEnum):
@@ -44,6 +45,8 @@ class ProcOp(enum.IntEnum):
 FLAG_FIRST_IS_IP = 1
 FLAG_SAMPLED = 2
 FLAG_STACK_ERR = 4
+FLAG_PY_MISS = 8
+FLAG_PY_TRUNC = 16
 
 
 @dataclass(slots=True)
@@ -60,19 +63,27 @@ class Event:
     weight: int
     arg: int
     ret: int
-    frames: tuple[int, ...]
-    sp_word: int = 0
+    ip: int = 0             # user registers at the event (ip: a return address unless FLAG_FIRST_IS_IP)
+    sp: int = 0
+    bp: int = 0
+    ra_slot: int = 0        # nonzero: the stack word there is a uretprobe trampoline standing for ra
+    ra: int = 0
+    py: tuple[tuple[int, int], ...] = ()    # Python frames, innermost first: (code | entry << 56, instr)
+    stack: bytes = b""      # user stack bytes from sp
 
 
 def decode(raw: bytes) -> Event:
-    (etype, source, op, pid, tid, nframes, flags, ts, addr, size, weight, arg, ret) = HEADER.unpack_from(raw)
-    frames: tuple[int, ...] = ()
-    sp_word = 0
-    if len(raw) > HEADER.size:
-        (sp_word,) = struct.unpack_from("<Q", raw, HEADER.size)
-        nframes = min(nframes, (len(raw) - HEADER.size - 8) // 8)
-        frames = struct.unpack_from(f"<{nframes}Q", raw, HEADER.size + 8)
+    (etype, source, op, pid, tid, _, flags, ts, addr, size, weight, arg, ret) = HEADER.unpack_from(raw)
     # syscall return values are signed longs
     if ret >= 1 << 63:
         ret -= 1 << 64
-    return Event(etype, source, op, pid, tid, flags, ts, addr, size, weight, arg, ret, frames, sp_word)
+    ev = Event(etype, source, op, pid, tid, flags, ts, addr, size, weight, arg, ret)
+    if len(raw) >= HEADER.size + STACK_HEAD.size:
+        ev.ip, ev.sp, ev.bp, ev.ra_slot, ev.ra, stack_len, npy, _ = STACK_HEAD.unpack_from(raw, HEADER.size)
+        off = HEADER.size + STACK_HEAD.size
+        npy = min(npy, (len(raw) - off) // 16)
+        words = struct.unpack_from(f"<{2 * npy}Q", raw, off)
+        ev.py = tuple(zip(words[::2], words[1::2], strict=True))
+        off += 16 * npy
+        ev.stack = bytes(raw[off : off + stack_len])
+    return ev

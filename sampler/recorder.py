@@ -22,6 +22,7 @@ from .bpf_loader import (
     C_LIVE_FULL,
     C_LOST_EVENTS,
     C_PENDING_FULL,
+    C_PY_MISS,
     C_SAMPLED,
     C_STACK_ERR,
     C_VM_HITS,
@@ -30,10 +31,11 @@ from .bpf_loader import (
 )
 from .dataset_writer import DatasetWriter
 from .errors import EnvironmentProblem, TargetGone
-from .events import EvType, ProcOp, VmOp, decode
+from .events import FLAG_PY_MISS, EvType, ProcOp, VmOp, decode
 from .malloc_arenas import arena_rows
 from .outstanding import MALLOC, MMAP, ProcessTable
 from .procmetrics import sample_process
+from .pytargets import PythonTargets
 from .schema import (
     FRAMES,
     MALLOC_ARENAS,
@@ -47,9 +49,10 @@ from .schema import (
     VM_EVENTS,
 )
 from .smaps import ARENA, HEAP
-from .stacks import StackTable
+from .stacks import COMPLETE, StackTable
 from .symbolize import Symbolizer
 from .targets import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
+from .unwind import Unwinder
 from .vm_events import VmClassifier
 from .weights import chunk_size, sample_terms
 
@@ -70,7 +73,11 @@ class RecordOptions:
     syscalls_only: bool = False
     probe_mode: str = "auto"
     live_max: int = 262144
-    max_frames: int = 127
+    max_frames: int = 127                 # native frames unwound per stack
+    stack_bytes: int = 16 << 10           # user stack copied per sampled event
+    python: bool = True                   # read Python frames of CPython targets
+    interpreter_frames: bool = False      # keep libpython frames between Python frames
+    unwind_cache: str | None = None       # directory for the per-build-id unwind tables
     vm_events_per_interval: int = 20000
     quiet: bool = False
     argv: str = ""
@@ -89,6 +96,7 @@ class _Target:
     vm: VmClassifier = field(default_factory=VmClassifier)
     rescan_until: float = 0.0
     warned: bool = False                                 # "no probeable allocator" said once
+    py_checked: bool = False                             # Python detection done for this image
     drops: tuple[int, int] = (0, 0)
 
 
@@ -124,9 +132,15 @@ class Recorder:
 
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
-        self.probes = BpfProbes(ProbeConfig(o.sample_mean, o.max_frames, o.live_max, mode=o.probe_mode))
+        self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
+                                            stack_bytes=o.stack_bytes))
         self.symbolizer = Symbolizer()
-        self.stacks = StackTable(self.symbolizer, o.max_frames)
+        self.python = PythonTargets(self.probes) if o.python else None
+        self.unwinder = Unwinder(_cache_dir(o.unwind_cache))
+        self.stacks = StackTable(self.symbolizer, self.unwinder, self.python, o.max_frames,
+                                 interpreter_frames=o.interpreter_frames)
+        self._samples = self._complete = 0
+        self._hints: dict[int, int | None] = {}
         self.writer = DatasetWriter(o.out, self.recording_id)
         self._write_recording(ended=None)
         self.probes.open_events(self._on_event)
@@ -188,7 +202,19 @@ class Recorder:
         except ProcessLookupError:
             self._drop_target(pid, "exited while being attached")
             return
+        self._detect_python(t, final=True)
         self._target_row(t, "attach", self._attach_detail(t))
+
+    def _detect_python(self, t: _Target, final: bool) -> None:
+        """Start reading Python frames when the target runs CPython. Right after an exec the
+        interpreter may not be initialized yet: retried quietly until `final`."""
+        if self.python is None or t.py_checked:
+            return
+        why = self.python.add(t.info.pid)
+        if self.python.known(t.info.pid) or final:
+            t.py_checked = True
+            if why:
+                self._warn(t, why)
 
     def _attach_allocators(self, t: _Target) -> None:
         pid = t.info.pid
@@ -236,6 +262,7 @@ class Recorder:
                     self._attach_allocators(t)
                 except ProcessLookupError:
                     continue
+                self._detect_python(t, final=not t.rescan_until)
                 if len(t.libs) > n:
                     self._target_row(t, "attach", self._attach_detail(t))
 
@@ -246,6 +273,10 @@ class Recorder:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
         self.stacks.forget(pid)
+        if self.python is not None:
+            self.python.forget(pid)
+        if self._hints.pop(pid, None) is not None:
+            self.probes.set_stack_hint(pid, None)
         self.finished.append((t.info, why))
 
     def _warn(self, t: _Target, msg: str) -> None:
@@ -281,8 +312,10 @@ class Recorder:
         t = self.targets.get(ev.pid)
         if t is None:
             return
+        if ev.flags & FLAG_PY_MISS and self.python is not None:
+            self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
-            t.table.alloc(ev.addr, ev.size, ev.weight, self.stacks.intern(ev), ev.ts_ns)
+            t.table.alloc(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns)
         elif ev.type == EvType.FREE:
             t.table.free(ev.addr, ev.arg)
         elif ev.type == EvType.VM:
@@ -292,7 +325,7 @@ class Recorder:
 
     def _on_vm(self, t: _Target, ev) -> None:
         op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
-        sid = self.stacks.intern(ev) if ev.weight else None
+        sid = self._intern(ev) if ev.weight else None
         if ok and op == VmOp.MMAP:
             t.table.unmap(ev.ret, ev.size)          # whatever was mapped there is gone
             if ev.weight:
@@ -324,6 +357,16 @@ class Recorder:
             "stack_id": sid,
         })
 
+    def _intern(self, ev) -> int:
+        sid = self.stacks.intern(ev)
+        self._samples += 1
+        self._complete += self.stacks.last_stop == COMPLETE
+        hint = self.stacks.stack_hint(ev.pid, self.opts.stack_bytes)
+        if hint != self._hints.get(ev.pid):       # copy only what this process's walks need
+            self._hints[ev.pid] = hint
+            self.probes.set_stack_hint(ev.pid, hint)
+        return sid
+
     def _on_proc(self, t: _Target, ev) -> None:
         if ev.op == ProcOp.FORK:
             child = ev.addr
@@ -340,6 +383,9 @@ class Recorder:
             t.table.clear()
             t.vm = VmClassifier()
             self.stacks.forget(t.info.pid)
+            if self.python is not None:
+                self.python.forget(t.info.pid)
+            t.py_checked = False
             try:
                 t.info = read_info(t.info.pid)
             except ProcessLookupError:
@@ -363,6 +409,8 @@ class Recorder:
         arenas: list[dict] = []
         for pid, t in list(self.targets.items()):
             t.drops = drops.get(pid, t.drops)
+            if self.python is not None:
+                self.python.refresh(pid, force=True)
             out_rows += self._outstanding_rows(t, now, interval)
             try:
                 proc_rows.append(self._process_row(t, now, arenas))
@@ -414,15 +462,17 @@ class Recorder:
         stack_rows, frame_rows = [], []
         base = {"ts": now, "recording_id": self.recording_id, "host": self.host}
         for st in self.stacks.drain_new():
-            labels = [f"{f.function or hex(f.offset)} ({f.module})" for f in st.frames]
+            labels = [_label(f) for f in st.frames]
             stack_rows.append({**base, "stack_id": st.stack_id, "n_frames": len(st.frames),
                                "truncated": st.truncated, "site": labels[0] if labels else None,
-                               "summary": " < ".join(labels)})
+                               "summary": " < ".join(labels), "unwind_stop": st.unwind_stop,
+                               "python_frames": sum(f.kind == "python" for f in st.frames)})
             for depth, f in enumerate(st.frames):
                 frame_rows.append({**base, "stack_id": st.stack_id, "depth": depth,
                                    "function": f.function, "module": f.module, "path": f.path,
-                                   "offset": _i64(f.offset), "build_id": f.build_id, "file": f.file,
-                                   "line": f.line, "kind": f.kind})
+                                   "offset": None if f.kind == "python" else _i64(f.offset),
+                                   "build_id": f.build_id, "file": f.file, "line": f.line, "kind": f.kind,
+                                   "inlined": f.inline})
         self._write(STACKS, stack_rows)
         self._write(FRAMES, frame_rows)
 
@@ -438,11 +488,15 @@ class Recorder:
             "probe_hits": sum(d[C_HITS:C_HITS + 32]), "vm_hits": sum(d[C_VM_HITS:C_VM_HITS + 16]),
             "samples": d[C_SAMPLED], "lost_events": d[C_LOST_EVENTS], "dropped_samples": d[C_LIVE_FULL],
             "pending_full": d[C_PENDING_FULL], "stack_errors": d[C_STACK_ERR],
+            "python_thread_misses": d[C_PY_MISS], "stacks_unwound": self._samples,
+            "stacks_complete": self._complete,
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
         }])
         self._events = 0
         self._vm_dropped = 0
+        self._samples = self._complete = 0
+        self.unwinder.save()
 
     def _target_row(self, t: _Target, event: str, detail: str) -> None:
         i = t.info
@@ -511,6 +565,25 @@ def _live_by_region(table: ProcessTable, regions: list[tuple[int, int, str]]) ->
             arena += est
         var += sample_terms(b.size, w)[0] * scale * scale
     return heap, arena, var
+
+
+def _label(f) -> str:
+    if f.kind == "python":
+        return f"{f.function} ({f.module}:{f.line})" if f.line else f"{f.function} ({f.module})"
+    return f"{f.function or hex(f.offset)} ({f.module})"
+
+
+def _cache_dir(path: str | None):
+    """Where unwind tables persist across runs: the given directory, else a root-only default
+    (tables describe the binaries, not the targets, so one cache serves every recording)."""
+    from pathlib import Path
+
+    d = Path(path) if path else Path("/var/cache/allocsampler/unwind")
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError:
+        return None
+    return d
 
 
 def _i64(v: int | None) -> int | None:

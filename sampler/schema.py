@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
+#   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
+#   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -85,16 +88,23 @@ STACKS = Table(
         *_common("When the stack was first seen."),
         Column("stack_id", pa.int64(), "Stack identifier."),
         Column("n_frames", pa.int32(), "Number of frames (see `frames`)."),
-        Column("truncated", pa.bool_(), "The capture hit the frame limit: outer frames are missing."),
+        Column("truncated", pa.bool_(), "The native walk did not reach the thread's entry (`_start`, "
+                                         "`clone`): outer frames may be missing (see `unwind_stop`)."),
         Column("site", pa.string(), "Innermost symbolized frame: the allocation site, as `function (module)`."),
-        Column("summary", pa.string(), "The frames innermost first, `function (module)` joined by ` < `."),
+        Column("summary", pa.string(), "The frames innermost first, `function (module)` (Python: "
+                                       "`function (file:line)`) joined by ` < `."),
+        Column("unwind_stop", STR, "Why the native walk ended: `entry` (thread entry reached), `stack_end` "
+                                   "(beyond the copied stack: raise `--stack-bytes`), `no_cfi` (code without "
+                                   "unwind info or frame pointer), `bad_frame`, `max_frames`, `no_stack`."),
+        Column("python_frames", pa.int16(), "Number of Python frames in the stack."),
     ),
 )
 
 FRAMES = Table(
     "frames",
     "The frames of each stack, one row per frame; depth 0 is the innermost (the caller of the "
-    "allocation function).",
+    "allocation function). Python frames replace the interpreter's eval frames that ran them; other "
+    "interpreter frames between them are hidden unless recorded with `--interpreter-frames`.",
     (
         *_common("When the stack was first seen."),
         Column("stack_id", pa.int64(), "Stack identifier."),
@@ -103,11 +113,15 @@ FRAMES = Table(
         Column("module", STR, "Binary file name, `[unknown]` when the address is in no mapping."),
         Column("path", STR, "Binary path as the process sees it."),
         Column("offset", pa.int64(), "Address in the module's ELF address space (call site for "
-                                     "return addresses), or the absolute address when unknown."),
+                                     "return addresses), or the absolute address when unknown; null "
+                                     "for Python frames."),
         Column("build_id", STR, "GNU build-id of the module, hex."),
         Column("file", pa.string(), "Source file, when known."),
         Column("line", pa.int32(), "Source line, when known."),
-        Column("kind", STR, "`native` (later also `python`)."),
+        Column("kind", STR, "`native` or `python` (for Python frames `module` is the file's base "
+                            "name and `path` the file)."),
+        Column("inlined", pa.bool_(), "A call inlined by the compiler into the next (outer) frame, known "
+                                      "from DWARF (same module and offset as that frame)."),
     ),
 )
 
@@ -221,6 +235,10 @@ RECORDER = Table(
         Column("pending_full", pa.int64(), "Tracked calls dropped because the per-thread pending table was "
                                            "full (their samples are lost)."),
         Column("stack_errors", pa.int64(), "Samples whose user stack could not be captured."),
+        Column("python_thread_misses", pa.int64(), "Samples of a Python thread not yet known to BPF (they "
+                                                   "have native frames only; the thread list is re-read)."),
+        Column("stacks_unwound", pa.int64(), "Sampled stacks unwound in the interval."),
+        Column("stacks_complete", pa.int64(), "Of those, the ones whose walk reached the thread's entry."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
     ),

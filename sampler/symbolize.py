@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .dwarf_lines import LineTables
 from .elf import ElfFormatError, ElfImage
 from .procmaps import Mapping, find_mapping, open_path, read_maps
 
@@ -24,10 +25,14 @@ class Frame:
     file: str | None = None
     line: int | None = None
     kind: str = "native"
+    inline: bool = False      # an inlined call: its code is part of the next (outer) frame
+    inlined: tuple[Frame, ...] = ()   # the inlined calls at this address, innermost first (DWARF)
 
 
-def module_key(frame: Frame) -> tuple[str, int]:
+def module_key(frame: Frame) -> tuple:
     """Identifies a code location independently of where ASLR loaded the module."""
+    if frame.kind == "python":
+        return (frame.path, frame.function, frame.line)
     return (frame.build_id or frame.path, frame.offset)
 
 
@@ -77,6 +82,24 @@ class Symbolizer:
             out.append(frame)
         return out
 
+    def locate(self, pid: int, addr: int) -> tuple[ElfImage, int] | None:
+        """(image, bias) of the executable file mapping holding `addr` (vaddr = addr - bias), for
+        the unwinder; None when the address is in no such mapping (or the process is gone)."""
+        view = self._view(pid)
+        if view is None:
+            return None
+        m = find_mapping(view.maps, addr)
+        if m is None:
+            view = self._refresh(pid, view)
+            m = find_mapping(view.maps, addr)
+        if m is None or not m.file_backed or not m.executable:
+            return None
+        img = self._image(pid, view, m)
+        if img is None:
+            return None
+        vaddr = img.file_offset_to_vaddr(addr - m.start + m.offset)
+        return None if vaddr is None else (img, addr - vaddr)
+
     def forget(self, pid: int) -> None:
         """Drop what is known of `pid` (it exited or exec'd)."""
         self._procs.pop(pid, None)
@@ -111,7 +134,16 @@ class Symbolizer:
             # Without the ELF headers the file offset is the best ASLR-free location.
             return view, Frame(None, module, m.path, file_off, img.build_id if img else None)
         sym = img.lookup(vaddr)
-        return view, Frame(demangle(sym[0]) if sym else None, module, m.path, vaddr, img.build_id)
+        name = demangle(sym[0]) if sym else None
+        src = _source(img, vaddr)
+        if not src:
+            return view, Frame(name, module, m.path, vaddr, img.build_id)
+        # DWARF: the innermost entries are inlined calls; the last is the function itself
+        inlined = tuple(Frame(demangle(s.function) if s.function else None, module, m.path, vaddr, img.build_id,
+                              s.file, s.line, inline=True) for s in src[:-1])
+        outer = src[-1]
+        return view, Frame(name or (demangle(outer.function) if outer.function else None), module, m.path,
+                           vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
 
     def _refresh(self, pid: int, view: _ProcessView) -> _ProcessView:
         """Re-read the maps after a miss (a dlopen since the last read).
@@ -143,6 +175,12 @@ class Symbolizer:
             except (OSError, ElfFormatError):
                 view.images[key] = None
         return view.images[key]
+
+
+def _source(img: ElfImage, vaddr: int) -> list:
+    """File, line and inlined calls at vaddr when the binary or its debug file has DWARF."""
+    tables = LineTables.for_image(img)
+    return tables.lookup(vaddr) if tables is not None else []
 
 
 def _unknown(addr: int) -> Frame:

@@ -33,6 +33,8 @@ apt_install() {
 
 # bcc (Python bindings + tools, memleak-bpfcc is our benchmark peer), a compiler for test workloads.
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
+# Python headers: the readable-stacks tests build a C extension (tests/workloads/leakext.c).
+apt_install python3-dev
 # Debug symbols for libc: readable malloc-internal frames (symbolizer uses /usr/lib/debug/.build-id).
 apt_install libc6-dbg
 # Other allocators the tests record (jemalloc, tcmalloc), as users preload them.

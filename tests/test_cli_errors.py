@@ -98,7 +98,8 @@ def test_static_stripped_binary(tmp_path, bpf_ready):
     (["record", "--pid", "1", "--sample-bytes", "lots"], ["not a size"]),
     (["record", "--pid", "abc"], ["invalid int value"]),
     (["record", "--", "/nonexistent/program"], ["command not found"]),
-    (["record", "--pid", "1", "--max-frames", "500"], ["--max-frames"]),
+    (["record", "--pid", "1", "--max-frames", "600"], ["--max-frames"]),
+    (["record", "--pid", "1", "--stack-bytes", "1500"], ["--stack-bytes"]),
     (["record", "--pid", "1", "--allocator", ":je_"], ["LIBRARY[:PREFIX]"]),
     (["frobnicate"], ["invalid choice"]),
 ])

@@ -88,7 +88,9 @@ def test_edge_cases(workload, record):
 
 def test_a_full_live_table_is_counted_not_hidden(workload, record):
     w = workload()
-    rec = record("--pid", str(w.pid), "-i", "1", "--live-max", "1024", "--sample-bytes", "4K")
+    # small stack records: the burst must fill the live table, not the ring buffer first
+    rec = record("--pid", str(w.pid), "-i", "1", "--live-max", "1024", "--sample-bytes", "4K",
+                 "--stack-bytes", "1K")
     rec.wait_attached()
     w.call("leak_malloc", 4096, 4096)          # 16 MiB at T = 4 KiB: ~4000 samples > 1024
     rec.wait_snapshot(time.time() + 1.5)

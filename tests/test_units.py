@@ -15,7 +15,7 @@ import pytest
 from sampler import weights
 from sampler.cli import _size
 from sampler.dataset_writer import DatasetWriter
-from sampler.events import HEADER, EvType, decode
+from sampler.events import HEADER, STACK_HEAD, EvType, decode
 from sampler.outstanding import MALLOC, MMAP, ProcessTable
 from sampler.schema import OUTSTANDING, TABLES
 
@@ -106,13 +106,16 @@ def test_mmap_partial_unmaps():
 
 
 def test_event_decoding():
-    raw = HEADER.pack(EvType.ALLOC, 1, 1, 42, 43, 2, 0, 123, 0xABC, 64, T, 0, 2**64 - 12)
-    raw += struct.pack("<QQQ", 0x777, 0x1111, 0x2222)
+    raw = HEADER.pack(EvType.ALLOC, 1, 1, 42, 43, 0, 0, 123, 0xABC, 64, T, 0, 2**64 - 12)
+    stack = bytes(range(40))
+    raw += STACK_HEAD.pack(0x1111, 0x7FF000, 0x7FF100, 0x7FF008, 0x4444, len(stack), 2, 0)
+    raw += struct.pack("<4Q", 0xA | 1 << 56, 0xB, 0xC, 0xD) + stack
     ev = decode(raw)
     assert (ev.pid, ev.tid, ev.addr, ev.size, ev.weight, ev.ret) == (42, 43, 0xABC, 64, T, -12)
-    assert ev.sp_word == 0x777 and ev.frames == (0x1111, 0x2222)
+    assert (ev.ip, ev.sp, ev.bp, ev.ra_slot, ev.ra) == (0x1111, 0x7FF000, 0x7FF100, 0x7FF008, 0x4444)
+    assert ev.py == ((0xA | 1 << 56, 0xB), (0xC, 0xD)) and ev.stack == stack
     small = decode(HEADER.pack(EvType.FREE, 1, 11, 42, 43, 0, 0, 1, 0xABC, 0, 0, 0, 0))
-    assert small.frames == () and small.sp_word == 0
+    assert small.stack == b"" and small.py == () and small.ip == 0
 
 
 def test_writer_is_atomic_and_partitioned(tmp_path):

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Cost of readable stacks: bytes copied per sample in BPF and user-space unwinding per sample.
+
+Run as root from the project's virtual environment:
+
+    sudo .venv/bin/python scripts/bench_stacks.py [--workload ext|torch|both] [--samples 2000]
+
+For each workload (tests/workloads/py_leak.py: a -O2 -fomit-frame-pointer C extension called
+from three Python functions, or torch CPU tensor allocations), the BPF programs are attached to
+the live process with a small sampling mean so that many stacks arrive; the raw records are kept
+and then turned into stacks three times while the process waits (its memory stays readable):
+
+  cold     fresh symbolizer and unwinder, empty unwind cache on disk (first sight of the binaries)
+  warm     the same objects again (per-PC unwind rules and symbols memoised; stack ids memoised
+           by content, so this is the steady state of a long recording)
+  restart  new objects, unwind cache loaded from disk (a recorder restart)
+
+Reported: samples, mean and p95 record bytes (header + registers + Python frames + stack copy),
+the fraction of stacks that reach the thread's entry, and per-sample microseconds (median, p95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sampler.allocators import find_allocators  # noqa: E402
+from sampler.bpf_loader import BpfProbes, ProbeConfig  # noqa: E402
+from sampler.events import EvType, decode  # noqa: E402
+from sampler.pytargets import PythonTargets  # noqa: E402
+from sampler.stacks import COMPLETE, StackTable  # noqa: E402
+from sampler.symbolize import Symbolizer  # noqa: E402
+from sampler.unwind import Unwinder  # noqa: E402
+
+WORKLOADS = REPO / "tests" / "workloads"
+
+
+def build_ext(d: Path) -> Path:
+    inc = sysconfig.get_paths()["include"]
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", f"-I{inc}",
+                    "-o", str(d / "leakext.so"), str(WORKLOADS / "leakext.c")], check=True)
+    return d
+
+
+def capture(probes: BpfProbes, argv: list[str], env: dict, samples: int):
+    raw: list[bytes] = []
+    probes.open_events(lambda b: raw.append(b) if b[0] == EvType.ALLOC else None)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    probes.add_target(proc.pid)
+    libs, _ = find_allocators(proc.pid, ())
+    for lib in libs:
+        probes.attach(proc.pid, lib)
+    py = PythonTargets(probes)
+    py.add(proc.pid)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + 60
+    while len(raw) < samples and time.monotonic() < deadline and proc.poll() is None:
+        probes.poll(100)
+    assert proc.stdout.readline().strip() == "done"
+    probes.drain()
+    probes.detach(proc.pid)
+    return proc, raw, py
+
+
+def run_pass(table: StackTable, events) -> tuple[list[float], int]:
+    times, complete = [], 0
+    for ev in events:
+        t0 = time.perf_counter()
+        table.intern(ev)
+        times.append((time.perf_counter() - t0) * 1e6)
+        complete += table.last_stop == COMPLETE
+    return times, complete
+
+
+def pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench(name: str, argv: list[str], env: dict, samples: int, mean: int) -> list[str]:
+    probes = BpfProbes(ProbeConfig(sample_mean=mean))
+    proc, raw, py = capture(probes, argv, env, samples)
+    try:
+        events = [decode(b) for b in raw]
+        sizes = [len(b) for b in raw]
+        cache = Path(tempfile.mkdtemp(prefix="unwind-cache-"))
+        rows = []
+        sym, unw = Symbolizer(), Unwinder(cache)
+        table = StackTable(sym, unw, py)
+        for label in ("cold", "warm"):
+            times, complete = run_pass(table, events)
+            rows.append((label, times, complete))
+        unw.save()
+        table = StackTable(Symbolizer(), Unwinder(cache), py)
+        times, complete = run_pass(table, events)
+        rows.append(("restart", times, complete))
+        shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        proc.stdin.write("bye\n")
+        proc.stdin.flush()
+        proc.wait(30)
+        probes.close()
+    out = [f"| {name} | {label} | {len(events)} | {statistics.mean(sizes):,.0f} | {pct(sizes, 0.95):,} | "
+           f"{complete / max(1, len(events)):.1%} | {statistics.median(times):,.0f} | {pct(times, 0.95):,.0f} |"
+           for label, times, complete in rows]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=("ext", "torch", "both"), default="both")
+    ap.add_argument("--samples", type=int, default=2000)
+    args = ap.parse_args()
+    d = build_ext(Path(tempfile.mkdtemp(prefix="leakext-")))
+    env = {"PYTHONPATH": str(d), "PATH": "/usr/bin:/bin"}
+    lines = ["| workload | pass | samples | mean record bytes | p95 bytes | reach entry | median µs/sample "
+             "| p95 µs/sample |", "|---|---|---|---|---|---|---|---|"]
+    py_leak = str(WORKLOADS / "py_leak.py")
+    if args.workload in ("ext", "both"):
+        lines += bench("C ext from Python", [sys.executable, py_leak, "ext", "4096", "40000"], env,
+                       args.samples, 64 << 10)
+    if args.workload in ("torch", "both"):
+        lines += bench("torch CPU", [sys.executable, py_leak, "torch", str(64 << 10), "4000"], env,
+                       args.samples, 64 << 10)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

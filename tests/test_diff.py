@@ -1,0 +1,156 @@
+"""`allocsampler diff`: two real recordings of the leaky workload, the new one leaking more at one
+site, at a new site, and no longer at a third; the gate's exit status and what it says grew."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pandas as pd
+import pytest
+from conftest import allocsampler_cmd
+from test_pprof import Recorded, record_leaky
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, leaky_lib, bpf_ready) -> tuple[Recorded, Recorded]:
+    d = tmp_path_factory.mktemp("diff")
+    base = record_leaky(d / "baseline", leaky_lib, [[
+        ("leak_malloc", 4096, 4096),                      # 16 MiB
+        ("leak_posix_memalign", 1024, 64, 16384),         # 16 MiB, gone in the new run
+        ("churn", 4096, 4096),
+    ]])
+    new = record_leaky(d / "new", leaky_lib, [[
+        ("leak_malloc", 16384, 4096),                     # 64 MiB: grew by 48 MiB
+        ("leak_calloc", 256, 65536),                      # 16 MiB, new
+        ("churn", 4096, 4096),
+    ]])
+    return base, new
+
+
+def diff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(allocsampler_cmd("diff", *args), capture_output=True, text=True)
+
+
+def final_by_site(r: Recorded) -> pd.DataFrame:
+    """The last snapshot's malloc estimate per allocation site, from the dataset itself."""
+    o = pd.read_parquet(r.out / "outstanding")
+    o = o[(o["source"] == "malloc") & (o["ts"] == o["ts"].max())]
+    f = pd.read_parquet(r.out / "frames")
+    site = f[f["depth"] == 0].drop_duplicates("stack_id").set_index("stack_id")["function"]
+    o = o.assign(site=o["stack_id"].map(site), var=o["outstanding_stderr_bytes"] ** 2)
+    return o.groupby("site")[["outstanding_bytes", "var"]].sum()
+
+
+@pytest.mark.bpf
+def test_gate_fails_on_growth_and_explains_it(runs):
+    base, new = runs
+    p = diff(str(base.out), str(new.out), "--budget", "5%", "--json")
+    assert p.returncode == 1, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["schema"] == 1 and doc["over_budget"] is True and doc["budget"] == "5%"
+    comm = str(pd.read_parquet(new.out / "processes")["comm"].iloc[0])
+    (proc,) = [x for x in doc["processes"] if x["comm"] == comm]
+    assert proc["presence"] == "both" and proc["over_budget"]
+    metrics = {(m["metric"], m["source"]): m for m in proc["metrics"]}
+
+    # peak RSS is exact: the highest RSS of the process in each dataset
+    for r, side in ((base, "baseline"), (new, "new")):
+        assert metrics["peak_rss", None][side] == pd.read_parquet(r.out / "processes")["rss"].max()
+    assert metrics["peak_rss", None]["over_budget"]      # 48 MiB more touched heap
+    # no GPU measurement: n/a, never 0, and never over budget
+    gpu = metrics["gpu_reserved", None]
+    assert gpu["baseline"] is None and gpu["new"] is None and not gpu["over_budget"]
+
+    # final outstanding grew by what the workload leaked more, within its standard error
+    truth = sum(new.truth[s] for s in ("leak_malloc", "leak_calloc")) - \
+        sum(base.truth[s] for s in ("leak_malloc", "leak_posix_memalign"))
+    final = metrics["final_outstanding", "malloc"]
+    assert abs(final["change"] - truth) <= 4 * final["stderr"], final
+    assert final["over_budget"]
+
+    # per stack, matched by frames: what grew, what is new, what went away; churn did not change
+    stacks = {}
+    for s in proc["stacks"]:
+        site = s["stack"].split(" (", 1)[0]
+        assert site not in stacks, "a site's stack was not matched across the datasets"
+        stacks[site] = s
+    assert set(stacks) == {"leak_malloc", "leak_calloc", "leak_posix_memalign"}, list(stacks)
+    assert [stacks[s]["status"] for s in ("leak_malloc", "leak_calloc", "leak_posix_memalign")] == \
+        ["grew", "new", "gone"]
+    fb, fn = final_by_site(base), final_by_site(new)
+    for site, want in (("leak_malloc", new.truth["leak_malloc"] - base.truth["leak_malloc"]),
+                       ("leak_calloc", new.truth["leak_calloc"]),
+                       ("leak_posix_memalign", -base.truth["leak_posix_memalign"])):
+        s = stacks[site]
+        assert abs(s["change_bytes"] - want) <= 4 * s["stderr_bytes"], s
+        # the numbers are the datasets' own estimates for that site
+        assert s["new_final_bytes"] == pytest.approx(fn["outstanding_bytes"].get(site, 0.0))
+        assert s["baseline_final_bytes"] == pytest.approx(fb["outstanding_bytes"].get(site, 0.0))
+        se = math.sqrt(fb["var"].get(site, 0.0) + fn["var"].get(site, 0.0))
+        assert s["stderr_bytes"] == pytest.approx(se)
+
+    # the text form says the same
+    p = diff(str(base.out), str(new.out), "--budget", "5%")
+    assert p.returncode == 1
+    assert "OVER BUDGET" in p.stdout and "n/a" in p.stdout
+    for word in ("grew stacks", "new stacks", "gone stacks", "leak_posix_memalign"):
+        assert word in p.stdout
+
+
+@pytest.mark.bpf
+def test_gate_passes_within_budget(runs):
+    base, new = runs
+    # the same dataset on both sides: nothing changed
+    p = diff(str(base.out), str(base.out), "--budget", "0%", "--json")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert not doc["over_budget"]
+    assert all(not x["stacks"] and all(m["change"] in (0, None) for m in x["metrics"]) for x in doc["processes"])
+    # an absolute budget above the growth; no budget at all; a gate on a metric that is n/a
+    assert diff(str(base.out), str(new.out), "--budget", "1G").returncode == 0
+    assert diff(str(base.out), str(new.out)).returncode == 0
+    assert diff(str(base.out), str(new.out), "--budget", "0%", "--metric", "gpu_reserved").returncode == 0
+    # shrinking is never over budget
+    assert diff(str(new.out), str(base.out), "--budget", "5%", "--metric", "final_outstanding").returncode == 0
+
+
+def test_diff_usage_errors(tmp_path):
+    for args in ([str(tmp_path), str(tmp_path)],                              # no recording there
+                 [str(tmp_path), str(tmp_path), "--budget", "5x"],
+                 [str(tmp_path), str(tmp_path), "--metric", "peak_vram"]):
+        p = diff(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("allocsampler: error:")
+
+
+def test_parse_budget():
+    from analysis.diff import parse_budget
+    assert parse_budget("5%").allowed(200.0) == pytest.approx(210.0)
+    assert parse_budget("64M").allowed(1.0) == 1 + 64 * MiB
+    assert parse_budget("1.5GiB").absolute == 1.5 * (1 << 30)
+    assert parse_budget("4096").absolute == 4096
+    for bad in ("x", "-5%", "%", "5 apples"):
+        with pytest.raises(ValueError):
+            parse_budget(bad)
+
+
+def test_stacks_match_across_paths_and_builds():
+    """Keys leave out what changes between builds and checkouts: addresses, install prefixes."""
+    from analysis.diff import stack_key
+
+    def stack(prefix: str, offset: int) -> list[dict]:
+        return [{"function": "leak", "module": "libx.so", "offset": offset, "kind": "native"},
+                {"function": None, "module": "libffi.so.8", "offset": offset + 7, "kind": "native"},
+                {"function": None, "module": "libffi.so.8", "offset": offset + 9, "kind": "native"},
+                {"function": "forward", "file": f"{prefix}/lib/python3.11/site-packages/torch/nn/modules/module.py",
+                 "line": offset, "kind": "python"},
+                {"function": "<module>", "file": f"{prefix}/bench.py", "line": 3, "kind": "python"}]
+
+    a, b = stack_key(stack("/home/ci/base/.venv", 100)), stack_key(stack("/tmp/pr/venv", 200))
+    assert a == b == ("leak (libx.so) < ? (libffi.so.8) < forward (torch/nn/modules/module.py) < "
+                      "<module> (bench.py)")
+    assert stack_key([]) == "[no stack]"
