@@ -86,6 +86,4 @@ class PythonTargets:
         if py is not None:
             self._maps.set_python(pid, None)
             self._maps.set_python_threads({}, py.tids)
-
-    def pids(self) -> list[int]:
-        return list(self._procs)
+            py.proc.close()                 # its /proc/PID/mem descriptor
