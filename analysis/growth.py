@@ -343,15 +343,19 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
 
 def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
     """Per process: growth of sampled outstanding bytes over the window, malloc plus the mmap made
-    outside the allocator (glibc's own large-chunk mmaps are already counted under malloc)."""
+    outside the allocator (glibc's own large-chunk mmaps are already counted under malloc); for a
+    process in the always-on tier, the memory its sampled page faults brought in."""
     o = ds.outstanding
     if o.empty:
         return {}
     f = ds.frames
     top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
     via_libc = o["stack_id"].isin(set(top)).to_numpy()
-    use = (o["source"] == "malloc").to_numpy() | ((o["source"] == "mmap").to_numpy() & ~via_libc)
-    cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
-    per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
-    ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
-    return {(str(r), int(p)): float(v["last"] - v["first"]) for (r, p), v in ends.iterrows()}
+    src = o["source"].astype(str).to_numpy()
+    out: dict[tuple[str, int], float] = {}
+    for use in ((src == "malloc") | ((src == "mmap") & ~via_libc), src == "fault"):
+        cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
+        per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
+        ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
+        out.update({(str(r), int(p)): float(v["last"] - v["first"]) for (r, p), v in ends.iterrows()})
+    return out

@@ -77,14 +77,15 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
      * that the compiler has offset */
     u64 a = PT_REGS_PARM1(ctx), b = PT_REGS_PARM2(ctx), c = PT_REGS_PARM3(ctx), sp = PT_REGS_SP(ctx);
     u32 fn = cookie & 0xff;
+    u64 id = bpf_get_current_pid_tgid();
     count(C_HITS + (fn & 31), 1);
+    count_hit(id >> 32, false);
     if ((cookie & FNF_DELEGATES) && delegated(fn, a, b))
         return 1;
     struct pending p = {};
     p.fn = fn;
     p.size = requested_size(fn, a, b, c);
     p.weight = sample_bytes(p.size);
-    u64 id = bpf_get_current_pid_tgid();
     struct live_key old = {.pid = id >> 32, .addr = a};
     if (fn == FN_REALLOC || fn == FN_REALLOCARRAY) {
         u64 *born = a ? live.lookup(&old) : 0;
@@ -154,25 +155,56 @@ static __always_inline void publish_live(u32 pid, u32 tid, u32 fn, u64 addr, u64
     }
 }
 
-/* A sampled allocation without a stack (the scratch record is in use on this CPU). */
-static __always_inline void emit_alloc_nostack(u32 pid, u32 tid, struct pending *p, u64 addr, u64 ret)
+/* A sampled allocation: its record (with the user stack when the scratch record is free on this
+ * CPU), then its address in `live`. Sent before the address is published: a free on another CPU
+ * then always lands after this record in the ring buffer, never before it. */
+struct alloc_rec {
+    u64 addr;
+    u64 size;
+    u64 weight;
+    u64 old;
+    u64 ret;
+    u64 ip;
+    u64 sp;
+    u64 bp;
+    u32 fn;
+    u16 flags;
+    u8 source;
+    u8 pad;
+};
+
+static __always_inline void emit_alloc(u32 pid, u32 tid, struct alloc_rec *r)
 {
-    struct ev_hdr *e = events.ringbuf_reserve(sizeof(struct ev_hdr));
-    if (!e) {
+    struct ev_stack *e = scratch_acquire();
+    struct ev_hdr *h = e ? &e->h : events.ringbuf_reserve(sizeof(struct ev_hdr));
+    if (!h) {
         count_drop(pid, C_LOST_EVENTS);
         return;
     }
-    init_hdr(e, EV_ALLOC, SRC_MALLOC, p->fn, pid, tid);
-    e->flags = EVF_SAMPLED | EVF_STACK_ERR;
-    e->addr = addr;
-    e->size = p->size;
-    e->weight = p->weight;
-    e->arg = p->old;
-    e->ret = ret;
-    u64 born = e->ts;
-    events.ringbuf_submit(e, 0);
-    count(C_STACK_ERR, 1);
-    publish_live(pid, tid, p->fn, addr, born);
+    init_hdr(h, EV_ALLOC, r->source, r->fn, pid, tid);
+    h->flags = r->flags | EVF_SAMPLED;
+    h->addr = r->addr;
+    h->size = r->size;
+    h->weight = r->weight;
+    h->arg = r->old;
+    h->ret = r->ret;
+    u64 born = h->ts;
+    if (e) {
+        e->ra_slot = e->ra = 0;
+        u32 len = capture_user(e, r->ip, r->sp, r->bp);
+        long err = events.ringbuf_output(e, len, 0);
+        scratch_release();
+        if (err) {
+            count_drop(pid, C_LOST_EVENTS);
+            return;
+        }
+    } else {
+        h->flags |= EVF_STACK_ERR;
+        count(C_STACK_ERR, 1);
+        events.ringbuf_submit(h, 0);
+    }
+    if (r->source == SRC_MALLOC)
+        publish_live(pid, tid, r->fn, r->addr, born);
 }
 
 static __always_inline int on_alloc_return(struct pt_regs *ctx)
@@ -203,31 +235,11 @@ static __always_inline int on_alloc_return(struct pt_regs *ctx)
     }
     if (!p.weight || !addr)       /* failed allocations are never counted */
         return 0;
-
-    /* Sent before the address is published in `live`: a free on another CPU then always lands
-     * after this record in the ring buffer, never before it. */
-    struct ev_stack *e = scratch_acquire();
-    if (!e) {
-        emit_alloc_nostack(pid, tid, &p, addr, ret);
-        return 0;
-    }
-    init_hdr(&e->h, EV_ALLOC, SRC_MALLOC, p.fn, pid, tid);
-    e->h.flags = EVF_SAMPLED;     /* ip is the return address into the caller */
-    e->h.addr = addr;
-    e->h.size = p.size;
-    e->h.weight = p.weight;
-    e->h.arg = p.old;
-    e->h.ret = ret;
-    u64 born = e->h.ts;
-    e->ra_slot = e->ra = 0;
-    u32 len = capture_user(e, PT_REGS_IP(ctx), PT_REGS_SP(ctx), PT_REGS_FP(ctx));
-    long err = events.ringbuf_output(e, len, 0);
-    scratch_release();
-    if (err) {
-        count_drop(pid, C_LOST_EVENTS);
-        return 0;
-    }
-    publish_live(pid, tid, p.fn, addr, born);
+    /* ip: the return address into the caller */
+    struct alloc_rec r = {.addr = addr, .size = p.size, .weight = p.weight, .old = p.old, .ret = ret,
+                          .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
+                          .fn = p.fn, .source = SRC_MALLOC};
+    emit_alloc(pid, tid, &r);
     return 0;
 }
 
@@ -245,11 +257,11 @@ int free_multi(struct pt_regs *ctx)
 {
     u64 addr = PT_REGS_PARM1(ctx);
     u32 fn = bpf_get_attach_cookie(ctx);
+    u64 id = bpf_get_current_pid_tgid();
     count(C_HITS + (fn & 31), 1);
-    if (addr) {
-        u64 id = bpf_get_current_pid_tgid();
+    count_hit(id >> 32, true);
+    if (addr)
         emit_free(id >> 32, id, fn, addr);
-    }
     return 0;
 }
 
@@ -278,11 +290,11 @@ int alloc_return(struct pt_regs *ctx)
     int name##_enter(struct pt_regs *ctx)                             \
     {                                                                 \
         u64 addr = PT_REGS_PARM1(ctx);                                \
+        u64 id = bpf_get_current_pid_tgid();                          \
         count(C_HITS + fn, 1);                                        \
-        if (addr) {                                                   \
-            u64 id = bpf_get_current_pid_tgid();                      \
+        count_hit(id >> 32, true);                                    \
+        if (addr)                                                     \
             emit_free(id >> 32, id, fn, addr);                        \
-        }                                                             \
         return 0;                                                     \
     }
 FREE_ENTER(free, FN_FREE)

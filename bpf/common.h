@@ -10,6 +10,7 @@
  * The event layout here is mirrored by sampler/events.py: change both together.
  */
 #include <uapi/linux/ptrace.h>
+#include <uapi/linux/bpf_perf_event.h>
 
 #ifndef SAMPLE_MEAN
 #define SAMPLE_MEAN (512 * 1024)
@@ -37,15 +38,22 @@
 #define WTAB_N (WTAB_STEPS * WTAB_MAX_X + 1)
 
 enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4 };
-enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2 };
+enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3 };
 /* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
- * PY_MISS: a Python target whose thread is not (yet) in `pythreads`. */
-enum ev_flags { EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16 };
+ * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
+ * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
+enum ev_flags {
+    EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16,
+    EVF_SITE_MODULE = 32,
+};
+/* `targets` values: what is recorded for a process besides its allocator probes. */
+enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
 
 /* Allocator functions; values are shared with sampler/allocators.py (Fn). */
 enum fn_id {
     FN_MALLOC = 1, FN_CALLOC, FN_REALLOC, FN_REALLOCARRAY, FN_POSIX_MEMALIGN, FN_ALIGNED_ALLOC,
     FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
+    FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (bpf/usdt.bpf.c) */
 };
 /* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
  * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
@@ -64,6 +72,7 @@ enum counter {
     C_SAMPLED,
     C_STACK_ERR,         /* no stack captured (registers unreadable, scratch busy) */
     C_PY_MISS,           /* Python target, thread state unknown */
+    C_FAULTS,            /* sampled page faults of targets */
     C_HITS = 16,         /* + fn_id: allocator probe hits */
     C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
     C_N = 64,
@@ -115,8 +124,15 @@ BPF_PERCPU_ARRAY(countdown, s64, 1);
 BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
 /* Sampled blocks that are still live, per process. A free of any other address emits nothing. */
 BPF_HASH(live, struct live_key, u64, LIVE_MAX);
-/* Processes being recorded (tgid -> flags); syscall tracepoints fire host-wide and check it. */
+/* Processes being recorded (tgid -> target_flags); syscall tracepoints fire host-wide and check it. */
 BPF_HASH(targets, u32, u32, 4096);
+/* Per process and CPU: allocator probe hits (the governor's cost estimate). Entries are created
+ * by user space for attach-tier targets; the probes only add to them. */
+struct pid_hits {
+    u64 alloc;
+    u64 free;
+};
+BPF_PERCPU_HASH(pid_hits, u32, struct pid_hits, 4096);
 
 /* CPython targets: per-process layout of the frame chain (sampler/pyruntime.py PyLayout), and
  * each thread's PyThreadState, filled from user space (the interpreter's "current thread"
@@ -153,6 +169,17 @@ static __always_inline void count(u32 idx, u64 n)
     u64 *c = counters.lookup(&idx);
     if (c)
         *c += n;
+}
+
+static __always_inline void count_hit(u32 pid, bool is_free)
+{
+    struct pid_hits *h = pid_hits.lookup(&pid);
+    if (!h)
+        return;
+    if (is_free)
+        h->free++;
+    else
+        h->alloc++;
 }
 
 static __always_inline void count_drop(u32 pid, u32 what)

@@ -19,13 +19,18 @@ from pathlib import Path
 
 import bpf as bpf_sources
 
-from . import uprobe_multi, weights
+from . import uprobe_multi, usdt, weights
 from .allocators import AllocatorLib, Fn
 from .errors import EnvironmentProblem
 
-SOURCES = ("alloc.bpf.c", "vm.bpf.c", "proc.bpf.c")
-C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS = range(6)
+SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
+C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS = range(7)
 C_HITS, C_VM_HITS, C_N = 16, 48, 64
+FN_USDT_ALLOC, FN_USDT_FREE = 13, 14        # bpf/common.h enum fn_id
+TGT_SYSCALLS, TGT_FAULTS = 1, 2             # bpf/common.h enum target_flags
+USDT_ALLOC, USDT_FREE = 1, 2                # bpf/usdt.bpf.c enum usdt_kind
+USDT_SPECS = 1024
+PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
 _libbcc = None
@@ -43,8 +48,8 @@ class ProbeConfig:
 
 @dataclass
 class _Attachment:
-    link_fds: list[int] = field(default_factory=list)
-    perf: list[tuple[int, bytes]] = field(default_factory=list)   # perf event fd, event name
+    links: list[tuple[int, bool]] = field(default_factory=list)        # link fd, allocation probes
+    perf: list[tuple[int, bytes, bool]] = field(default_factory=list)  # perf fd, event name, allocation
 
 
 _EINVAL_HINT = ("the kernel refused the uprobe (EINVAL): most likely another tool holds a uprobe at "
@@ -115,7 +120,12 @@ class BpfProbes:
         self._targets = self.bpf["targets"]
         self._live = self.bpf["live"]
         self._attached: dict[int, _Attachment] = {}
+        self._usdt_ids: dict[bytes, int] = {}
+        self._faults_on = False
+        self._seq = 0
         try:
+            self._usdt_fd = self.bpf.load_func(
+                b"usdt_memory", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
             if self.session:
                 self._alloc_fd = self.bpf.load_func(
                     b"alloc_session", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_SESSION).fd
@@ -131,30 +141,33 @@ class BpfProbes:
                                      "uprobe_multi/session support; try --probe-mode perf") from None
 
     # targets -------------------------------------------------------------------------------
-    def add_target(self, pid: int) -> None:
-        self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(1)
+    def add_target(self, pid: int, flags: int = TGT_SYSCALLS) -> None:
+        """Trace a process's syscalls (and with TGT_FAULTS its sampled page faults)."""
+        self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(flags)
 
-    def attach(self, pid: int, lib: AllocatorLib) -> tuple[dict[str, str], dict[str, str]]:
-        """Attach the allocator probes of one library for one process.
+    def attach(self, pid: int, lib: AllocatorLib, allocs_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+        """Attach the allocator probes of one library for one process (`allocs_only`: only the
+        allocation functions, the governor resuming after a pause).
 
         Returns (mode per probed function: 'session' or 'perf', reason per function that could
         not be probed). A session link covers all functions at once; when the kernel refuses it,
         each function is tried alone, then as a classic uprobe. Raises OSError when the process
         is gone."""
         att = self._attached.setdefault(pid, _Attachment())
+        self._ensure_hits(pid)
         modes: dict[str, str] = {}
         failed: dict[str, str] = {}
-        rest = list(lib.points)
+        rest = [p for p in lib.points if not (allocs_only and p.fn.frees)]
         if self.session:
             rest = []
             for prog_fd, points, session in ((self._alloc_fd, lib.allocs, True),
-                                             (self._free_fd, lib.frees, False)):
+                                             (self._free_fd, [] if allocs_only else lib.frees, False)):
                 groups = [points, *([p] for p in points)] if len(points) > 1 else [points]
                 for group in groups if points else ():
                     try:
-                        att.link_fds.append(uprobe_multi.attach(
+                        att.links.append((uprobe_multi.attach(
                             prog_fd, lib.attach_path, [p.file_offset for p in group],
-                            [p.cookie for p in group], pid, session=session))
+                            [p.cookie for p in group], pid, session=session), session))
                     except OSError as e:
                         if e.errno != errno.EINVAL:
                             raise
@@ -186,29 +199,110 @@ class BpfProbes:
             probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
         for prog, kind, offset in probes:
             fn = self.bpf.load_func(prog.encode(), BPF.KPROBE)
-            ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}".encode()
+            ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
+            self._seq += 1
             with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
                 fd = _libbcc.bpf_attach_uprobe(fn.fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
             if fd < 0:
                 err = ctypes.get_errno() or errno.EINVAL
                 raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
-            att.perf.append((fd, ev))
+            att.perf.append((fd, ev, not p.fn.frees))
+
+    def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
+        """Attach the preload tier's program to a file's otel_memory probe sites for one process
+        (sampler/usdt.py UsdtProbe). Raises OSError (the process is gone, or the kernel refuses)."""
+        att = self._attached.setdefault(pid, _Attachment())
+        cookies = [self._usdt_spec(p) for p in probes]
+        refs = [p.semaphore for p in probes]
+        fd = uprobe_multi.attach(self._usdt_fd, attach_path, [p.file_offset for p in probes], cookies, pid,
+                                 session=False, ref_ctr_offsets=refs if any(refs) else None)
+        att.links.append((fd, False))
+
+    def _usdt_spec(self, probe) -> int:
+        """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
+        kind = USDT_ALLOC if probe.name == "alloc" else USDT_FREE
+        value = usdt.pack_spec(probe.args, kind)
+        idx = self._usdt_ids.get(value)
+        if idx is None:
+            if len(self._usdt_ids) >= USDT_SPECS:
+                raise OSError(errno.ENOSPC, "too many distinct USDT argument layouts")
+            idx = self._usdt_ids[value] = len(self._usdt_ids)
+            tab = self.bpf["usdt_specs"]
+            tab[ctypes.c_int(idx)] = tab.Leaf.from_buffer_copy(value)
+        return idx
+
+    def pause_allocs(self, pid: int) -> None:
+        """Detach a process's allocation probes, keep its free probes (the governor's off phase:
+        frees of blocks sampled before must still be seen)."""
+        att = self._attached.get(pid)
+        if att is None:
+            return
+        keep_links, keep_perf = [], []
+        for fd, is_alloc in att.links:
+            if is_alloc:
+                os.close(fd)
+            else:
+                keep_links.append((fd, is_alloc))
+        for fd, ev, is_alloc in att.perf:
+            if is_alloc:
+                _libbcc.bpf_close_perf_event_fd(fd)
+                _libbcc.bpf_detach_uprobe(ev)
+            else:
+                keep_perf.append((fd, ev, is_alloc))
+        att.links, att.perf = keep_links, keep_perf
 
     def detach_probes(self, pid: int) -> None:
         """Close a process's allocator probes, keep it a target (re-attach after an exec)."""
         att = self._attached.pop(pid, None)
         if att:
-            for fd in att.link_fds:
+            for fd, _ in att.links:
                 os.close(fd)
-            for fd, ev in att.perf:
+            for fd, ev, _ in att.perf:
                 _libbcc.bpf_close_perf_event_fd(fd)
                 _libbcc.bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
 
     def detach(self, pid: int) -> None:
         """Close a process's probes and stop tracing its syscalls."""
         self.detach_probes(pid)
-        with contextlib.suppress(KeyError):
-            del self._targets[ctypes.c_uint32(pid)]
+        for tab in (self._targets, self.bpf["pid_hits"]):
+            with contextlib.suppress(KeyError):
+                del tab[ctypes.c_uint32(pid)]
+
+    # governor ------------------------------------------------------------------------------
+    def _ensure_hits(self, pid: int) -> None:
+        tab = self.bpf["pid_hits"]
+        key = ctypes.c_uint32(pid)
+        try:
+            tab[key]
+        except KeyError:
+            tab[key] = tab.Leaf()       # zero on every CPU
+
+    def hits(self) -> dict[int, tuple[int, int]]:
+        """pid -> (allocation probe hits, free probe hits) so far, summed over CPUs."""
+        return {k.value: (sum(v.alloc for v in vs), sum(v.free for v in vs))
+                for k, vs in self.bpf["pid_hits"].items()}
+
+    # page faults -----------------------------------------------------------------------------
+    def enable_faults(self, period: int, select_all: bool = False, cgroup_ids=()) -> None:
+        """Start sampling user page faults on every CPU (once), one in `period`. Processes are
+        those added with TGT_FAULTS, or all, or those in the given cgroups (v2 ids)."""
+        cfg = self.bpf["fault_cfg"]
+        mode = 1 if select_all else 2 if cgroup_ids else 0
+        cfg[ctypes.c_int(0)] = ctypes.c_uint64(mode)
+        cfg[ctypes.c_int(1)] = ctypes.c_uint64(os.getpid())
+        cgs = self.bpf["fault_cgroups"]
+        for cg in cgroup_ids:
+            cgs[ctypes.c_uint64(cg)] = ctypes.c_uint32(1)
+        if self._faults_on:
+            return
+        try:
+            self.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_PAGE_FAULTS,
+                                       fn_name=b"on_page_fault", sample_period=period, cpu=-1)
+        except Exception as e:
+            raise EnvironmentProblem(f"could not open the page-fault perf event ({e}): check "
+                                     "/proc/sys/kernel/perf_event_paranoid and that perf events exist "
+                                     "in this kernel (CONFIG_PERF_EVENTS)") from None
+        self._faults_on = True
 
     # CPython targets ------------------------------------------------------------------------
     def set_python(self, pid: int, layout: bytes | None) -> None:
@@ -247,21 +341,36 @@ class BpfProbes:
             with contextlib.suppress(KeyError):
                 del self._live[key]
 
+    def forget_pid(self, pid: int) -> None:
+        """Drop every sampled-live entry of a process whose events were never read (the probe
+        cost calibration's child); walks the table."""
+        for k in [k for k in self._live if k.pid == pid]:
+            with contextlib.suppress(KeyError):
+                del self._live[k]
+
     # events and counters -------------------------------------------------------------------
     def open_events(self, handle: Callable[[bytes], None]) -> None:
         def _cb(_ctx, data, size):
             handle(ctypes.string_at(data, size))
+            self._read += 1
             # libbpf keeps consuming while records arrive: under a burst faster than Python
             # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
             # this record is consumed, the rest waits for the next poll.
             return -1 if time.monotonic() > self._poll_deadline else 0
         self._cb = _cb
         self._poll_deadline = float("inf")
+        self._read = 0
         self.bpf["events"].open_ring_buffer(_cb)
 
     def poll(self, timeout_ms: int) -> None:
+        """Read records, waiting up to `timeout_ms` when there are none. What is there is read
+        first without waiting: the kernel wakes a reader only when a record is committed while
+        the reader has caught up, so records left behind by a bail-out would never wake epoll."""
         self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
-        self.bpf.ring_buffer_poll(timeout_ms)
+        self._read = 0
+        self.bpf.ring_buffer_consume()
+        if not self._read:
+            self.bpf.ring_buffer_poll(timeout_ms)
 
     def drain(self, budget_s: float = 1.0) -> None:
         """Read what is in the ring buffer now (bounded in time, like poll)."""

@@ -72,6 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not read Python frames of CPython targets")
     r.add_argument("--interpreter-frames", action="store_true",
                    help="keep the interpreter's own frames between Python frames")
+    tier = r.add_argument_group("tiers and overhead")
+    tier.add_argument("--preload", action="store_true",
+                      help="start the command with the LD_PRELOAD sampling shim (preload tier: no trap "
+                           "per malloc; a process that carries otel_memory USDT probes is recorded "
+                           "through them anyway)")
+    tier.add_argument("--rss", action="store_true",
+                      help="always-on tier: attribute RSS growth to stacks from sampled page faults "
+                           "and mmap/brk/madvise, without allocator uprobes")
+    tier.add_argument("--cgroup", action="append", default=[], metavar="PATH",
+                      help="always-on tier for every process of this cgroup (v2, e.g. "
+                           "system.slice/foo.service); repeatable")
+    tier.add_argument("--all", dest="all_processes", action="store_true",
+                      help="always-on tier for every process of the host")
+    tier.add_argument("--fault-period", type=int, default=61, metavar="N",
+                      help="always-on tier: sample one page fault in N (default: %(default)s)")
+    tier.add_argument("--cpu-budget", type=float, default=3.0, metavar="PCT",
+                      help="attach tier: %% of one CPU per process the probes may cost; above it the "
+                           "governor duty-cycles allocation probes or moves the process to the always-on "
+                           "tier (default: %(default)s; 0: off)")
+    tier.add_argument("--probe-cost", type=float, metavar="NS",
+                      help="cost of one probe hit in ns (default: calibrated at start-up)")
     r.add_argument("--quiet", "-q", action="store_true", help="no summary at the end")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: start and record a command")
 
@@ -127,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object (docs/querying.md)")
 
     sub.add_parser("check", help="check that this machine can record (root, BPF, headers, tracefs)")
+    sub.add_parser("preload-path", help="build (if needed) and print the LD_PRELOAD sampling shim's path")
     return p
 
 
@@ -210,11 +232,26 @@ def _report(args) -> int:
 def _record(args) -> int:
     from .allocators import parse_allocator_spec
     from .errors import UsageError
-    from .recorder import Recorder, RecordOptions
+    from .recorder import Recorder, RecordOptions, cgroup_id
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-    if not args.pid and not cmd:
-        raise UsageError("nothing to record: give --pid PID or a command after --")
+    if not args.pid and not cmd and not args.all_processes and not args.cgroup:
+        raise UsageError("nothing to record: give --pid PID, a command after --, --cgroup or --all")
+    if args.preload and not cmd:
+        raise UsageError("--preload starts a command with the shim: give it after -- (a running "
+                         f"service needs LD_PRELOAD={_shim_hint()} in its environment and a restart)")
+    if (args.all_processes or args.cgroup) and not args.rss:
+        args.rss = True                 # host-wide selection is the always-on tier's
+    if args.preload and args.rss:
+        raise UsageError("--preload and --rss are different tiers: pick one")
+    if not 1 <= args.fault_period <= 1 << 20:
+        raise UsageError(f"--fault-period must be between 1 and 1048576, got {args.fault_period}")
+    if not 0 <= args.cpu_budget <= 100:
+        raise UsageError(f"--cpu-budget must be a percentage between 0 and 100, got {args.cpu_budget}")
+    for cg in args.cgroup:
+        cgroup_id(cg)                   # a bad path is an error now, not after compiling BPF
+    if args.probe_cost is not None and not 1 <= args.probe_cost <= 1e6:
+        raise UsageError(f"--probe-cost must be between 1 and 1000000 ns, got {args.probe_cost}")
     if not 1 <= args.max_frames <= 512:
         raise UsageError(f"--max-frames must be between 1 and 512, got {args.max_frames}")
     if args.stack_bytes % 1024 or not 1024 <= args.stack_bytes <= 24 << 10:
@@ -232,13 +269,31 @@ def _record(args) -> int:
         sample_mean=args.sample_bytes, children=args.children, allocators=families,
         syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, live_max=args.live_max,
         max_frames=args.max_frames, stack_bytes=args.stack_bytes, python=args.python,
-        interpreter_frames=args.interpreter_frames, quiet=args.quiet, argv=" ".join(sys.argv))
+        interpreter_frames=args.interpreter_frames, rss=args.rss, fault_period=args.fault_period,
+        cgroups=args.cgroup, all_processes=args.all_processes, preload=args.preload,
+        cpu_budget=args.cpu_budget / 100, probe_cost_ns=args.probe_cost, quiet=args.quiet,
+        argv=" ".join(sys.argv))
     rec = Recorder(opts)
     code = rec.run()
     if not args.quiet:
         from analysis.top import print_summary
         print_summary(args.out, rec.recording_id, rec.finished)
     return code
+
+
+def _shim_hint() -> str:
+    try:
+        from .preload import shim_path
+        return str(shim_path(build=False))
+    except Exception:
+        return "$(allocsampler preload-path)"
+
+
+def _preload_path(args) -> int:
+    from .preload import shim_path
+
+    print(shim_path())
+    return 0
 
 
 def _top(args) -> int:
@@ -317,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"record": _record, "top": _top, "check": _check, "analyze": _analyze, "report": _report,
-                    "export": _export, "diff": _diff}
+                    "export": _export, "diff": _diff, "preload-path": _preload_path}
         return commands[args.command](args)
     except AllocsamplerError as e:
         print(f"allocsampler: error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ class EvType(enum.IntEnum):
 class Source(enum.IntEnum):
     MALLOC = 1
     MMAP = 2
+    FAULT = 3
 
 
 class VmOp(enum.IntEnum):
@@ -47,6 +48,7 @@ FLAG_SAMPLED = 2
 FLAG_STACK_ERR = 4
 FLAG_PY_MISS = 8
 FLAG_PY_TRUNC = 16
+FLAG_SITE_MODULE = 32
 
 
 @dataclass(slots=True)

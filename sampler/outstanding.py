@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from . import weights
 
-MALLOC, MMAP = "malloc", "mmap"
+MALLOC, MMAP, FAULT = "malloc", "mmap", "fault"
 
 
 @dataclass(slots=True)
@@ -58,18 +58,25 @@ class _Block:
                               # block apart; mmap: the region's first start (its key in `born`)
 
 
+@dataclass(slots=True)
+class _Regions:
+    """Disjoint sampled address ranges of one source (mmap regions, faulted-in pages)."""
+
+    frags: dict[int, _Fragment] = field(default_factory=dict)   # fragment start -> fragment
+    starts: list[int] = field(default_factory=list)             # sorted fragment starts
+
+
 class ProcessTable:
     def __init__(self) -> None:
         self.stats: dict[tuple[str, int], StackStats] = {}
         self.blocks: dict[int, _Block] = {}           # malloc: addr -> block
-        self.regions: dict[int, _Fragment] = {}       # mmap: fragment start -> fragment
-        self._starts: list[int] = []                  # sorted region starts
+        self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
 
     # malloc source -----------------------------------------------------------------------
     def alloc(self, addr: int, size: int, weight: float, stack_id: int, ts_ns: int,
               source: str = MALLOC) -> None:
-        if source == MMAP:
-            self.map(addr, size, weight, stack_id, ts_ns)
+        if source != MALLOC:
+            self.map(addr, size, weight, stack_id, ts_ns, source)
             return
         old = self.blocks.get(addr)
         if old is not None:          # missed free (lost event): the address was reused
@@ -89,37 +96,56 @@ class ProcessTable:
         self._release(addr, block)
         return True
 
-    # mmap source ---------------------------------------------------------------------------
-    def map(self, start: int, length: int, weight: float, stack_id: int, ts_ns: int) -> None:
-        self.unmap(start, length)    # MAP_FIXED over an old sampled region replaces it
-        key = (MMAP, stack_id)
+    # mmap and fault sources ----------------------------------------------------------------
+    def map(self, start: int, length: int, weight: float, stack_id: int, ts_ns: int,
+            source: str = MMAP) -> None:
+        """A sampled range: an mmap region, or (FAULT) a page brought in by a sampled fault."""
+        self.unmap(start, length, (source,))    # MAP_FIXED over an old sampled region replaces it
+        r = self._ranges[source]
+        key = (source, stack_id)
         mapping = _Block(key, length, length / weight, start + length, born=start)
-        self.regions[start] = _Fragment(start + length, mapping)
-        bisect.insort(self._starts, start)
+        r.frags[start] = _Fragment(start + length, mapping)
+        bisect.insort(r.starts, start)
         self._born(key, start, length, weight, ts_ns)
 
-    def unmap(self, start: int, length: int) -> None:
-        """Remove [start, start+length) from sampled regions. A region cut in part keeps its
+    def unmap(self, start: int, length: int, sources: tuple[str, ...] = (MMAP, FAULT)) -> None:
+        """Remove [start, start+length) from sampled ranges. A region cut in part keeps its
         fragments; they share one sampling decision, so the mapping still counts as one sample
         and stands for (its remaining bytes) / p."""
-        if not self._starts:
-            return
         end = start + length
-        i = max(0, bisect.bisect_right(self._starts, start) - 1)
-        while i < len(self._starts) and self._starts[i] < end:
-            lo = self._starts[i]
-            frag = self.regions[lo]
-            if frag.end <= start:
-                i += 1
-                continue
-            del self._starts[i]
-            del self.regions[lo]
-            self._shrink(frag.mapping, min(frag.end, end) - max(lo, start))
-            for a, b in ((lo, max(lo, start)), (min(frag.end, end), frag.end)):
-                if b > a:
-                    self.regions[a] = _Fragment(b, frag.mapping)
-                    bisect.insort(self._starts, a)
+        for src in sources:
+            r = self._ranges[src]
+            i = max(0, bisect.bisect_right(r.starts, start) - 1)
+            while i < len(r.starts) and r.starts[i] < end:
+                lo = r.starts[i]
+                frag = r.frags[lo]
+                if frag.end <= start:
                     i += 1
+                    continue
+                del r.starts[i]
+                del r.frags[lo]
+                self._shrink(frag.mapping, min(frag.end, end) - max(lo, start))
+                for a, b in ((lo, max(lo, start)), (min(frag.end, end), frag.end)):
+                    if b > a:
+                        r.frags[a] = _Fragment(b, frag.mapping)
+                        bisect.insort(r.starts, a)
+                        i += 1
+
+    def move(self, old: int, old_len: int, new: int, new_len: int) -> None:
+        """mremap moved pages: faulted-in pages of [old, old+old_len) stay resident at their new
+        address (up to new_len); sampled mmap regions were unmapped and re-sampled by the caller."""
+        r = self._ranges[FAULT]
+        keep = min(old_len, new_len)
+        moved = [(lo, r.frags[lo]) for lo in r.starts if old <= lo < old + keep and r.frags[lo].end <= old + keep]
+        for lo, _ in moved:
+            del r.frags[lo]
+            r.starts.remove(lo)
+        self.unmap(old, old_len, (FAULT,))
+        for lo, frag in moved:
+            a = lo - old + new
+            self.unmap(a, frag.end - lo, (FAULT,))
+            r.frags[a] = _Fragment(frag.end - lo + a, frag.mapping)
+            bisect.insort(r.starts, a)
 
     def _shrink(self, m: _Block, cut: int) -> None:
         """A sampled mapping lost `cut` bytes: move its weight from live to freed."""
@@ -160,8 +186,21 @@ class ProcessTable:
         """Forget everything (the process exec'd: its old heap is gone)."""
         self.stats.clear()
         self.blocks.clear()
-        self.regions.clear()
-        self._starts.clear()
+        self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
+
+    def drop_malloc(self) -> list[int]:
+        """Forget the sampled malloc blocks (the process left the attach tier: their frees will not
+        be seen); returns their addresses."""
+        addrs = list(self.blocks)
+        self.blocks.clear()
+        for key in [k for k in self.stats if k[0] == MALLOC]:
+            del self.stats[key]
+        return addrs
+
+    def regions(self, source: str = MMAP) -> list[tuple[int, int]]:
+        """The sampled ranges of an mmap-like source, as sorted [start, end) fragments."""
+        r = self._ranges[source]
+        return [(lo, r.frags[lo].end) for lo in r.starts]
 
     def live_addresses(self) -> list[int]:
         return list(self.blocks)

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from . import __version__, preflight
+from . import __version__, preflight, probe_cost, usdt
 from .allocators import AllocatorLib, Family, find_allocators
 from .bpf_loader import (
+    C_FAULTS,
     C_HITS,
     C_LIVE_FULL,
     C_LOST_EVENTS,
@@ -26,14 +27,18 @@ from .bpf_loader import (
     C_SAMPLED,
     C_STACK_ERR,
     C_VM_HITS,
+    TGT_FAULTS,
+    TGT_SYSCALLS,
     BpfProbes,
     ProbeConfig,
 )
 from .dataset_writer import DatasetWriter
 from .errors import EnvironmentProblem, TargetGone
-from .events import FLAG_PY_MISS, EvType, ProcOp, VmOp, decode
+from .events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
+from .governor import Governor
 from .malloc_arenas import arena_rows
-from .outstanding import MALLOC, MMAP, ProcessTable
+from .outstanding import FAULT, MALLOC, MMAP, ProcessTable
+from .procmaps import open_path
 from .procmetrics import sample_process
 from .pytargets import PythonTargets
 from .schema import (
@@ -53,11 +58,14 @@ from .stacks import COMPLETE, StackTable
 from .symbolize import Symbolizer
 from .targets import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
 from .unwind import Unwinder
-from .vm_events import VmClassifier
+from .vm_events import MADV_DONTNEED, MADV_FREE, VmClassifier
 from .weights import chunk_size, sample_terms
 
-_SOURCE_NAME = {1: MALLOC, 2: MMAP}
 _VM_NAME = {op.value: op.name.lower() for op in VmOp}
+MADV_REMOVE = 9
+# Tiers (processes.tier).
+ATTACH, PRELOAD, RSS, SYSCALLS = "attach", "preload", "rss", "syscalls"
+GOVERNOR_TICK_S = 1.0
 
 
 @dataclass
@@ -79,6 +87,14 @@ class RecordOptions:
     interpreter_frames: bool = False      # keep libpython frames between Python frames
     unwind_cache: str | None = None       # directory for the per-build-id unwind tables
     vm_events_per_interval: int = 20000
+    rss: bool = False                     # always-on tier: sampled page faults, no uprobes
+    fault_period: int = 61                # one fault sampled in this many (prime: no aliasing
+                                          # with loops that fault a power of two of pages)
+    cgroups: list[str] = field(default_factory=list)   # always-on tier for these cgroups
+    all_processes: bool = False           # always-on tier for every process
+    preload: bool = False                 # start the command with the preload shim
+    cpu_budget: float = 0.03              # governor: fraction of one CPU per process (0: off)
+    probe_cost_ns: float | None = None    # per probe hit; None: calibrate at start-up
     quiet: bool = False
     argv: str = ""
 
@@ -98,6 +114,14 @@ class _Target:
     warned: bool = False                                 # "no probeable allocator" said once
     py_checked: bool = False                             # Python detection done for this image
     drops: tuple[int, int] = (0, 0)
+    tier: str = ATTACH
+    usdt: set[tuple] = field(default_factory=set)        # files whose otel_memory probes are attached
+    usdt_labels: list[str] = field(default_factory=list)
+    duty: float = 1.0                                    # governor: malloc weights are divided by it
+    coverage: float | None = None                        # of the last interval
+    hits: int = 0                                        # probe hits at the last snapshot
+    hit_rate: float = 0.0                                # per second, last interval
+    allocs_on: bool = True                               # allocation probes attached (governor)
 
 
 class Recorder:
@@ -113,6 +137,8 @@ class Recorder:
         self._vm_dropped = 0
         self._events = 0
         self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
+        self._gone: set[int] = set()           # host-wide pids that exited before adoption
+        self._fault_period_used = opts.rss or opts.all_processes or bool(opts.cgroups)
         self._proc = psutil.Process()
         self.launched: LaunchedCommand | None = None
 
@@ -122,7 +148,11 @@ class Recorder:
         preflight.check_all()
         infos = [check_pid(p) for p in dict.fromkeys(o.pids)]
         if o.command:
-            self.launched = LaunchedCommand(o.command)
+            env = None
+            if o.preload:
+                from .preload import preload_env
+                env = preload_env(o.sample_mean)
+            self.launched = LaunchedCommand(o.command, env)
             infos.append(read_info(self.launched.pid))
         try:
             return self._record(infos)
@@ -142,16 +172,30 @@ class Recorder:
         self._samples = self._complete = 0
         self._hints: dict[int, int | None] = {}
         self.writer = DatasetWriter(o.out, self.recording_id)
+        self.governor: Governor | None = None
+        self._cost_ns: float | None = None
+        self._cgroup_ids = [cgroup_id(c) for c in o.cgroups]
+        if o.rss or o.all_processes or o.cgroups:
+            self.probes.enable_faults(o.fault_period, o.all_processes, self._cgroup_ids)
+        if o.cpu_budget > 0 and not (o.rss or o.syscalls_only):
+            self._cost_ns, how = ((o.probe_cost_ns, "given") if o.probe_cost_ns
+                                  else probe_cost.calibrate(self.probes, _cache_dir(o.unwind_cache, "")))
+            self.governor = Governor(o.cpu_budget, self._cost_ns)
+            if not o.quiet:
+                print(f"allocsampler: probe cost {self._cost_ns / 1000:.2f} us per hit ({how}); budget "
+                      f"{100 * o.cpu_budget:g}% of a CPU per process", file=sys.stderr)
         self._write_recording(ended=None)
         self.probes.open_events(self._on_event)
         try:
             for info in infos:
                 self._add_target(info)
-            if not self.targets:
+            if not self.targets and (o.all_processes or o.cgroups):
+                pass                    # processes join as they fault
+            elif not self.targets:
                 raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
                                  "nothing to record")
-            if not any(t.libs for t in self.targets.values()) and not o.syscalls_only \
-                    and not self.launched:
+            if not any(t.libs or t.usdt for t in self.targets.values()) and not o.syscalls_only \
+                    and not o.rss and not self.launched and self.targets:
                 t = next(iter(self.targets.values()))
                 if t.failures:
                     raise EnvironmentProblem(f"pid {t.info.pid} ({t.info.comm}): {t.failures[0]}")
@@ -175,11 +219,18 @@ class Recorder:
         self._last_snap = time.monotonic()
         self._last_counters = self.probes.counters()
         self._last_cpu = sum(self._proc.cpu_times()[:2])
-        while not self._stop and self.targets:
+        next_gov = time.monotonic() + GOVERNOR_TICK_S
+        host_wide = o.all_processes or bool(o.cgroups)
+        while not self._stop and (self.targets or host_wide):
             self.probes.poll(100)
             now = time.monotonic()
             self._rescan(now)
             self._reap_launched()
+            if self.governor is not None:
+                observe = now >= next_gov
+                self._govern(now, observe)
+                if observe:
+                    next_gov = now + GOVERNOR_TICK_S
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
@@ -193,10 +244,13 @@ class Recorder:
         self._stop = True
 
     # targets ----------------------------------------------------------------------------------
-    def _add_target(self, info: ProcessInfo) -> None:
+    def _add_target(self, info: ProcessInfo, tier: str | None = None) -> None:
         pid = info.pid
-        t = self.targets[pid] = _Target(info)
-        self.probes.add_target(pid)
+        tier = tier or (RSS if self.opts.rss else SYSCALLS if self.opts.syscalls_only else ATTACH)
+        t = self.targets[pid] = _Target(info, tier=tier)
+        self.probes.add_target(pid, TGT_SYSCALLS | (TGT_FAULTS if tier == RSS else 0))
+        if self.governor is not None and tier == ATTACH:
+            self.governor.add(pid, time.monotonic())
         try:
             self._attach_allocators(t)
         except ProcessLookupError:
@@ -218,9 +272,11 @@ class Recorder:
 
     def _attach_allocators(self, t: _Target) -> None:
         pid = t.info.pid
-        if self.opts.syscalls_only:
+        if t.tier in (RSS, SYSCALLS):
             return
-        libs, _maps = find_allocators(pid, self.opts.allocators)
+        libs, maps = find_allocators(pid, self.opts.allocators)
+        if self._attach_usdt(t, maps) or t.tier == PRELOAD:
+            return
         for lib in libs:
             ident = (lib.path, lib.build_id)
             if ident in t.attached:
@@ -246,6 +302,56 @@ class Recorder:
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
                           "with --allocator LIB[:PREFIX].")
 
+    def _attach_usdt(self, t: _Target, maps) -> bool:
+        """Preload tier: a process carrying otel_memory probes samples its own allocations. Its
+        allocator uprobes would count them again: they are dropped. Returns whether it has them."""
+        found = []
+        seen = set()
+        for m in maps:
+            ident = (m.dev, m.inode, m.path)
+            if not m.executable or not m.path.startswith("/") or ident in seen or ident in t.usdt:
+                continue
+            seen.add(ident)
+            probes = usdt.memory_probes(open_path(t.info.pid, m))
+            if probes:
+                found.append((ident, m, probes))
+        if not found:
+            return False
+        if t.tier == ATTACH:
+            self._leave_attach(t, PRELOAD, f"carries otel_memory USDT probes ({found[0][1].path}): "
+                                           "recorded from its own samples, no allocator uprobes")
+        for ident, m, probes in found:
+            try:
+                self.probes.attach_usdt(t.info.pid, open_path(t.info.pid, m), probes)
+            except OSError as e:
+                if not os.path.exists(f"/proc/{t.info.pid}"):
+                    raise ProcessLookupError(t.info.pid) from None
+                t.failures.append(f"could not attach the otel_memory probes of {m.path}: {e}")
+                self._warn(t, t.failures[-1])
+                continue
+            t.usdt.add(ident)
+            t.usdt_labels += [f"{p.label} (usdt, multi)" for p in probes]
+        return True
+
+    def _leave_attach(self, t: _Target, tier: str, why: str) -> None:
+        """Move a target out of the attach tier: its allocator probes go, and with them the
+        sampled blocks whose frees could no longer be seen."""
+        pid = t.info.pid
+        self.probes.detach_probes(pid)
+        self.probes.forget_live(pid, t.table.drop_malloc())
+        t.attached.clear()
+        t.libs = []
+        t.modes = {}
+        t.duty, t.coverage = 1.0, None
+        t.tier = tier
+        if self.governor is not None:
+            self.governor.forget(pid)
+        if tier == RSS:
+            self.probes.add_target(pid, TGT_SYSCALLS | TGT_FAULTS)
+            self.probes.enable_faults(self.opts.fault_period)
+            self._fault_period_used = True
+        self._target_row(t, "tier", f"{tier}: {why}")
+
     def _attach_detail(self, t: _Target) -> str:
         skipped = [f"{name} ({why})" for lib in t.libs for name, why in lib.skipped]
         return ("not probed: " + "; ".join(skipped)) if skipped else ""
@@ -266,9 +372,61 @@ class Recorder:
                 if len(t.libs) > n:
                     self._target_row(t, "attach", self._attach_detail(t))
 
+    def _adopt(self, pid: int) -> _Target | None:
+        """A process selected host-wide (--all, --cgroup) that the fault program saw first."""
+        if pid in self._gone:
+            return None
+        try:
+            info = read_info(pid)
+        except ProcessLookupError:
+            self._gone.add(pid)
+            return None
+        self._add_target(info, RSS)
+        return self.targets.get(pid)
+
+    def _govern(self, now: float, observe: bool) -> None:
+        """Feed probe hits to the governor (`observe`: once a second) and apply what it decides
+        (every poll: duty-cycle phases are a fraction of a second)."""
+        hits = self.probes.hits() if observe else {}
+        for pid, t in list(self.targets.items()):
+            if t.tier != ATTACH:
+                continue
+            if observe:
+                self.governor.observe(pid, now, hits.get(pid, (0, 0)))
+            actions = self.governor.tick(pid, now)
+            if actions:
+                self._apply(t, actions)
+
+    def _apply(self, t: _Target, actions) -> None:
+        """Bring the allocation probes to the governor's state. Order matters for the weights:
+        probes are paused before the ring buffer is drained and the duty changed, and resumed
+        after."""
+        pid = t.info.pid
+        st = self.governor.states.get(pid)
+        want_on = st is not None and st.on
+        if t.allocs_on and not want_on:
+            self.probes.pause_allocs(pid)
+            t.allocs_on = False
+        for a in actions:
+            if a.kind == "rss":
+                self.probes.drain()
+                self._leave_attach(t, RSS, a.reason)
+                return
+            if a.kind == "duty":
+                self.probes.drain()
+                t.duty = self.governor.duty(pid)
+                self._target_row(t, "governor", a.reason)
+        if want_on and not t.allocs_on:
+            for lib in t.libs:
+                with contextlib.suppress(OSError):      # exiting: its exit event follows
+                    self.probes.attach(pid, lib, allocs_only=True)
+            t.allocs_on = True
+
     def _drop_target(self, pid: int, why: str) -> None:
         t = self.targets.pop(pid, None)
         self.probes.detach(pid)
+        if self.governor is not None:
+            self.governor.forget(pid)
         if t is None:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
@@ -310,12 +468,15 @@ class Recorder:
         self._events += 1
         ev = decode(raw)
         t = self.targets.get(ev.pid)
-        if t is None:
+        if t is None and (ev.source != Source.FAULT or (t := self._adopt(ev.pid)) is None):
             return
         if ev.flags & FLAG_PY_MISS and self.python is not None:
             self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
-            t.table.alloc(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns)
+            if ev.source == Source.FAULT:
+                t.table.map(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, FAULT)
+            else:
+                t.table.alloc(ev.addr, ev.size, ev.weight / t.duty, self._intern(ev), ev.ts_ns)
         elif ev.type == EvType.FREE:
             t.table.free(ev.addr, ev.arg)
         elif ev.type == EvType.VM:
@@ -333,9 +494,14 @@ class Recorder:
         elif ok and op == VmOp.MUNMAP:
             t.table.unmap(ev.addr, ev.size)
         elif ok and op == VmOp.MREMAP:
+            t.table.move(ev.addr, ev.size, ev.ret, ev.arg)
             t.table.unmap(ev.addr, ev.size)
             if ev.weight:
                 t.table.map(ev.ret, ev.arg, ev.weight, sid, ev.ts_ns)
+        elif ok and op == VmOp.MADVISE and ev.arg & 0xFFFFFFFF in (MADV_DONTNEED, MADV_FREE, MADV_REMOVE):
+            t.table.unmap(ev.addr, ev.size, (FAULT,))  # the pages leave RSS, the mapping stays
+        elif ok and op == VmOp.BRK and t.vm.brk_range and ev.ret < t.vm.brk_range[1]:
+            t.table.unmap(ev.ret, t.vm.brk_range[1] - ev.ret, (FAULT,))   # the heap shrank
         event = t.vm.classify(op, ev.addr, ev.size, ev.arg, ev.ret)
         if len(self._vm_rows) >= self.opts.vm_events_per_interval:
             self._vm_dropped += 1
@@ -382,6 +548,14 @@ class Recorder:
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
             t.table.clear()
             t.vm = VmClassifier()
+            if t.tier == PRELOAD:        # the new image may not carry the probes: start over
+                self.probes.detach_probes(ev.pid)
+                t.usdt.clear()
+                t.usdt_labels = []
+                t.attached.clear()
+                t.tier = ATTACH
+                if self.governor is not None:
+                    self.governor.add(ev.pid, time.monotonic())
             self.stacks.forget(t.info.pid)
             if self.python is not None:
                 self.python.forget(t.info.pid)
@@ -407,8 +581,18 @@ class Recorder:
         out_rows: list[dict] = []
         proc_rows: list[dict] = []
         arenas: list[dict] = []
+        hits = self.probes.hits()
         for pid, t in list(self.targets.items()):
             t.drops = drops.get(pid, t.drops)
+            if self.governor is not None and t.tier == ATTACH:
+                t.coverage, actions = self.governor.interval(pid, mono, hits.get(pid, (0, 0)))
+                self._apply(t, actions)
+            elif t.tier == ATTACH:
+                t.coverage = 1.0
+            else:
+                t.coverage = None
+            h = sum(hits.get(pid, (0, 0)))
+            t.hit_rate, t.hits = (h - t.hits) / interval if interval > 0 else 0.0, h
             if self.python is not None:
                 self.python.refresh(pid, force=True)
             out_rows += self._outstanding_rows(t, now, interval)
@@ -456,6 +640,10 @@ class Recorder:
             "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
             "lost_events": t.drops[0], "dropped_samples": t.drops[1],
             "stack_collisions": self.stacks.collisions,
+            "tier": t.tier, "alloc_coverage": t.coverage,
+            "probe_hits_per_s": t.hit_rate if t.tier == ATTACH else None,
+            "probe_cpu_estimate": (t.hit_rate * self._cost_ns * 1e-9
+                                   if t.tier == ATTACH and self._cost_ns else None),
         }
 
     def _write_stacks(self, now: dt.datetime) -> None:
@@ -492,6 +680,7 @@ class Recorder:
             "stacks_complete": self._complete,
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
+            "sampled_faults": d[C_FAULTS],
         }])
         self._events = 0
         self._vm_dropped = 0
@@ -505,7 +694,8 @@ class Recorder:
             "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
             "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs],
             "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
-                       f"{t.modes.get(p.name, 'not attached')})" for lib in t.libs for p in lib.points],
+                       f"{t.modes.get(p.name, 'not attached')})" for lib in t.libs for p in lib.points]
+                      + t.usdt_labels,
             "detail": detail,
         }])
 
@@ -517,6 +707,9 @@ class Recorder:
             "sampler_version": __version__, "sample_mean_bytes": o.sample_mean,
             "interval_s": o.interval, "probe_mode": "session" if self.probes.session else "perf",
             "kernel": os.uname().release, "argv": o.argv,
+            "cpu_budget": o.cpu_budget if self.governor is not None else 0.0,
+            "probe_cost_ns": self._cost_ns,
+            "fault_period": o.fault_period if self._fault_period_used else None,
         }], name=self.recording_id, day=self.started.date())
 
     def _write(self, table, rows: list[dict], **kw) -> None:
@@ -573,17 +766,47 @@ def _label(f) -> str:
     return f"{f.function or hex(f.offset)} ({f.module})"
 
 
-def _cache_dir(path: str | None):
-    """Where unwind tables persist across runs: the given directory, else a root-only default
-    (tables describe the binaries, not the targets, so one cache serves every recording)."""
+def _cache_dir(path: str | None, sub: str = "unwind"):
+    """Where unwind tables (and the probe cost) persist across runs: the given directory, else a
+    root-only default (tables describe the binaries, not the targets, so one cache serves every
+    recording)."""
     from pathlib import Path
 
-    d = Path(path) if path else Path("/var/cache/allocsampler/unwind")
+    d = Path(path) if path else Path("/var/cache/allocsampler", sub)
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:
         return None
     return d
+
+
+def cgroup2_root() -> str | None:
+    """Mount point of the cgroup v2 hierarchy (/sys/fs/cgroup, or .../unified on hybrid hosts)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                if right.split()[:1] == ["cgroup2"]:
+                    return left.split()[4]
+    except OSError:
+        pass
+    return None
+
+
+def cgroup_id(path: str) -> int:
+    """The cgroup v2 id of a cgroup (its directory's inode), from a path in the v2 hierarchy or
+    relative to it (e.g. system.slice/foo.service)."""
+    from .errors import UsageError
+
+    root = cgroup2_root()
+    if root is None:
+        raise UsageError("--cgroup needs the cgroup v2 hierarchy, and none is mounted: mount -t cgroup2 "
+                         "none /sys/fs/cgroup/unified, or select processes with --pid")
+    full = path if path.startswith(root + "/") or path == root else os.path.join(root, path.lstrip("/"))
+    if not os.path.isdir(full) or not os.path.exists(os.path.join(full, "cgroup.procs")):
+        raise UsageError(f"no such cgroup: {path} (expected a directory of the cgroup v2 hierarchy at "
+                         f"{root}, e.g. system.slice/NAME.service)")
+    return os.stat(full).st_ino
 
 
 def _i64(v: int | None) -> int | None:

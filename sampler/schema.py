@@ -11,10 +11,14 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
 #   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
+# 3 - tiers: `outstanding.source` `fault` (always-on tier: sampled page faults); malloc weights
+#   of a duty-cycled target include 1/duty; new columns processes.tier/alloc_coverage/
+#   probe_hits_per_s/probe_cpu_estimate, recorder.sampled_faults, recordings.cpu_budget/
+#   probe_cost_ns/fault_period; targets events `tier` and `governor`.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -58,9 +62,12 @@ OUTSTANDING = Table(
         Column("interval_s", pa.float64(), "Length of the interval in seconds."),
         Column("pid", pa.int32(), "Process id (host pid namespace)."),
         Column("comm", STR, "Process name at snapshot time."),
-        Column("source", STR, "`malloc` (malloc family and C++ operators of the probed allocator) or "
-                              "`mmap` (anonymous private mmap/mremap). Sources can overlap (a large "
-                              "malloc is also an mmap): never add them."),
+        Column("source", STR, "`malloc` (malloc family and C++ operators of the probed allocator, or "
+                              "the process's own `otel_memory` USDT samples in the preload tier), "
+                              "`mmap` (anonymous private mmap/mremap) or `fault` (always-on tier: "
+                              "memory brought in by sampled page faults and not yet unmapped or "
+                              "madvised away; each sample stands for `fault_period` pages). Sources "
+                              "overlap (a large malloc is also an mmap, and faults in): never add them."),
         Column("stack_id", pa.int64(), "Stack of the allocation site: join with `stacks` / `frames`."),
         Column("outstanding_bytes", pa.float64(), "Estimated bytes allocated and not yet freed."),
         Column("outstanding_stderr_bytes", pa.float64(), "Standard error of `outstanding_bytes`."),
@@ -165,6 +172,17 @@ PROCESSES = Table(
                                               "was full (cumulative): estimates are low by about this "
                                               "many samples."),
         Column("stack_collisions", pa.int64(), "Distinct stacks that hashed to one id (cumulative; expected 0)."),
+        Column("tier", STR, "How the process is recorded now: `attach` (uprobes on its allocator), "
+                            "`preload` (its own otel_memory USDT samples), `rss` (always-on: sampled "
+                            "page faults) or `syscalls` (mmap/brk only)."),
+        Column("alloc_coverage", pa.float64(), "Attach tier: fraction of the interval with allocation "
+                                               "probes attached (below 1 when the governor duty-cycles "
+                                               "them; malloc weights are divided by the duty, so "
+                                               "estimates stay unbiased). Null for other tiers."),
+        Column("probe_hits_per_s", pa.float64(), "Allocator probe hits per second in the interval "
+                                                 "(attach tier; the cost the target pays)."),
+        Column("probe_cpu_estimate", pa.float64(), "Estimated CPU the probes cost the process, as a "
+                                                   "fraction of one CPU (hits x calibrated cost per hit)."),
     ),
 )
 
@@ -204,7 +222,8 @@ TARGETS = Table(
     (
         *_common("When it happened."),
         Column("pid", pa.int32(), "Process id."),
-        Column("event", STR, "`attach`, `exec`, `exit`, `detach` or `warning`."),
+        Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `tier` (the process "
+                             "changed tier; detail says why) or `governor` (duty-cycle changes)."),
         Column("comm", STR, "Process name."),
         Column("exe", pa.string(), "Executable path."),
         Column("cmdline", pa.string(), "Command line, space-joined."),
@@ -241,6 +260,7 @@ RECORDER = Table(
         Column("stacks_complete", pa.int64(), "Of those, the ones whose walk reached the thread's entry."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
+        Column("sampled_faults", pa.int64(), "Page-fault samples of targets in the interval (always-on tier)."),
     ),
 )
 
@@ -260,6 +280,12 @@ RECORDINGS = Table(
                                   "calls) or `perf` (classic uprobes/uretprobes)."),
         Column("kernel", pa.string(), "Kernel release."),
         Column("argv", pa.string(), "Command line of the recorder."),
+        Column("cpu_budget", pa.float64(), "Governor budget: fraction of one CPU per process the attach "
+                                           "tier's probes may cost (0: governor off)."),
+        Column("probe_cost_ns", pa.float64(), "Cost of one probe hit, calibrated at start-up (null "
+                                              "without the governor)."),
+        Column("fault_period", pa.int32(), "Always-on tier: one page fault sampled in this many (null "
+                                           "when no process was in that tier)."),
     ),
 )
 

@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
-from .events import FLAG_FIRST_IS_IP, FLAG_STACK_ERR, Event
+from .events import FLAG_FIRST_IS_IP, FLAG_SITE_MODULE, FLAG_STACK_ERR, Event
 from .pycode import PyFrame
 from .pytargets import PythonTargets
 from .symbolize import Frame, Symbolizer, module_key
@@ -50,6 +50,7 @@ class StackTable:
         self.collisions = 0
         self.last_stop = ""                                      # unwind stop of the last intern
         self._depth: dict[int, int] = {}   # pid -> deepest complete walk (bytes); -1: a copy was short
+        self._exe: dict[int, str] = {}     # pid -> main executable
 
     def intern(self, ev: Event) -> int:
         first_is_ip = bool(ev.flags & FLAG_FIRST_IS_IP)
@@ -72,7 +73,9 @@ class StackTable:
             return sid
         native = self.symbolizer.frames(ev.pid, pcs, first_is_ip) if pcs else []
         skip = 0
-        if first_is_ip and len(native) > 1 and native[0].module.startswith("libc."):
+        if ev.flags & FLAG_SITE_MODULE and native:
+            skip = self._site_frames(ev.pid, native)
+        elif first_is_ip and len(native) > 1 and native[0].module.startswith("libc."):
             skip = 1            # a syscall: the ip is in libc's wrapper; its caller is the site
         pyframes = self.python.frames(ev.pid, ev.py) if self.python is not None and ev.py else []
         merged = self._merge(ev.pid, native[skip:], pcs[skip:], first_is_ip and not skip, pyframes)
@@ -117,6 +120,24 @@ class StackTable:
         out.extend(_python_frame(p) for p in pyframes[i:])   # the native walk ended early
         return out
 
+    def _site_frames(self, pid: int, native: list[Frame]) -> int:
+        """Frames to drop for a USDT probe in an allocator library (the preload shim, an
+        allocator build): all of that library's innermost frames, so that the stack starts at
+        the allocator's caller as in the attach tier. Probes in the main executable keep theirs."""
+        exe = self._exe.get(pid)
+        if exe is None:
+            try:
+                exe = self._exe[pid] = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+            except OSError:
+                exe = ""
+        path = native[0].path
+        if not path or path == exe:
+            return 0
+        n = 0
+        while n < len(native) - 1 and native[n].path == path:
+            n += 1
+        return n
+
     def stack_hint(self, pid: int, maximum: int) -> int | None:
         """Stack bytes worth copying for `pid`: its deepest complete walk plus a margin, in
         1 KiB steps; None (the maximum) until a walk completed or after a copy was too short."""
@@ -129,6 +150,7 @@ class StackTable:
         """The process exec'd or exited: its addresses mean something else now."""
         self.symbolizer.forget(pid)
         self._depth.pop(pid, None)
+        self._exe.pop(pid, None)
         for k in [k for k in self._memo if k[0] == pid]:
             del self._memo[k]
 

@@ -81,7 +81,7 @@ class LaunchedCommand:
     """`CMD ARGS` started under a tiny shell that stops itself before exec, so that probes are
     attached before the command's first allocation; `resume()` lets it exec."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
         if not argv:
             raise UsageError("no command given after --")
         if shutil.which(argv[0]) is None:
@@ -89,7 +89,7 @@ class LaunchedCommand:
         self.argv = argv
         self.proc = subprocess.Popen(
             ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "allocsampler-launch", *argv],
-            start_new_session=False)
+            start_new_session=False, env=env)
         _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
         if not os.WIFSTOPPED(status):
             raise TargetGone(f"could not start {argv[0]}: the launcher exited early")

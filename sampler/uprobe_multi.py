@@ -49,18 +49,21 @@ def session_supported() -> bool:
 
 
 def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid: int, *,
-           session: bool) -> int:
-    """Create the link; returns its fd (closing it detaches). Raises OSError."""
+           session: bool, ref_ctr_offsets: list[int] | None = None) -> int:
+    """Create the link; returns its fd (closing it detaches). `ref_ctr_offsets`: USDT semaphores
+    the kernel counts up while attached. Raises OSError."""
     n = len(offsets)
     path_buf = ctypes.create_string_buffer(os.fsencode(path))
     offs = (ctypes.c_uint64 * n)(*offsets)
     cks = (ctypes.c_uint64 * n)(*cookies)
+    refs = (ctypes.c_uint64 * n)(*ref_ctr_offsets) if ref_ctr_offsets else None
     attr = _LinkCreateAttr(
         prog_fd=prog_fd,
         attach_type=BPF_TRACE_UPROBE_SESSION if session else BPF_TRACE_UPROBE_MULTI,
         path=ctypes.addressof(path_buf),
         offsets=ctypes.addressof(offs),
         cookies=ctypes.addressof(cks),
+        ref_ctr_offsets=ctypes.addressof(refs) if refs is not None else 0,
         cnt=n,
         pid=pid,
     )

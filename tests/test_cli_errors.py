@@ -101,6 +101,11 @@ def test_static_stripped_binary(tmp_path, bpf_ready):
     (["record", "--pid", "1", "--max-frames", "600"], ["--max-frames"]),
     (["record", "--pid", "1", "--stack-bytes", "1500"], ["--stack-bytes"]),
     (["record", "--pid", "1", "--allocator", ":je_"], ["LIBRARY[:PREFIX]"]),
+    (["record", "--preload", "--pid", "1"], ["--preload", "LD_PRELOAD="]),
+    (["record", "--pid", "1", "--cpu-budget", "150"], ["--cpu-budget"]),
+    (["record", "--pid", "1", "--fault-period", "0"], ["--fault-period"]),
+    (["record", "--cgroup", "no/such.service"], ["no such cgroup"]),
+    (["record", "--preload", "--rss", "--", "true"], ["different tiers"]),
     (["frobnicate"], ["invalid choice"]),
 ])
 def test_bad_arguments(args, words, bpf_ready):

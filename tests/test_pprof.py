@@ -247,7 +247,10 @@ def test_pprof_locations_are_the_recorded_frames(leaky, profile_pb2, leaky_lib, 
                 assert fr["address"] == int(row["offset"]) & ((1 << 64) - 1)
                 assert fr["build_id"] == (row["build_id"] if isinstance(row["build_id"], str) else "")
         checked += 1
-    assert checked == 3 == len(samples)        # leak_malloc, churn, leak_calloc
+    # the workload's three sites, and nothing unchecked (an interpreter-internal mmap that happened
+    # to be sampled is a fourth, legitimate sample)
+    sites = {smp.frames[0]["function"] for smp in samples}
+    assert {"leak_malloc", "churn", "leak_calloc"} <= sites and checked == len(samples), sites
     # the allocation site maps to the workload library with its real GNU build-id
     from elftools.elf.elffile import ELFFile
     with open(leaky_lib, "rb") as f:

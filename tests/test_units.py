@@ -95,7 +95,7 @@ def test_mmap_partial_unmaps():
     t.map(0x10000000, size, w, 5, 0)
     t.unmap(0x10000000 + (1 << 20), 1 << 20)          # hole in the middle
     assert t.totals(MMAP)[0] == pytest.approx(3 << 20, rel=1e-3)
-    assert len(t.regions) == 2
+    assert len(t.regions()) == 2
     t.unmap(0x0, 0x10000000 + (2 << 20))               # covers the first fragment
     assert t.totals(MMAP)[0] == pytest.approx(2 << 20, rel=1e-3)
     w1 = weights.unbiased_weight(1 << 20, T)
@@ -103,6 +103,25 @@ def test_mmap_partial_unmaps():
     assert t.totals(MMAP)[0] == pytest.approx((1 << 20) * w / size + w1, rel=1e-6)
     rows = {r["stack_id"]: r for r in t.snapshot(0)}
     assert rows[5]["live_samples"] == 1 and rows[6]["live_samples"] == 1
+
+
+def test_fault_pages_are_released_by_madvise_and_moved_by_mremap():
+    """Fault pages are their own ranges: madvise(DONTNEED) releases them and keeps an mmap region
+    sampled over the same addresses; mremap moves them; munmap removes both."""
+    from sampler.outstanding import FAULT
+    t = ProcessTable()
+    base, page, period = 0x20000000, 4096, 61
+    t.map(base, 1 << 20, weights.unbiased_weight(1 << 20, T), 1, 0)               # the mapping
+    for i in range(8):
+        t.map(base + i * page, page, period * page, 2, 0, FAULT)                   # sampled faults
+    assert t.totals(FAULT)[0] == 8 * period * page
+    t.unmap(base, 2 * page, (FAULT,))                                              # MADV_DONTNEED
+    assert t.totals(FAULT)[0] == 6 * period * page and t.totals(MMAP)[0] > 0
+    t.move(base, 1 << 20, 0x30000000, 5 * page)                                    # mremap, shrinking
+    assert [lo for lo, _ in t.regions(FAULT)] == [0x30000000 + i * page for i in range(2, 5)]
+    assert t.totals(FAULT)[0] == 3 * period * page
+    t.unmap(0x30000000, 5 * page)                                                  # munmap
+    assert t.totals(FAULT)[0] == 0 and not t.regions(FAULT)
 
 
 def test_event_decoding():

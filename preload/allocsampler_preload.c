@@ -1,0 +1,888 @@
+/*
+ * allocsampler preload shim: samples malloc-family allocations inside the process and emits USDT
+ * probes only for the sampled calls, so that an attached recorder pays for probes on about one call
+ * per ALLOCSAMPLER_SAMPLE_MEAN allocated bytes instead of on every call.
+ *
+ * Use:   LD_PRELOAD=build/liballocsampler_preload.so ALLOCSAMPLER_SAMPLE_MEAN=524288 prog ...
+ * Build: python -m sampler.preload   (sampler/preload.py has the compiler flags)
+ *
+ * Probes (SystemTap SDT v3 notes, no semaphores; the OpenTelemetry eBPF profiler memory contract):
+ *   otel_memory:alloc(u64 ptr, u64 size, u64 weighted_bytes)
+ *       after the allocator returned a sampled block; size is the requested size, weighted_bytes
+ *       the bytes the sample stands for (size / p, rounded).
+ *   otel_memory:free(u64 ptr)
+ *       before a sampled block is freed, or handed to realloc (before the real realloc runs, since
+ *       another thread may receive the address as soon as it does).
+ *
+ * Environment (read once, at start-up):
+ *   ALLOCSAMPLER_SAMPLE_MEAN  mean bytes between samples T, decimal; default 524288; 0, an invalid
+ *                             value or one above 2^40 means the default.
+ *
+ * Exported besides the interposed functions (for tests and debugging):
+ *   double allocsampler_preload_weight(unsigned long size)   weight of a sample of `size` bytes
+ *   void allocsampler_preload_stats(unsigned long *sampled, double *weighted_bytes)
+ *                             process totals of reported samples and of their weights
+ *   unsigned long allocsampler_preload_freed     frees (and reallocs) of sampled blocks reported
+ *   unsigned long allocsampler_preload_dropped   samples not reported because the set of sampled
+ *                             live addresses had no room (or could not be mapped); such blocks are
+ *                             simply not sampled, their frees are not reported either.
+ *
+ * Sampling: requested bytes are sampled as a Poisson process with mean T. Each thread keeps a
+ * countdown of bytes to the next sample point (initial-exec TLS; 0 = not drawn yet); an allocation
+ * of S bytes is sampled when the countdown is <= S, after which a fresh exponential gap is drawn.
+ * By memorylessness this samples an allocation with probability p = 1 - exp(-S/T) independently of
+ * the others, and a sample stands for S / p bytes (Horvitz-Thompson). The weight must agree with
+ * sampler/weights.py: unbiased_weight(), the project's one definition.
+ *
+ * Safety rules, since production services preload this: no allocation in the hooks, no locks, no
+ * stdio; atomics only; nothing that a fork can leave locked (the child reseeds its random state
+ * when it sees a new pid); every call is forwarded to the NEXT definition (dlsym(RTLD_NEXT)) so
+ * that jemalloc/tcmalloc linked by the application stay in charge. Calls that arrive while dlsym
+ * itself runs (it may allocate) are served from a static bootstrap buffer whose frees are ignored.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/sdt.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define API __attribute__((visibility("default")))
+#define COLD __attribute__((noinline, cold))
+#define NOINLINE __attribute__((noinline))
+#define TLS __thread __attribute__((tls_model("initial-exec")))
+#define likely(x) __builtin_expect(!!(x), 1)
+#define unlikely(x) __builtin_expect(!!(x), 0)
+#define LOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+
+#define DEFAULT_MEAN 524288ULL
+#define MAX_MEAN (1ULL << 40)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Exported counters                                                                           */
+
+API unsigned long allocsampler_preload_dropped;
+API unsigned long allocsampler_preload_freed;
+static unsigned long g_sampled;
+static uint64_t g_weight_bits; /* a double, summed with a CAS loop */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Per-thread state (initial-exec TLS: one %fs-relative access, never allocates)               */
+
+static TLS uint64_t t_remaining; /* bytes to the next sample point; 0: not drawn yet */
+static TLS uint64_t t_rng;       /* splitmix64 state */
+static TLS pid_t t_rng_pid;      /* process that seeded t_rng; a fork makes the child reseed */
+static TLS int t_resolving;      /* this thread is inside dlsym */
+
+/* ------------------------------------------------------------------------------------------ */
+/* Bootstrap buffer: serves the allocations dlsym makes while the real functions are resolved.  */
+/* Never reused (so it is always zero, which calloc relies on); frees inside it are ignored.    */
+
+#define BOOT_SIZE (64 * 1024)
+static char g_boot[BOOT_SIZE] __attribute__((aligned(64)));
+static size_t g_boot_used;
+
+static inline int in_boot(uintptr_t a)
+{
+    return a - (uintptr_t)g_boot < BOOT_SIZE;
+}
+
+static void *boot_alloc(size_t n, size_t align)
+{
+    if (align < 16)
+        align = 16;
+    if (n > BOOT_SIZE || align > BOOT_SIZE / 2 || (align & (align - 1))) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    size_t used = __atomic_load_n(&g_boot_used, __ATOMIC_RELAXED);
+    for (;;) {
+        uintptr_t base = (uintptr_t)g_boot;
+        uintptr_t p = (base + used + sizeof(size_t) + align - 1) & ~(uintptr_t)(align - 1);
+        size_t end = p + ((n + 15) & ~(size_t)15) - base;
+        if (end > BOOT_SIZE) {
+            errno = ENOMEM;
+            return NULL;
+        }
+        if (__atomic_compare_exchange_n(&g_boot_used, &used, end, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            ((size_t *)p)[-1] = n; /* the requested size, for realloc */
+            return (void *)p;
+        }
+    }
+}
+
+static inline size_t boot_size(const void *p)
+{
+    return ((const size_t *)p)[-1];
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The next definitions. Each pointer starts at a stub that resolves all of them with dlsym;    */
+/* a stub reached again while this thread is inside dlsym serves the bootstrap buffer.          */
+
+typedef void *malloc_fn(size_t);
+typedef void free_fn(void *);
+typedef void *calloc_fn(size_t, size_t);
+typedef void *realloc_fn(void *, size_t);
+typedef int posix_memalign_fn(void **, size_t, size_t);
+typedef void *memalign_fn(size_t, size_t);
+
+static void *stub_malloc(size_t);
+static void stub_free(void *);
+static void *stub_calloc(size_t, size_t);
+static void *stub_realloc(void *, size_t);
+static int stub_posix_memalign(void **, size_t, size_t);
+static void *stub_aligned_alloc(size_t, size_t);
+static void *stub_memalign(size_t, size_t);
+static void *stub_valloc(size_t);
+static void *stub_pvalloc(size_t);
+
+static malloc_fn *real_malloc = stub_malloc;
+static free_fn *real_free = stub_free;
+static calloc_fn *real_calloc = stub_calloc;
+static realloc_fn *real_realloc = stub_realloc;
+static posix_memalign_fn *real_posix_memalign = stub_posix_memalign;
+static memalign_fn *real_aligned_alloc = stub_aligned_alloc;
+static memalign_fn *real_memalign = stub_memalign;
+static malloc_fn *real_valloc = stub_valloc;
+static malloc_fn *real_pvalloc = stub_pvalloc;
+
+#define REAL(name) (__atomic_load_n(&real_##name, __ATOMIC_RELAXED))
+
+/* Used when the next object does not define a function (never with glibc). */
+static void *missing_alloc1(size_t n)
+{
+    (void)n;
+    errno = ENOMEM;
+    return NULL;
+}
+static void *missing_alloc2(size_t a, size_t b)
+{
+    (void)a;
+    (void)b;
+    errno = ENOMEM;
+    return NULL;
+}
+static void missing_free(void *p)
+{
+    (void)p; /* leaked: nothing to hand it to */
+}
+static void *missing_realloc(void *p, size_t n)
+{
+    (void)p;
+    (void)n;
+    errno = ENOMEM;
+    return NULL;
+}
+static int missing_posix_memalign(void **pp, size_t a, size_t n)
+{
+    (void)pp;
+    (void)a;
+    (void)n;
+    return ENOMEM;
+}
+
+#define BIND(name, fallback)                                                                   \
+    do {                                                                                       \
+        void *f_ = dlsym(RTLD_NEXT, #name);                                                    \
+        __typeof__(real_##name) g_ = f_ ? (__typeof__(real_##name))f_ : (fallback);            \
+        __atomic_store_n(&real_##name, g_, __ATOMIC_RELEASE);                                  \
+    } while (0)
+
+/* Resolves every next definition; a no-op (returning 0) when this thread is already inside. */
+static COLD int resolve(void)
+{
+    if (t_resolving)
+        return 0;
+    t_resolving = 1;
+    int saved = errno;
+    BIND(malloc, missing_alloc1);
+    BIND(free, missing_free);
+    BIND(calloc, missing_alloc2);
+    BIND(realloc, missing_realloc);
+    BIND(posix_memalign, missing_posix_memalign);
+    BIND(aligned_alloc, missing_alloc2);
+    BIND(memalign, missing_alloc2);
+    BIND(valloc, missing_alloc1);
+    BIND(pvalloc, missing_alloc1);
+    errno = saved;
+    t_resolving = 0;
+    return 1;
+}
+
+static size_t page_size(void)
+{
+    static size_t pg;
+    size_t v = LOAD(&pg);
+    if (unlikely(v == 0)) {
+        long r = sysconf(_SC_PAGESIZE);
+        v = r > 0 ? (size_t)r : 4096;
+        STORE(&pg, v);
+    }
+    return v;
+}
+
+static inline int bad_align(size_t al)
+{
+    return al == 0 || (al & (al - 1));
+}
+
+static void *stub_malloc(size_t n)
+{
+    return resolve() ? REAL(malloc)(n) : boot_alloc(n, 16);
+}
+static void stub_free(void *p)
+{
+    if (resolve())
+        REAL(free)(p);
+}
+static void *stub_calloc(size_t n, size_t m)
+{
+    size_t s;
+    if (resolve())
+        return REAL(calloc)(n, m);
+    if (__builtin_mul_overflow(n, m, &s)) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return boot_alloc(s, 16); /* the buffer is never reused: already zero */
+}
+static void *stub_realloc(void *p, size_t n)
+{
+    if (resolve())
+        return REAL(realloc)(p, n);
+    if (p == NULL)
+        return boot_alloc(n, 16);
+    errno = ENOMEM; /* cannot happen: nothing but the bootstrap buffer exists yet */
+    return NULL;
+}
+static int stub_posix_memalign(void **pp, size_t al, size_t n)
+{
+    if (resolve())
+        return REAL(posix_memalign)(pp, al, n);
+    if (bad_align(al) || al % sizeof(void *))
+        return EINVAL;
+    void *p = boot_alloc(n, al);
+    if (!p)
+        return ENOMEM;
+    *pp = p;
+    return 0;
+}
+static void *stub_aligned_alloc(size_t al, size_t n)
+{
+    if (resolve())
+        return REAL(aligned_alloc)(al, n);
+    if (bad_align(al)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    return boot_alloc(n, al);
+}
+static void *stub_memalign(size_t al, size_t n)
+{
+    if (resolve())
+        return REAL(memalign)(al, n);
+    if (bad_align(al)) {
+        errno = EINVAL;
+        return NULL;
+    }
+    return boot_alloc(n, al);
+}
+static void *stub_valloc(size_t n)
+{
+    return resolve() ? REAL(valloc)(n) : boot_alloc(n, page_size());
+}
+static void *stub_pvalloc(size_t n)
+{
+    return resolve() ? REAL(pvalloc)(n) : boot_alloc(n, page_size());
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Configuration                                                                               */
+
+static uint64_t g_mean; /* 0: not read yet */
+
+static uint64_t parse_mean(const char *s)
+{
+    uint64_t v = 0;
+    if (!s || !*s)
+        return 0;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9')
+            return 0;
+        v = v * 10 + (uint64_t)(*s - '0');
+        if (v > MAX_MEAN)
+            return 0;
+    }
+    return v;
+}
+
+static COLD uint64_t read_config(void)
+{
+    /* Before libc is initialised environ is still NULL: use the default, read again later. */
+    if (environ == NULL)
+        return DEFAULT_MEAN;
+    uint64_t m = parse_mean(getenv("ALLOCSAMPLER_SAMPLE_MEAN")); /* getenv does not allocate */
+    if (m == 0)
+        m = DEFAULT_MEAN;
+    STORE(&g_mean, m);
+    return m;
+}
+
+static inline uint64_t sample_mean(void)
+{
+    uint64_t m = LOAD(&g_mean);
+    return likely(m) ? m : read_config();
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Numerics without libm (only on the sampled path)                                            */
+
+static const double LN2 = 0.69314718055994530942;
+static const double LN2_HI = 6.93147180369123816490e-01; /* LN2_HI + LN2_LO = ln 2 */
+static const double LN2_LO = 1.90821492927058770002e-10;
+
+union dbits {
+    double d;
+    uint64_t u;
+};
+
+/* ln x for finite x > 0 (normal numbers): x = m 2^e with m in [sqrt(1/2), sqrt(2)), and
+ * ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| < 0.172: the odd series converges ~34x per term. */
+static double ln_pos(double x)
+{
+    union dbits v = {.d = x};
+    int e = (int)((v.u >> 52) & 0x7ff) - 1023;
+    v.u = (v.u & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL;
+    double m = v.d;
+    if (m > 1.4142135623730951) {
+        m *= 0.5;
+        e += 1;
+    }
+    double s = (m - 1.0) / (m + 1.0), s2 = s * s, term = s, sum = 0.0;
+    for (int k = 1; k <= 27; k += 2) {
+        sum += term / k;
+        term *= s2;
+    }
+    return e * LN2 + 2.0 * sum;
+}
+
+/* 1 - exp(-x) for x >= 0, to a few ulp: a series below 0.5 (no cancellation), else via exp(-x). */
+static double one_minus_exp_neg(double x)
+{
+    if (x < 0.5) {
+        double term = x, sum = x;
+        for (int k = 2; k <= 22; k++) {
+            term *= -x / k;
+            sum += term;
+        }
+        return sum;
+    }
+    if (x > 40.0)
+        return 1.0; /* exp(-40) < 2^-57: rounds away */
+    /* exp(-x) = 2^-k exp(-r), x = k ln2 + r, |r| <= ln2/2 */
+    int k = (int)(x / LN2 + 0.5);
+    double r = (x - k * LN2_HI) - k * LN2_LO;
+    double term = 1.0, sum = 1.0;
+    for (int i = 1; i <= 20; i++) {
+        term *= -r / i;
+        sum += term;
+    }
+    union dbits scale = {.u = (uint64_t)(1023 - k) << 52};
+    return 1.0 - sum * scale.d;
+}
+
+/* Bytes one sampled allocation of `size` stands for: size / (1 - exp(-size/T)).
+ * Must agree with sampler/weights.py: unbiased_weight(size, T). */
+static double weight_for(uint64_t size, uint64_t mean)
+{
+    if (size == 0)
+        return 0.0;
+    return (double)size / one_minus_exp_neg((double)size / (double)mean);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Random gaps                                                                                 */
+
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static uint64_t g_seed_counter;
+
+static void seed_thread(pid_t pid)
+{
+    struct timespec ts = {0, 0};
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* vDSO; no allocation */
+    uint64_t tid = (uint64_t)syscall(SYS_gettid);
+    uint64_t ctr = __atomic_fetch_add(&g_seed_counter, 1, __ATOMIC_RELAXED);
+    t_rng = mix64(tid + 0x9e3779b97f4a7c15ULL) ^ mix64((uint64_t)(uintptr_t)&t_rng + ctr) ^
+            mix64((uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec) ^ ((uint64_t)pid << 32);
+    t_rng_pid = pid;
+}
+
+static uint64_t next_random(void) /* splitmix64 */
+{
+    pid_t pid = getpid();
+    if (unlikely(pid != t_rng_pid))
+        seed_thread(pid); /* first use in this thread, or first since a fork */
+    t_rng += 0x9e3779b97f4a7c15ULL;
+    return mix64(t_rng);
+}
+
+/* An exponential gap with mean T, rounded up to whole bytes (exact for integer sizes: the gap
+ * G exceeds S iff ceil(G) exceeds S), at least 1 so that the countdown is never the 0 sentinel. */
+static uint64_t draw_gap(void)
+{
+    double u = (double)((next_random() >> 11) + 1) * 0x1.0p-53; /* (0, 1] */
+    double g = -(double)sample_mean() * ln_pos(u);
+    if (!(g < 0x1.0p62))
+        return 1ULL << 62;
+    uint64_t r = (uint64_t)g;
+    if ((double)r < g)
+        r++;
+    return r ? r : 1;
+}
+
+/* Called when size >= t_remaining (the inline fast paths handle the rest): 1 when sampled. */
+static int decide(size_t size)
+{
+    if (size == 0)
+        return 0; /* zero-size requests are never sampled */
+    uint64_t rem = t_remaining;
+    if (rem == 0) { /* this thread's first decision: draw its first gap */
+        rem = draw_gap();
+        if (size < rem) {
+            t_remaining = rem - size;
+            return 0;
+        }
+    }
+    t_remaining = draw_gap(); /* the next point after this allocation: memoryless */
+    return 1;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Set of sampled live addresses                                                               */
+/*                                                                                             */
+/* Open addressing over 64-byte buckets (one cache line: an overflow count and 7 keys; 0 is an   */
+/* empty slot), 2^15 buckets = 2 MiB (2^18 words), mapped with MAP_NORESERVE on the first       */
+/* sample, so that a process that never samples pays nothing. A key lives in its home bucket or  */
+/* up to MAX_PROBE - 1 buckets after it; each bucket it passed counts it in `overflow`, so a     */
+/* lookup continues past a bucket only while that count is nonzero. Deletion just empties the    */
+/* slot and decrements the counts it added: no tombstones, so nothing degrades over time, and a  */
+/* lookup of an unsampled pointer reads one cache line. Insert is a CAS into an empty slot.      */
+/* Counts are incremented before the key is placed, so a lookup that happens after the insert    */
+/* (the application passes the pointer on) sees them.                                           */
+/* In front of it, one byte per bucket counts the keys whose home bucket it is (at most          */
+/* MAX_PROBE x SLOTS = 56): a free of an unsampled pointer reads that 32 KiB array, which stays   */
+/* in cache, instead of a random line of the 2 MiB table (measured: ~12 ns per free saved on a  */
+/* malloc/free loop).                                                                            */
+
+#define SLOTS 7
+#define NBUCKETS_LOG2 15
+#define NBUCKETS (1u << NBUCKETS_LOG2)
+#define BUCKET_MASK (NBUCKETS - 1)
+#define MAX_PROBE 8
+
+struct bucket {
+    uintptr_t overflow;
+    uintptr_t key[SLOTS];
+} __attribute__((aligned(64)));
+
+static struct bucket *g_table;
+
+static inline size_t home_bucket(uintptr_t a)
+{
+    return (size_t)(((uint64_t)(a >> 4) * 0x9e3779b97f4a7c15ULL) >> (64 - NBUCKETS_LOG2));
+}
+
+static inline uint8_t *homes_of(struct bucket *t)
+{
+    return (uint8_t *)(t + NBUCKETS);
+}
+
+static inline int bucket_has(const struct bucket *b, uintptr_t a)
+{
+    int hit = 0;
+#pragma GCC unroll 8
+    for (int i = 0; i < SLOTS; i++)
+        hit |= LOAD(&b->key[i]) == a;
+    return hit;
+}
+
+static NOINLINE int table_has_far(const struct bucket *t, size_t h, uintptr_t a)
+{
+    for (int d = 1; d < MAX_PROBE; d++) {
+        const struct bucket *b = &t[(h + d) & BUCKET_MASK];
+        if (bucket_has(b, a))
+            return 1;
+        if (LOAD(&b->overflow) == 0)
+            return 0;
+    }
+    return 0;
+}
+
+/* a != 0 */
+static inline int table_has(const struct bucket *t, uintptr_t a)
+{
+    size_t h = home_bucket(a);
+    const struct bucket *b = &t[h];
+    if (bucket_has(b, a))
+        return 1;
+    if (likely(LOAD(&b->overflow) == 0))
+        return 0;
+    return table_has_far(t, h, a);
+}
+
+static int table_insert(struct bucket *t, uintptr_t a)
+{
+    if (table_has(t, a))
+        return 1; /* left over from a free we never saw: keep a single entry */
+    size_t h = home_bucket(a);
+    __atomic_fetch_add(&homes_of(t)[h], 1, __ATOMIC_SEQ_CST);
+    for (int d = 0; d < MAX_PROBE; d++) {
+        struct bucket *b = &t[(h + d) & BUCKET_MASK];
+        for (int i = 0; i < SLOTS; i++) {
+            uintptr_t cur = LOAD(&b->key[i]);
+            if (cur == 0 && __atomic_compare_exchange_n(&b->key[i], &cur, a, 0, __ATOMIC_SEQ_CST,
+                                                        __ATOMIC_RELAXED))
+                return 1;
+        }
+        __atomic_fetch_add(&b->overflow, 1, __ATOMIC_SEQ_CST);
+    }
+    for (int d = 0; d < MAX_PROBE; d++)
+        __atomic_fetch_sub(&t[(h + d) & BUCKET_MASK].overflow, 1, __ATOMIC_RELAXED);
+    __atomic_fetch_sub(&homes_of(t)[h], 1, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static int table_remove(struct bucket *t, uintptr_t a)
+{
+    size_t h = home_bucket(a);
+    for (int d = 0; d < MAX_PROBE; d++) {
+        struct bucket *b = &t[(h + d) & BUCKET_MASK];
+        for (int i = 0; i < SLOTS; i++) {
+            uintptr_t cur = a;
+            if (LOAD(&b->key[i]) == a && __atomic_compare_exchange_n(&b->key[i], &cur, 0, 0,
+                                                                     __ATOMIC_SEQ_CST,
+                                                                     __ATOMIC_RELAXED)) {
+                for (int e = 0; e < d; e++)
+                    __atomic_fetch_sub(&t[(h + e) & BUCKET_MASK].overflow, 1, __ATOMIC_RELAXED);
+                __atomic_fetch_sub(&homes_of(t)[h], 1, __ATOMIC_RELAXED);
+                return 1;
+            }
+        }
+        if (LOAD(&b->overflow) == 0)
+            return 0;
+    }
+    return 0;
+}
+
+static struct bucket *table_get(void)
+{
+    struct bucket *t = __atomic_load_n(&g_table, __ATOMIC_ACQUIRE);
+    if (t)
+        return t;
+    size_t len = (size_t)NBUCKETS * (sizeof(struct bucket) + 1);     /* + the home counts */
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (m == MAP_FAILED)
+        return NULL;
+    struct bucket *expected = NULL;
+    if (!__atomic_compare_exchange_n(&g_table, &expected, (struct bucket *)m, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE)) {
+        munmap(m, len); /* another thread was first */
+        return expected;
+    }
+    return (struct bucket *)m;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Reporting (sampled path only)                                                               */
+
+static void add_weight(double w)
+{
+    uint64_t old = LOAD(&g_weight_bits);
+    for (;;) {
+        union dbits v = {.u = old};
+        v.d += w;
+        if (__atomic_compare_exchange_n(&g_weight_bits, &old, v.u, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED))
+            return;
+    }
+}
+
+static COLD void report_alloc(void *p, size_t size)
+{
+    uintptr_t a = (uintptr_t)p;
+    if (a == 0 || in_boot(a))
+        return; /* failed allocations are not reported */
+    int saved = errno;
+    struct bucket *t = table_get();
+    if (t == NULL || !table_insert(t, a)) {
+        __atomic_fetch_add(&allocsampler_preload_dropped, 1, __ATOMIC_RELAXED);
+        errno = saved;
+        return;
+    }
+    double w = weight_for(size, sample_mean());
+    __atomic_fetch_add(&g_sampled, 1, __ATOMIC_RELAXED);
+    add_weight(w);
+    uint64_t ptr = a, sz = size;
+    uint64_t weighted = w >= 0x1.0p64 ? UINT64_MAX : (uint64_t)(w + 0.5);
+    STAP_PROBE3(otel_memory, alloc, ptr, sz, weighted);
+    errno = saved;
+}
+
+/* Removes a sampled address from the set and reports its free (before the real free/realloc). */
+static COLD void forget_sampled(struct bucket *t, uintptr_t a)
+{
+    if (table_remove(t, a)) {
+        __atomic_fetch_add(&allocsampler_preload_freed, 1, __ATOMIC_RELAXED);
+        uint64_t ptr = a;
+        STAP_PROBE1(otel_memory, free, ptr);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The interposed functions. Fast paths: one TLS compare-and-subtract, then a tail call.       */
+
+static COLD void *malloc_slow(size_t n)
+{
+    void *p = REAL(malloc)(n);
+    if (decide(n))
+        report_alloc(p, n);
+    return p;
+}
+
+static inline void *do_malloc(size_t n)
+{
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(malloc)(n);
+    }
+    return malloc_slow(n);
+}
+
+API void *malloc(size_t n)
+{
+    return do_malloc(n);
+}
+
+static COLD void free_sampled(struct bucket *t, void *p)
+{
+    forget_sampled(t, (uintptr_t)p);
+    REAL(free)(p);
+}
+
+API void free(void *p)
+{
+    uintptr_t a = (uintptr_t)p;
+    if (unlikely(in_boot(a)))
+        return; /* bootstrap memory is never reused */
+    struct bucket *t = LOAD(&g_table);
+    if (t != NULL && a != 0 && LOAD(&homes_of(t)[home_bucket(a)]) != 0 && table_has(t, a)) {
+        free_sampled(t, p);
+        return;
+    }
+    REAL(free)(p);
+}
+
+static COLD void *calloc_slow(size_t n, size_t m, size_t s)
+{
+    void *p = REAL(calloc)(n, m);
+    if (decide(s))
+        report_alloc(p, s);
+    return p;
+}
+
+API void *calloc(size_t n, size_t m)
+{
+    size_t s;
+    if (unlikely(__builtin_mul_overflow(n, m, &s)))
+        return REAL(calloc)(n, m); /* fails with ENOMEM there; never sampled */
+    if (likely(s < t_remaining)) {
+        t_remaining -= s;
+        return REAL(calloc)(n, m);
+    }
+    return calloc_slow(n, m, s);
+}
+
+static COLD void *realloc_slow(void *p, size_t n)
+{
+    void *q = REAL(realloc)(p, n);
+    if (decide(n))
+        report_alloc(q, n);
+    return q;
+}
+
+static COLD void *realloc_boot(void *p, size_t n)
+{
+    void *q = do_malloc(n);
+    if (q) {
+        size_t old = boot_size(p);
+        __builtin_memcpy(q, p, old < n ? old : n);
+    }
+    return q;
+}
+
+static inline void *do_realloc(void *p, size_t n)
+{
+    uintptr_t a = (uintptr_t)p;
+    if (a == 0)
+        return do_malloc(n);
+    if (unlikely(in_boot(a)))
+        return realloc_boot(p, n);
+    struct bucket *t = LOAD(&g_table);
+    if (t != NULL && LOAD(&homes_of(t)[home_bucket(a)]) != 0 && table_has(t, a))
+        forget_sampled(t, a); /* before the real realloc: the address may be reused at once */
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(realloc)(p, n);
+    }
+    return realloc_slow(p, n);
+}
+
+API void *realloc(void *p, size_t n)
+{
+    return do_realloc(p, n);
+}
+
+/* glibc's reallocarray is an overflow check and a jump to realloc@plt; doing the same here (rather
+ * than forwarding to the next reallocarray, which would come back into realloc above) counts the
+ * bytes once and keeps the next allocator's realloc in charge. */
+API void *reallocarray(void *p, size_t n, size_t m)
+{
+    size_t s;
+    if (unlikely(__builtin_mul_overflow(n, m, &s))) {
+        errno = ENOMEM;
+        return NULL;
+    }
+    return do_realloc(p, s);
+}
+
+static COLD int posix_memalign_slow(void **pp, size_t al, size_t n)
+{
+    int r = REAL(posix_memalign)(pp, al, n);
+    if (decide(n) && r == 0)
+        report_alloc(*pp, n);
+    return r;
+}
+
+API int posix_memalign(void **pp, size_t al, size_t n)
+{
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(posix_memalign)(pp, al, n);
+    }
+    return posix_memalign_slow(pp, al, n);
+}
+
+static COLD void *aligned_alloc_slow(size_t al, size_t n)
+{
+    void *p = REAL(aligned_alloc)(al, n);
+    if (decide(n))
+        report_alloc(p, n);
+    return p;
+}
+
+API void *aligned_alloc(size_t al, size_t n)
+{
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(aligned_alloc)(al, n);
+    }
+    return aligned_alloc_slow(al, n);
+}
+
+static COLD void *memalign_slow(size_t al, size_t n)
+{
+    void *p = REAL(memalign)(al, n);
+    if (decide(n))
+        report_alloc(p, n);
+    return p;
+}
+
+API void *memalign(size_t al, size_t n)
+{
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(memalign)(al, n);
+    }
+    return memalign_slow(al, n);
+}
+
+static COLD void *valloc_slow(size_t n)
+{
+    void *p = REAL(valloc)(n);
+    if (decide(n))
+        report_alloc(p, n);
+    return p;
+}
+
+API void *valloc(size_t n)
+{
+    if (likely(n < t_remaining)) {
+        t_remaining -= n;
+        return REAL(valloc)(n);
+    }
+    return valloc_slow(n);
+}
+
+static COLD void *pvalloc_slow(size_t n, size_t s)
+{
+    void *p = REAL(pvalloc)(n);
+    if (decide(s))
+        report_alloc(p, s);
+    return p;
+}
+
+API void *pvalloc(size_t n)
+{
+    /* The request is rounded up to whole pages, as glibc does; one that wraps is never sampled. */
+    size_t pg = page_size();
+    size_t s = (n + pg - 1) & ~(pg - 1);
+    if (likely(s < t_remaining)) {
+        t_remaining -= s;
+        return REAL(pvalloc)(n);
+    }
+    return pvalloc_slow(n, s);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Debugging and test entry points                                                             */
+
+API double allocsampler_preload_weight(unsigned long size)
+{
+    return weight_for(size, sample_mean());
+}
+
+API void allocsampler_preload_stats(unsigned long *sampled, double *weighted_bytes)
+{
+    if (sampled)
+        *sampled = LOAD(&g_sampled);
+    if (weighted_bytes) {
+        union dbits v = {.u = LOAD(&g_weight_bits)};
+        *weighted_bytes = v.d;
+    }
+}
+
+__attribute__((constructor)) static void allocsampler_preload_init(void)
+{
+    if (REAL(malloc) == stub_malloc)
+        resolve();
+    read_config();
+    /* Gaps drawn before the configuration could be read used the default mean: draw this
+     * thread's again (the process is memoryless, so restarting the countdown is unbiased). */
+    t_remaining = 0;
+}
