@@ -112,6 +112,7 @@ class BpfProbes:
             raise EnvironmentProblem(
                 f"could not compile or load the BPF programs ({e}); check kernel headers under "
                 f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
+        _release_compiler_memory()
         tab = self.bpf["weight_tab"]
         for i, v in enumerate(weights.weight_table()):
             tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
@@ -389,6 +390,32 @@ class BpfProbes:
         for pid in list(self._attached):
             self.detach(pid)
         self.bpf.cleanup()
+
+
+MADV_PAGEOUT = 21
+
+
+def _release_compiler_memory() -> None:
+    """After the one compile of a recording, give back what clang/LLVM held: freed heap (malloc_trim)
+    and the compiler libraries' resident pages (~80 MiB of the recorder's RSS otherwise).
+    MADV_PAGEOUT only reclaims (clean file pages are dropped, anything else would go to swap), so
+    it never changes memory contents; LLVM pages come back from the page cache if bcc compiles
+    again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with contextlib.suppress(AttributeError):
+        libc.malloc_trim(0)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or not os.path.basename(parts[5]).startswith(("libLLVM", "libclang")):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        libc.madvise(lo, hi - lo, MADV_PAGEOUT)      # errors (old kernels: EINVAL) are harmless
 
 
 def _exit_has_group_dead() -> bool:
