@@ -215,7 +215,7 @@ def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[Allo
     families = (*FAMILIES, *extra)
     libs: list[AllocatorLib] = []
     seen: set[tuple] = set()
-    exe = _exe_path(pid)
+    exe = exe_path(pid)
     for m in maps:
         ident = (m.dev, m.inode, m.path)
         if not m.path.startswith("/") or ident in seen:
@@ -241,7 +241,8 @@ def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[Allo
     return libs, maps
 
 
-def _exe_path(pid: int) -> str | None:
+def exe_path(pid: int) -> str | None:
+    """The process's main executable, as it was mapped (' (deleted)' removed); None if gone."""
     try:
         return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
     except OSError:

@@ -16,7 +16,7 @@ Plain logic: the recorder feeds hit counts and applies the returned actions.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 FULL, DUTY, RSS = "full", "duty", "rss"
 
@@ -40,7 +40,6 @@ class TargetState:
     iv_on_total: float = 0.0                  # interval's end: duty-cycled rates are measured
     iv_t: float = 0.0                         # over whole intervals (tick windows are too noisy)
     interval_t0: float = 0.0
-    reasons: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
+from .allocators import exe_path
 from .events import FLAG_FIRST_IS_IP, FLAG_SITE_MODULE, FLAG_STACK_ERR, Event
 from .pycode import PyFrame
 from .pytargets import PythonTargets
@@ -126,10 +127,7 @@ class StackTable:
         the allocator's caller as in the attach tier. Probes in the main executable keep theirs."""
         exe = self._exe.get(pid)
         if exe is None:
-            try:
-                exe = self._exe[pid] = os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
-            except OSError:
-                exe = ""
+            exe = self._exe[pid] = exe_path(pid) or ""
         path = native[0].path
         if not path or path == exe:
             return 0

@@ -102,6 +102,8 @@ def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
 
 
 def _sections(fd: int) -> dict[str, tuple[int, int, int]] | None:
+    # A header-only reader rather than elf.ElfImage: every executable mapping of every target is
+    # checked for notes, and ElfImage also loads symbol tables and looks for debug files.
     """name -> (sh_addr, sh_offset, sh_size) of a 64-bit little-endian ELF file, else None."""
     head = os.pread(fd, 64, 0)
     if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
