@@ -11,6 +11,7 @@ from __future__ import annotations
 from .arenas import detect_arena_bloat
 from .dataset import Dataset, load
 from .findings import Finding, to_dataframe, to_document
+from .gpu import detect_gpu
 from .growth import classify_series, detect_growth
 
 __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "detect_arena_bloat"]
@@ -18,7 +19,8 @@ __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "d
 
 def run(ds: Dataset) -> list[Finding]:
     """Every detector's findings, most severe first."""
-    findings = detect_growth(ds) + detect_arena_bloat(ds)
+    series = classify_series(ds)
+    findings = detect_growth(ds, series) + detect_arena_bloat(ds) + detect_gpu(ds, series)
     return sorted(findings, key=lambda f: -f.severity)
 
 

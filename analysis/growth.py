@@ -244,10 +244,14 @@ def frames_json(ds: Dataset, stack_id: int) -> list[dict]:
 def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
     """persistent_growth findings (leaks), and unexplained_growth when RSS grows beyond what the
     sampled allocations account for."""
+    from .gpu import GPU_SOURCES  # GPU sources are gpu_growth findings (analysis/gpu.py)
+
     series = classify_series(ds) if series is None else series
     findings: list[Finding] = []
     trends: dict[tuple, dict] = {}
-    for r in series[series["classification"] == "leak"].itertuples() if len(series) else ():
+    leaks = series[(series["classification"] == "leak") & ~series["source"].astype(str).isin(GPU_SOURCES)] \
+        if len(series) else series
+    for r in leaks.itertuples() if len(leaks) else ():
         pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
         rate_h = r.rate_bytes_per_s * 3600
         ttoom, basis = time_to_oom_hours(pt.get("rss", 0), pt.get("limit", 0), pt.get("rss_slope", 0),

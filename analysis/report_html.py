@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from . import flamegraph
+from . import flamegraph, gpu
 from .dataset import Dataset
 from .findings import Finding
 from .html_charts import Series, chart, seconds, thin
@@ -28,7 +28,7 @@ PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#e
 # memory parts of the breakdown chart, bottom first; absent columns are left out
 MEMORY_PARTS = (("heap_rss", "heap (brk)", "#4e79a7"), ("arena_rss", "glibc arenas", "#f28e2b"),
                 ("anon_rss", "other anonymous", "#76b7b2"), ("file_rss", "file-backed", "#bab0ac"),
-                ("stack_rss", "thread stacks", "#b07aa1"), ("gpu_bytes", "GPU", "#59a14f"))
+                ("stack_rss", "thread stacks", "#b07aa1"))       # GPU memory: its own chart (analysis/gpu.py)
 # frames that say nothing about who allocated: the allocator's own and the program's entry
 ALLOCATOR_MODULES = re.compile(r"^(libc\.so|libc-|libstdc\+\+|libjemalloc|libtcmalloc|libmimalloc|ld-linux)")
 ENTRY_FUNCTIONS = {"_start", "__libc_start_main", "__libc_start_call_main", "__libc_start_main_impl",
@@ -60,7 +60,7 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
     body = "\n".join([f"<h1>{html.escape(title)}</h1>", _header(ds, findings, pids),
                       "<h2>Findings</h2>", _findings_table(findings, set(charted)),
                       _processes_table(tables, pids, set(charted), findings),
-                      _recordings(ds), *sections])
+                      _recordings(ds), gpu.devices_section(ds), *sections])
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n{_CSP}\n'
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
             f'<body>{body}<div id="tip"></div><script>{_JS}</script></body></html>\n')
@@ -383,16 +383,18 @@ def _process_section(tables: _ByPid, pid: int, stacks: Stacks, findings: list[Fi
     out = [f'<section id="pid-{pid}"><h2>{html.escape(comm)} (pid {pid})</h2>',
            f'<p class="meta">{" · ".join(meta)}</p>']
     times = np.unique(np.concatenate([seconds(df["ts"]) for df in (p, o) if "ts" in df and len(df)] or [[]]))
-    out.append(_top_stacks(o, times, stacks))
+    host = o[~o["source"].astype(str).isin(gpu.GPU_SOURCES)] if "source" in o else o
+    out.append(_top_stacks(host, times, stacks))
     out.append('<div class="two">')
     out.append(f"<div>{_memory_breakdown(p)}</div><div>{_arena_chart(p)}</div></div>")
+    out.append(gpu.process_section(p, o, times, stacks))
     out.append(_flame_graphs(o, times, stacks))
     out.append("</section>")
     return "\n".join(out)
 
 
-def _top_stacks(o: pd.DataFrame, times: np.ndarray, stacks: Stacks) -> str:
-    head = "<h3>Top stacks: outstanding bytes</h3>"
+def _top_stacks(o: pd.DataFrame, times: np.ndarray, stacks: Stacks,
+                head: str = "<h3>Top stacks: outstanding bytes</h3>") -> str:
     need = {"ts", "source", "stack_id", "outstanding_bytes"}
     if o.empty or not need <= set(o.columns):
         return head + '<p class="empty">No sampled allocations.</p>'

@@ -14,6 +14,12 @@ _NEXT = {
                          "site); compare with `allocsampler top` over time.",
     "unexplained_growth": "Record with the other sources enabled, or look at the processes table's region split.",
     "arena_bloat": "",
+    "gpu_growth": "The stack allocates GPU memory that is never freed: look for tensors or buffers kept alive "
+                  "(caches, lists of outputs, graphs held by .grad_fn).",
+    "gpu_fragmentation": "Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or torch.cuda.empty_cache() "
+                         "after peaks.",
+    "gpu_unexplained_growth": "Memory outside traced CUDA calls: check cudaMallocAsync pools, NCCL, "
+                              "statically linked CUDA runtimes.",
 }
 
 
@@ -32,7 +38,7 @@ def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
         lines += ["", head]
         lines += textwrap.wrap(f.summary, width, initial_indent="   ", subsequent_indent="   ")
         d = f.details
-        if f.kind == "persistent_growth":
+        if f.kind in ("persistent_growth", "gpu_growth"):
             lines.append(f"   outstanding {fmt_bytes(d['outstanding_bytes'])} ± "
                          f"{fmt_bytes(d['outstanding_stderr_bytes'])}, growth {fmt_bytes(d['growth_bytes_per_hour'])}/h"
                          + (f", OOM in {fmt_hours(d['time_to_oom_hours'])} ({d['time_to_oom_basis']})"

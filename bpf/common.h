@@ -10,7 +10,6 @@
  * The event layout here is mirrored by sampler/events.py: change both together.
  */
 #include <uapi/linux/ptrace.h>
-#include <uapi/linux/bpf_perf_event.h>
 
 #ifndef SAMPLE_MEAN
 #define SAMPLE_MEAN (512 * 1024)
@@ -37,8 +36,10 @@
 #define WTAB_MAX_X 24
 #define WTAB_N (WTAB_STEPS * WTAB_MAX_X + 1)
 
-enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4 };
-enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3 };
+enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4, EV_CUDA = 5 };
+/* SRC_CUDA/SRC_CUDA_DRIVER: a CUDA runtime/driver call (EV_CUDA, bpf/cuda.bpf.c); SRC_TORCH: a
+ * sampled tensor of PyTorch's caching allocator (pytorch:malloc USDT, tagged address). */
+enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3, SRC_CUDA = 4, SRC_CUDA_DRIVER = 5, SRC_TORCH = 6 };
 /* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
  * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
  * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
@@ -54,6 +55,7 @@ enum fn_id {
     FN_MALLOC = 1, FN_CALLOC, FN_REALLOC, FN_REALLOCARRAY, FN_POSIX_MEMALIGN, FN_ALIGNED_ALLOC,
     FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
     FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (bpf/usdt.bpf.c) */
+    FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (bpf/cuda.bpf.c) */
 };
 /* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
  * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
@@ -73,6 +75,7 @@ enum counter {
     C_STACK_ERR,         /* no stack captured (registers unreadable, scratch busy) */
     C_PY_MISS,           /* Python target, thread state unknown */
     C_FAULTS,            /* sampled page faults of targets */
+    C_CUDA_CALLS,        /* CUDA runtime/driver calls of targets (bpf/cuda.bpf.c) */
     C_HITS = 16,         /* + fn_id: allocator probe hits */
     C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
     C_N = 64,

@@ -5,6 +5,14 @@
  * (`fault_cfg[0]`); the recorder itself (`fault_cfg[1]`) never is.
  */
 
+/* The layout of struct bpf_perf_event_data (uapi/linux/bpf_perf_event.h, x86-64), declared here
+ * because that header pulls in the kernel's perf headers: ~6 s of clang at every start. */
+struct fault_sample_ctx {
+    struct pt_regs regs;
+    u64 sample_period;
+    u64 addr;
+};
+
 #define FAULT_CGROUP_LEVELS 8
 BPF_ARRAY(fault_cfg, u64, 2);
 BPF_HASH(fault_cgroups, u64, u32, 256);
@@ -36,7 +44,7 @@ static __always_inline bool fault_selected(u32 pid)
     return false;
 }
 
-int on_page_fault(struct bpf_perf_event_data *ctx)
+int on_page_fault(struct fault_sample_ctx *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;

@@ -48,7 +48,9 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
     return 0;
 }
 
-static __always_inline int vm_exit(void *ctx, long ret)
+/* `sampling` is a constant per call site: only mmap and mremap exits can sample, and the
+ * stack capture is compiled into those two programs alone (each copy costs clang ~1 s). */
+static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
@@ -60,16 +62,16 @@ static __always_inline int vm_exit(void *ctx, long ret)
 
     u64 weight = 0;
     bool ok = (unsigned long)ret < (unsigned long)-4095L;
-    if (ok && v.op == VM_MMAP) {
+    if (sampling && ok && v.op == VM_MMAP) {
         u32 prot = v.arg, flags = v.arg >> 32;
         if ((flags & (MAP_SHARED_ | MAP_PRIVATE_ | MAP_ANONYMOUS_)) == (MAP_PRIVATE_ | MAP_ANONYMOUS_)
             && (prot & 3))
             weight = sample_bytes(v.len);
-    } else if (ok && v.op == VM_MREMAP) {
+    } else if (sampling && ok && v.op == VM_MREMAP) {
         weight = sample_bytes(v.arg);              /* new length */
     }
 
-    struct ev_stack *e = weight ? scratch_acquire() : 0;
+    struct ev_stack *e = sampling && weight ? scratch_acquire() : 0;
     struct ev_hdr *h = e ? &e->h : events.ringbuf_reserve(sizeof(struct ev_hdr));
     if (!h) {
         count_drop(pid, C_LOST_EVENTS);
@@ -109,7 +111,7 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mmap)
 {
     return vm_enter(VM_MMAP, args->addr, args->len, (args->prot & 0xffffffff) | (args->flags << 32));
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return vm_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mmap) { return vm_exit(args, args->ret, true); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_munmap) { return vm_enter(VM_MUNMAP, args->addr, args->len, 0); }
 
@@ -117,19 +119,19 @@ TRACEPOINT_PROBE(syscalls, sys_enter_mremap)
 {
     return vm_enter(VM_MREMAP, args->addr, args->old_len, args->new_len);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return vm_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mremap) { return vm_exit(args, args->ret, true); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return vm_enter(VM_BRK, args->brk, 0, 0); }
-TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return vm_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_brk) { return vm_exit(args, args->ret, false); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_madvise)
 {
     return vm_enter(VM_MADVISE, args->start, args->len_in, (u32)args->behavior);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_madvise) { return vm_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_madvise) { return vm_exit(args, args->ret, false); }
 
 TRACEPOINT_PROBE(syscalls, sys_enter_mprotect)
 {
     return vm_enter(VM_MPROTECT, args->start, args->len, args->prot);
 }
-TRACEPOINT_PROBE(syscalls, sys_exit_mprotect) { return vm_exit(args, args->ret); }
+TRACEPOINT_PROBE(syscalls, sys_exit_mprotect) { return vm_exit(args, args->ret, false); }

@@ -17,11 +17,23 @@
  * Environment (read once, at start-up):
  *   ALLOCSAMPLER_SAMPLE_MEAN  mean bytes between samples T, decimal; default 524288; 0, an invalid
  *                             value or one above 2^40 means the default.
+ *   ALLOCSAMPLER_MAX_SAMPLES_PER_S
+ *                             cap on the process's samples per second, decimal; default 2000;
+ *                             0 turns the cap off; an invalid value or one above 10^9 means the
+ *                             default. Above the cap the mean is raised (see "Sample-rate cap").
  *
  * Exported besides the interposed functions (for tests and debugging):
  *   double allocsampler_preload_weight(unsigned long size)   weight of a sample of `size` bytes
  *   void allocsampler_preload_stats(unsigned long *sampled, double *weighted_bytes)
  *                             process totals of reported samples and of their weights
+ *   void allocsampler_preload_sampling(unsigned long *mean, unsigned long *configured_mean,
+ *                                      unsigned long *mean_changes, unsigned long *max_per_s,
+ *                                      double *weight_var)
+ *                             the mean new gaps are drawn with now, ALLOCSAMPLER_SAMPLE_MEAN, how
+ *                             many times the cap changed the mean, the cap (0: none), and the
+ *                             Horvitz-Thompson variance estimate of weighted_bytes: the sum over
+ *                             reported samples of w^2 (1 - p) = w (w - size). Any pointer may be
+ *                             NULL.
  *   unsigned long allocsampler_preload_freed     frees (and reallocs) of sampled blocks reported
  *   unsigned long allocsampler_preload_dropped   samples not reported because the set of sampled
  *                             live addresses had no room (or could not be mapped); such blocks are
@@ -33,6 +45,21 @@
  * By memorylessness this samples an allocation with probability p = 1 - exp(-S/T) independently of
  * the others, and a sample stands for S / p bytes (Horvitz-Thompson). The weight must agree with
  * sampler/weights.py: unbiased_weight(), the project's one definition.
+ *
+ * Sample-rate cap: a process that allocates tens of GB/s would emit tens of thousands of samples
+ * per second, more than a recorder can take. Samples are counted in process-wide windows of
+ * max(64, cap/4) samples' worth of time at the cap (at least 250 ms), timed with the vDSO's
+ * CLOCK_MONOTONIC_COARSE, all on the sampled path. A window that fills before its time raises the
+ * mean by the power of two that brings the measured rate to <= cap/2; a window that ends with a
+ * rate <= cap/4 lowers it by the power of two that keeps the rate <= cap/2, never below the
+ * configured T. Each thread remembers the mean its current gap was drawn with (t_mean): the sample
+ * that ends the gap is weighted with that mean, and the next gap is drawn with the process-wide
+ * mean of the moment. Given everything before an allocation, the distance to the next sample point
+ * is Exp(t_mean) (memorylessness), so the allocation is sampled with p = 1 - exp(-S/t_mean) and
+ * E[weight x sampled] = S whatever the mean did before: the estimate stays unbiased (a martingale
+ * argument; the variance terms w^2 (1 - p) stay unbiased too). The unsampled fast path is
+ * unchanged: one TLS compare-and-subtract; a raised mean reaches a thread at its next sample, and
+ * comes down at the first sample after the rate fell (a process that stops allocating keeps it).
  *
  * Safety rules, since production services preload this: no allocation in the hooks, no locks, no
  * stdio; atomics only; nothing that a fork can leave locked (the child reseeds its random state
@@ -64,6 +91,8 @@
 
 #define DEFAULT_MEAN 524288ULL
 #define MAX_MEAN (1ULL << 40)
+#define DEFAULT_MAX_PER_S 2000ULL
+#define MAX_MAX_PER_S 1000000000ULL
 
 /* ------------------------------------------------------------------------------------------ */
 /* Exported counters                                                                           */
@@ -72,11 +101,13 @@ API unsigned long allocsampler_preload_dropped;
 API unsigned long allocsampler_preload_freed;
 static unsigned long g_sampled;
 static uint64_t g_weight_bits; /* a double, summed with a CAS loop */
+static uint64_t g_var_bits;    /* a double: sum of w (w - size) over reported samples */
 
 /* ------------------------------------------------------------------------------------------ */
 /* Per-thread state (initial-exec TLS: one %fs-relative access, never allocates)               */
 
 static TLS uint64_t t_remaining; /* bytes to the next sample point; 0: not drawn yet */
+static TLS uint64_t t_mean;      /* mean the current gap was drawn with (sampled path only) */
 static TLS uint64_t t_rng;       /* splitmix64 state */
 static TLS pid_t t_rng_pid;      /* process that seeded t_rng; a fork makes the child reseed */
 static TLS int t_resolving;      /* this thread is inside dlsym */
@@ -308,19 +339,22 @@ static void *stub_pvalloc(size_t n)
 /* ------------------------------------------------------------------------------------------ */
 /* Configuration                                                                               */
 
-static uint64_t g_mean; /* 0: not read yet */
+static uint64_t g_base_mean;                  /* ALLOCSAMPLER_SAMPLE_MEAN; 0: not read yet */
+static uint64_t g_cur_mean;                   /* mean new gaps are drawn with; 0: not read yet */
+static uint64_t g_max_per_s = DEFAULT_MAX_PER_S; /* ALLOCSAMPLER_MAX_SAMPLES_PER_S; 0: no cap */
 
-static uint64_t parse_mean(const char *s)
+/* A decimal number in 0..max, or `fallback` for anything else (empty, not a number, too big). */
+static uint64_t parse_u64(const char *s, uint64_t max, uint64_t fallback)
 {
     uint64_t v = 0;
     if (!s || !*s)
-        return 0;
+        return fallback;
     for (; *s; s++) {
         if (*s < '0' || *s > '9')
-            return 0;
+            return fallback;
         v = v * 10 + (uint64_t)(*s - '0');
-        if (v > MAX_MEAN)
-            return 0;
+        if (v > max)
+            return fallback;
     }
     return v;
 }
@@ -330,17 +364,29 @@ static COLD uint64_t read_config(void)
     /* Before libc is initialised environ is still NULL: use the default, read again later. */
     if (environ == NULL)
         return DEFAULT_MEAN;
-    uint64_t m = parse_mean(getenv("ALLOCSAMPLER_SAMPLE_MEAN")); /* getenv does not allocate */
+    /* getenv does not allocate */
+    uint64_t m = parse_u64(getenv("ALLOCSAMPLER_SAMPLE_MEAN"), MAX_MEAN, 0);
     if (m == 0)
         m = DEFAULT_MEAN;
-    STORE(&g_mean, m);
-    return m;
+    STORE(&g_max_per_s, parse_u64(getenv("ALLOCSAMPLER_MAX_SAMPLES_PER_S"), MAX_MAX_PER_S,
+                                  DEFAULT_MAX_PER_S));
+    STORE(&g_base_mean, m);
+    uint64_t unset = 0; /* a mean the cap has already raised stays */
+    __atomic_compare_exchange_n(&g_cur_mean, &unset, m, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return LOAD(&g_cur_mean);
 }
 
+/* The mean a gap drawn now gets (the configured one unless the cap raised it). */
 static inline uint64_t sample_mean(void)
 {
-    uint64_t m = LOAD(&g_mean);
+    uint64_t m = LOAD(&g_cur_mean);
     return likely(m) ? m : read_config();
+}
+
+static inline uint64_t base_mean(void)
+{
+    uint64_t m = LOAD(&g_base_mean);
+    return m ? m : DEFAULT_MEAN;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -445,8 +491,10 @@ static uint64_t next_random(void) /* splitmix64 */
  * G exceeds S iff ceil(G) exceeds S), at least 1 so that the countdown is never the 0 sentinel. */
 static uint64_t draw_gap(void)
 {
+    uint64_t mean = sample_mean();
+    t_mean = mean; /* the sample that ends this gap is weighted with it */
     double u = (double)((next_random() >> 11) + 1) * 0x1.0p-53; /* (0, 1] */
-    double g = -(double)sample_mean() * ln_pos(u);
+    double g = -(double)mean * ln_pos(u);
     if (!(g < 0x1.0p62))
         return 1ULL << 62;
     uint64_t r = (uint64_t)g;
@@ -455,8 +503,68 @@ static uint64_t draw_gap(void)
     return r ? r : 1;
 }
 
-/* Called when size >= t_remaining (the inline fast paths handle the rest): 1 when sampled. */
-static int decide(size_t size)
+/* ------------------------------------------------------------------------------------------ */
+/* Sample-rate cap (sampled path only; see the top of the file)                                */
+
+#define NS_PER_S 1000000000ULL
+#define WINDOW_MIN_SAMPLES 64ULL   /* a window holds at least this many samples at the cap */
+#define RATE_MIN_NS 4000000ULL     /* coarse clock resolution (a jiffy at HZ=250): rate floor */
+#define MAX_STEP_LOG2 20           /* one change multiplies or divides the mean by <= 2^20 */
+
+static uint64_t g_win_start; /* coarse monotonic ns at which the window began (0: none yet) */
+static uint64_t g_win_count; /* samples in the window */
+static unsigned long g_mean_changes;
+
+static inline uint64_t coarse_ns(void)
+{
+    struct timespec ts = {0, 0};
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts); /* vDSO, ~10 ns; never a system call */
+    return (uint64_t)ts.tv_sec * NS_PER_S + (uint64_t)ts.tv_nsec;
+}
+
+/* Counts one sample against the cap; the thread that ends a window may change the mean. */
+static COLD void rate_tick(uint64_t cap)
+{
+    uint64_t budget = cap / 4 > WINDOW_MIN_SAMPLES ? cap / 4 : WINDOW_MIN_SAMPLES;
+    uint64_t window_ns = budget * NS_PER_S / cap; /* >= 250 ms */
+    uint64_t start = __atomic_load_n(&g_win_start, __ATOMIC_ACQUIRE);
+    uint64_t n = __atomic_add_fetch(&g_win_count, 1, __ATOMIC_RELAXED);
+    uint64_t now = coarse_ns();
+    uint64_t elapsed = now > start ? now - start : 0;
+    int over = elapsed < window_ns; /* still inside the window */
+    if (over && n != budget + 1)
+        return; /* within budget (exactly one sample sees the budget overrun) */
+    if (!__atomic_compare_exchange_n(&g_win_start, &start, now, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_RELAXED))
+        return; /* another thread ended this window */
+    STORE(&g_win_count, 0);
+    uint64_t span = elapsed > RATE_MIN_NS ? elapsed : RATE_MIN_NS;
+    double rate = (double)n * (double)NS_PER_S / (double)span; /* samples/s in the window */
+    double half = 0.5 * (double)cap;
+    uint64_t cur = sample_mean(), base = base_mean(), next = cur;
+    if (over) { /* too fast: the smallest 2^k, k >= 1, that brings the rate to <= cap/2 */
+        int k = 1;
+        while (k < MAX_STEP_LOG2 && rate > half * (double)(1ULL << k))
+            k++;
+        next = cur >= (MAX_MEAN >> k) ? MAX_MEAN : cur << k;
+    } else if (cur > base && rate <= 0.25 * (double)cap) {
+        /* well below: the largest 2^k, k >= 1, that keeps the rate <= cap/2 */
+        int k = 1;
+        while (k < MAX_STEP_LOG2 && rate * (double)(2ULL << k) <= half)
+            k++;
+        next = cur >> k;
+        if (next < base)
+            next = base;
+    }
+    if (next != cur) {
+        STORE(&g_cur_mean, next);
+        __atomic_fetch_add(&g_mean_changes, 1, __ATOMIC_RELAXED);
+    }
+}
+
+/* Called when size >= t_remaining (the inline fast paths handle the rest). Returns 0 when not
+ * sampled, else the mean of the gap this allocation ended, which its weight must use. */
+static uint64_t decide(size_t size)
 {
     if (size == 0)
         return 0; /* zero-size requests are never sampled */
@@ -468,8 +576,14 @@ static int decide(size_t size)
             return 0;
         }
     }
+    uint64_t mean = t_mean;
+    if (unlikely(mean == 0))
+        mean = sample_mean(); /* cannot happen: every drawn gap set it */
+    uint64_t cap = LOAD(&g_max_per_s);
+    if (cap)
+        rate_tick(cap);       /* before the draw: the next gap gets the new mean */
     t_remaining = draw_gap(); /* the next point after this allocation: memoryless */
-    return 1;
+    return mean;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -611,19 +725,19 @@ static struct bucket *table_get(void)
 /* ------------------------------------------------------------------------------------------ */
 /* Reporting (sampled path only)                                                               */
 
-static void add_weight(double w)
+static void add_double(uint64_t *bits, double x)
 {
-    uint64_t old = LOAD(&g_weight_bits);
+    uint64_t old = LOAD(bits);
     for (;;) {
         union dbits v = {.u = old};
-        v.d += w;
-        if (__atomic_compare_exchange_n(&g_weight_bits, &old, v.u, 1, __ATOMIC_RELAXED,
-                                        __ATOMIC_RELAXED))
+        v.d += x;
+        if (__atomic_compare_exchange_n(bits, &old, v.u, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             return;
     }
 }
 
-static COLD void report_alloc(void *p, size_t size)
+/* `mean`: the mean of the gap the allocation ended (decide's result). */
+static COLD void report_alloc(void *p, size_t size, uint64_t mean)
 {
     uintptr_t a = (uintptr_t)p;
     if (a == 0 || in_boot(a))
@@ -635,9 +749,10 @@ static COLD void report_alloc(void *p, size_t size)
         errno = saved;
         return;
     }
-    double w = weight_for(size, sample_mean());
+    double w = weight_for(size, mean);
     __atomic_fetch_add(&g_sampled, 1, __ATOMIC_RELAXED);
-    add_weight(w);
+    add_double(&g_weight_bits, w);
+    add_double(&g_var_bits, w * (w - (double)size)); /* w^2 (1 - p), p = size / w */
     uint64_t ptr = a, sz = size;
     uint64_t weighted = w >= 0x1.0p64 ? UINT64_MAX : (uint64_t)(w + 0.5);
     STAP_PROBE3(otel_memory, alloc, ptr, sz, weighted);
@@ -660,8 +775,9 @@ static COLD void forget_sampled(struct bucket *t, uintptr_t a)
 static COLD void *malloc_slow(size_t n)
 {
     void *p = REAL(malloc)(n);
-    if (decide(n))
-        report_alloc(p, n);
+    uint64_t mean = decide(n);
+    if (mean)
+        report_alloc(p, n, mean);
     return p;
 }
 
@@ -701,8 +817,9 @@ API void free(void *p)
 static COLD void *calloc_slow(size_t n, size_t m, size_t s)
 {
     void *p = REAL(calloc)(n, m);
-    if (decide(s))
-        report_alloc(p, s);
+    uint64_t mean = decide(s);
+    if (mean)
+        report_alloc(p, s, mean);
     return p;
 }
 
@@ -721,8 +838,9 @@ API void *calloc(size_t n, size_t m)
 static COLD void *realloc_slow(void *p, size_t n)
 {
     void *q = REAL(realloc)(p, n);
-    if (decide(n))
-        report_alloc(q, n);
+    uint64_t mean = decide(n);
+    if (mean)
+        report_alloc(q, n, mean);
     return q;
 }
 
@@ -774,8 +892,9 @@ API void *reallocarray(void *p, size_t n, size_t m)
 static COLD int posix_memalign_slow(void **pp, size_t al, size_t n)
 {
     int r = REAL(posix_memalign)(pp, al, n);
-    if (decide(n) && r == 0)
-        report_alloc(*pp, n);
+    uint64_t mean = decide(n);
+    if (mean && r == 0)
+        report_alloc(*pp, n, mean);
     return r;
 }
 
@@ -791,8 +910,9 @@ API int posix_memalign(void **pp, size_t al, size_t n)
 static COLD void *aligned_alloc_slow(size_t al, size_t n)
 {
     void *p = REAL(aligned_alloc)(al, n);
-    if (decide(n))
-        report_alloc(p, n);
+    uint64_t mean = decide(n);
+    if (mean)
+        report_alloc(p, n, mean);
     return p;
 }
 
@@ -808,8 +928,9 @@ API void *aligned_alloc(size_t al, size_t n)
 static COLD void *memalign_slow(size_t al, size_t n)
 {
     void *p = REAL(memalign)(al, n);
-    if (decide(n))
-        report_alloc(p, n);
+    uint64_t mean = decide(n);
+    if (mean)
+        report_alloc(p, n, mean);
     return p;
 }
 
@@ -825,8 +946,9 @@ API void *memalign(size_t al, size_t n)
 static COLD void *valloc_slow(size_t n)
 {
     void *p = REAL(valloc)(n);
-    if (decide(n))
-        report_alloc(p, n);
+    uint64_t mean = decide(n);
+    if (mean)
+        report_alloc(p, n, mean);
     return p;
 }
 
@@ -842,8 +964,9 @@ API void *valloc(size_t n)
 static COLD void *pvalloc_slow(size_t n, size_t s)
 {
     void *p = REAL(pvalloc)(n);
-    if (decide(s))
-        report_alloc(p, s);
+    uint64_t mean = decide(s);
+    if (mean)
+        report_alloc(p, s, mean);
     return p;
 }
 
@@ -862,6 +985,7 @@ API void *pvalloc(size_t n)
 /* ------------------------------------------------------------------------------------------ */
 /* Debugging and test entry points                                                             */
 
+/* At the current mean (the configured one unless the cap raised it). */
 API double allocsampler_preload_weight(unsigned long size)
 {
     return weight_for(size, sample_mean());
@@ -877,12 +1001,32 @@ API void allocsampler_preload_stats(unsigned long *sampled, double *weighted_byt
     }
 }
 
+API void allocsampler_preload_sampling(unsigned long *mean, unsigned long *configured_mean,
+                                       unsigned long *mean_changes, unsigned long *max_per_s,
+                                       double *weight_var)
+{
+    uint64_t m = sample_mean();
+    if (mean)
+        *mean = m;
+    if (configured_mean)
+        *configured_mean = base_mean();
+    if (mean_changes)
+        *mean_changes = LOAD(&g_mean_changes);
+    if (max_per_s)
+        *max_per_s = LOAD(&g_max_per_s);
+    if (weight_var) {
+        union dbits v = {.u = LOAD(&g_var_bits)};
+        *weight_var = v.d;
+    }
+}
+
 __attribute__((constructor)) static void allocsampler_preload_init(void)
 {
     if (REAL(malloc) == stub_malloc)
         resolve();
     read_config();
-    /* Gaps drawn before the configuration could be read used the default mean: draw this
-     * thread's again (the process is memoryless, so restarting the countdown is unbiased). */
+    /* Gaps drawn before the configuration could be read used the default mean (their t_mean says
+     * so, and their samples would be weighted right): draw this thread's again with the configured
+     * one (the process is memoryless, so restarting the countdown is unbiased). */
     t_remaining = 0;
 }

@@ -23,8 +23,8 @@ from . import uprobe_multi, usdt, weights
 from .allocators import AllocatorLib, Fn
 from .errors import EnvironmentProblem
 
-SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
-C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS = range(7)
+SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
+C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS = range(8)
 C_HITS, C_VM_HITS, C_N = 16, 48, 64
 FN_USDT_ALLOC, FN_USDT_FREE = 13, 14        # bpf/common.h enum fn_id
 TGT_SYSCALLS, TGT_FAULTS = 1, 2             # bpf/common.h enum target_flags
@@ -121,12 +121,16 @@ class BpfProbes:
         self._targets = self.bpf["targets"]
         self._live = self.bpf["live"]
         self._attached: dict[int, _Attachment] = {}
+        self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._usdt_ids: dict[bytes, int] = {}
         self._faults_on = False
         self._seq = 0
         try:
             self._usdt_fd = self.bpf.load_func(
                 b"usdt_memory", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
+            self._cuda_fd, self._torch_fd = (self.bpf.load_func(
+                name, BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
+                for name in (b"cuda_call", b"usdt_torch"))
             if self.session:
                 self._alloc_fd = self.bpf.load_func(
                     b"alloc_session", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_SESSION).fd
@@ -219,10 +223,37 @@ class BpfProbes:
                                  session=False, ref_ctr_offsets=refs if any(refs) else None)
         att.links.append((fd, False))
 
-    def _usdt_spec(self, probe) -> int:
+    def attach_cuda(self, pid: int, attach_path: str, offsets: list[int], cookies: list[int]) -> None:
+        """Trace CUDA calls of one library for one process (sampler/cuda.py): one link at the
+        functions' entries, one at their returns. Raises OSError."""
+        links = self._gpu_links.setdefault(pid, [])
+        entry = uprobe_multi.attach(self._cuda_fd, attach_path, offsets, cookies, pid, session=False)
+        try:
+            links.append(uprobe_multi.attach(self._cuda_fd, attach_path, offsets, cookies, pid,
+                                             session=False, retprobe=True))
+        except OSError:
+            os.close(entry)
+            raise
+        links.append(entry)
+
+    def attach_torch(self, pid: int, attach_path: str, probes) -> None:
+        """PyTorch's pytorch:malloc/free USDT sites of one file for one process (their semaphore
+        is raised while attached). Raises OSError."""
+        from .cuda import torch_spec
+        cookies = [self._usdt_spec(p, *torch_spec(p)) for p in probes]
+        refs = [p.semaphore for p in probes]
+        self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
+            self._torch_fd, attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
+            ref_ctr_offsets=refs if any(refs) else None))
+
+    def detach_gpu(self, pid: int) -> None:
+        for fd in self._gpu_links.pop(pid, ()):
+            os.close(fd)
+
+    def _usdt_spec(self, probe, args=None, kind: int | None = None) -> int:
         """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
-        kind = USDT_ALLOC if probe.name == "alloc" else USDT_FREE
-        value = usdt.pack_spec(probe.args, kind)
+        kind = kind or (USDT_ALLOC if probe.name == "alloc" else USDT_FREE)
+        value = usdt.pack_spec(probe.args if args is None else args, kind)
         idx = self._usdt_ids.get(value)
         if idx is None:
             if len(self._usdt_ids) >= USDT_SPECS:
@@ -265,7 +296,9 @@ class BpfProbes:
     def detach(self, pid: int) -> None:
         """Close a process's probes and stop tracing its syscalls."""
         self.detach_probes(pid)
-        for tab in (self._targets, self.bpf["pid_hits"]):
+        self.detach_gpu(pid)
+        # drops too: its entries are created by BPF and would fill the map over a long run
+        for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
             with contextlib.suppress(KeyError):
                 del tab[ctypes.c_uint32(pid)]
 
@@ -387,7 +420,7 @@ class BpfProbes:
         return {k.value: (v.lost_events, v.live_full) for k, v in self.bpf["drops"].items()}
 
     def close(self) -> None:
-        for pid in list(self._attached):
+        for pid in list(self._attached) + list(self._gpu_links):
             self.detach(pid)
         self.bpf.cleanup()
 

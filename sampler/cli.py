@@ -9,6 +9,7 @@ from . import __version__
 from .errors import EXIT_USAGE, AllocsamplerError
 
 _SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_GPU_SOURCES = ("cuda", "cuda-driver", "cuda-host", "cuda-driver-host", "torch")   # sampler/cuda.py
 
 
 def _size(text: str) -> int:
@@ -72,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not read Python frames of CPython targets")
     r.add_argument("--interpreter-frames", action="store_true",
                    help="keep the interpreter's own frames between Python frames")
+    r.add_argument("--no-gpu", dest="gpu", action="store_false",
+                   help="do not trace CUDA calls or sample GPU memory through NVML")
     tier = r.add_argument_group("tiers and overhead")
     tier.add_argument("--preload", action="store_true",
                       help="start the command with the LD_PRELOAD sampling shim (preload tier: no trap "
@@ -106,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         a = sub.add_parser(name, help=text, description=text)
         a.add_argument("dir", help="dataset directory (record --out, or the daemon's data directory)")
         a.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
-        a.add_argument("--source", action="append", default=[], choices=("malloc", "mmap"),
+        a.add_argument("--source", action="append", default=[], choices=("malloc", "mmap", *_GPU_SOURCES),
                        help="only these allocation sources")
         a.add_argument("--since", type=_when, help="start of the window (ISO time, UTC if no zone)")
         a.add_argument("--until", type=_when, help="end of the window (ISO time)")
@@ -124,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pprof", metavar="OUT.pb.gz", help="write a gzipped pprof profile")
     e.add_argument("--collapsed", metavar="OUT.txt", help="write collapsed stacks ('-': standard output)")
     e.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
-    e.add_argument("--source", choices=("malloc", "mmap"), default="malloc",
+    e.add_argument("--source", choices=("malloc", "mmap", *_GPU_SOURCES), default="malloc",
                    help="allocation source (they overlap, so one at a time; default: %(default)s)")
     when = e.add_mutually_exclusive_group()
     when.add_argument("--at", type=_when, metavar="TIME", help="inuse at TIME, alloc up to TIME (default: "
@@ -148,7 +151,23 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print one JSON object (docs/querying.md)")
 
     sub.add_parser("check", help="check that this machine can record (root, BPF, headers, tracefs)")
+    dm = sub.add_parser("daemon", help="record the processes a configuration selects, as a service",
+                        description="Run as a service (packaging/README.md): discovery, retention, analysis, "
+                                    "metrics. Exit 2: bad configuration (one line names the key).")
+    dm.add_argument("--config", "-c", default="/etc/allocsampler/config.toml", help="default: %(default)s")
+    st = sub.add_parser("status", help="what the daemon is doing: targets, tiers, events, disk, findings")
+    st.add_argument("--config", "-c", default="/etc/allocsampler/config.toml", help="the daemon's "
+                    "configuration, for its data_dir (default: %(default)s)")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
     sub.add_parser("preload-path", help="build (if needed) and print the LD_PRELOAD sampling shim's path")
+    it = sub.add_parser("import-torch", help="import a PyTorch CUDA memory snapshot into a dataset",
+                        description="Write a torch.cuda.memory._snapshot() pickle into a dataset: segments as "
+                                    "sources cuda/cuda-driver, live tensors as source torch, replayed over time "
+                                    "when the snapshot has a trace. Then analyze, report, top, diff read it.")
+    it.add_argument("snapshot", help="the pickle (pickle.dump(torch.cuda.memory._snapshot(), f))")
+    it.add_argument("--out", "-o", required=True, help="dataset directory (a new recording in it)")
+    it.add_argument("--pid", type=int, default=0, help="process id to file it under (default: %(default)s)")
+    it.add_argument("--comm", default="torch", help="process name to file it under (default: %(default)s)")
     return p
 
 
@@ -272,7 +291,7 @@ def _record(args) -> int:
         interpreter_frames=args.interpreter_frames, rss=args.rss, fault_period=args.fault_period,
         cgroups=args.cgroup, all_processes=args.all_processes, preload=args.preload,
         cpu_budget=args.cpu_budget / 100, probe_cost_ns=args.probe_cost, quiet=args.quiet,
-        argv=" ".join(sys.argv))
+        argv=" ".join(sys.argv), gpu=args.gpu)
     rec = Recorder(opts)
     code = rec.run()
     if not args.quiet:
@@ -361,6 +380,26 @@ def _diff(args) -> int:
     return 1 if report.over_budget else 0
 
 
+def _daemon(args) -> int:
+    from .daemon import run
+    return run(args.config)
+
+
+def _status(args) -> int:
+    from .status import main as status
+    return status(args.config, args.json)
+
+
+def _import_torch(args) -> int:
+    from analysis.units import fmt_bytes
+
+    from .torch_snapshot import import_snapshot
+    s = import_snapshot(args.snapshot, args.out, pid=args.pid, comm=args.comm)
+    print(f"imported {args.snapshot} into {args.out} as recording {s.recording_id}: {s.points} point(s), "
+          f"{s.stacks} stacks, reserved {fmt_bytes(s.reserved_bytes)}, allocated {fmt_bytes(s.allocated_bytes)}")
+    return 0
+
+
 def _check(_args) -> int:
     from . import preflight
     preflight.check_all()
@@ -372,7 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         commands = {"record": _record, "top": _top, "check": _check, "analyze": _analyze, "report": _report,
-                    "export": _export, "diff": _diff, "preload-path": _preload_path}
+                    "export": _export, "diff": _diff, "preload-path": _preload_path,
+                    "import-torch": _import_torch, "daemon": _daemon,
+                    "status": _status}
         return commands[args.command](args)
     except AllocsamplerError as e:
         print(f"allocsampler: error: {e}", file=sys.stderr)

@@ -162,6 +162,7 @@ class DaemonConfig:
     max_rss: int = field(default=256 << 20, metadata=_SIZE_META)        # the daemon's own memory bound
     cpu_percent: float = 10                                    # the daemon's own CPU budget (of one CPU)
     rescan_s: float = 5                                        # target discovery period
+    max_targets: int = 1000                                    # processes recorded at once (BPF maps: 4096)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ class RetentionConfig:
     max_bytes: int = field(default=10 << 30, metadata=_SIZE_META)
     max_age_days: float = 14
     compact_after_s: float = 3600
+    min_free_bytes: int = field(default=256 << 20, metadata=_SIZE_META)  # writing stops below this free space
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,7 @@ class MetricsConfig:
 @dataclass(frozen=True)
 class AnalysisConfig:
     every_s: float = 300
+    window_s: float = 3600                  # the recent data each analysis reads
     pre_oom: bool = True
     pre_oom_fraction: float = 0.9           # of the cgroup memory limit
     pre_oom_sample_bytes: int = field(default=64 << 10, metadata=_SIZE_META)
@@ -376,15 +379,18 @@ _DAEMON: dict[str, Callable[[Any], Any]] = {
     "max_rss": _size(128 << 20, 1 << 40),
     "cpu_percent": _number(0, 100, lo_open=True),
     "rescan_s": _number(1, 3600),
+    "max_targets": _number(1, 4000, integer=True),
 }
 _RETENTION: dict[str, Callable[[Any], Any]] = {
     "max_bytes": _size(1 << 20, 1 << 50),
     "max_age_days": _number(0, 3650, lo_open=True),
     "compact_after_s": _number(1, 7 * 86400),
+    "min_free_bytes": _size(0, 1 << 40),
 }
 _METRICS: dict[str, Callable[[Any], Any]] = {"enabled": _bool, "listen": _listen}
 _ANALYSIS: dict[str, Callable[[Any], Any]] = {
     "every_s": _number(1, 86400),
+    "window_s": _number(60, 7 * 86400),
     "pre_oom": _bool,
     "pre_oom_fraction": _number(0, 1, lo_open=True, hi_open=True),
     "pre_oom_sample_bytes": _size(1, 1 << 30),

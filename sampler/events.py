@@ -20,12 +20,16 @@ class EvType(enum.IntEnum):
     FREE = 2
     VM = 3
     PROC = 4
+    CUDA = 5            # a CUDA runtime/driver call (bpf/cuda.bpf.c; sampler/cuda.py)
 
 
 class Source(enum.IntEnum):
     MALLOC = 1
     MMAP = 2
     FAULT = 3
+    CUDA = 4            # EV_CUDA records: the layer (runtime)
+    CUDA_DRIVER = 5     # (driver)
+    TORCH = 6           # sampled tensors of PyTorch's caching allocator (tagged addresses)
 
 
 class VmOp(enum.IntEnum):

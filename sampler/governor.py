@@ -40,6 +40,7 @@ class TargetState:
     iv_on_total: float = 0.0                  # interval's end: duty-cycled rates are measured
     iv_t: float = 0.0                         # over whole intervals (tick windows are too noisy)
     interval_t0: float = 0.0
+    pinned_until: float = 0.0         # full coverage until then, whatever it costs (pre-OOM capture)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Governor:
         """Phase toggles of a duty-cycled target, and the first reaction to a target over budget
         (decided at once: an overload must not wait for the interval's end)."""
         st = self.states.get(pid)
-        if st is None or st.level == RSS:
+        if st is None or st.level == RSS or now < st.pinned_until:
             return []
         if st.level == FULL:
             full = self.cpu(st.alloc_rate, st.free_rate)
@@ -113,6 +114,24 @@ class Governor:
                 st.on, st.on_since = True, now
                 out.append(Action("resume"))
                 st.next_toggle = now + st.duty * self.cycle_s
+        return out
+
+    def pin(self, pid: int, now: float, until: float) -> list[Action]:
+        """Allocation probes attached all the time until `until` (the daemon's pre-OOM window),
+        over the budget if need be; the budget applies again after it. A target already moved to
+        the always-on tier stays there."""
+        st = self.states.get(pid)
+        if st is None or st.level == RSS:
+            return []
+        st.pinned_until = max(st.pinned_until, until)
+        if st.level == FULL:
+            return []
+        st.level, st.duty, st.next_toggle = FULL, 1.0, float("inf")
+        out = [Action("duty", f"pre-OOM capture: allocation probes attached all the time for "
+                              f"{until - now:.0f} s, whatever they cost")]
+        if not st.on:
+            st.on, st.on_since = True, now
+            out.append(Action("resume"))
         return out
 
     def _next_cycle(self, st: TargetState, now: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from . import weights
 
 MALLOC, MMAP, FAULT = "malloc", "mmap", "fault"
+TORCH = "torch"       # sampled tensors of PyTorch's caching allocator: blocks, like malloc
 
 
 @dataclass(slots=True)
@@ -71,18 +72,25 @@ class ProcessTable:
         self.stats: dict[tuple[str, int], StackStats] = {}
         self.blocks: dict[int, _Block] = {}           # malloc: addr -> block
         self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
+        self._gpu_init()
+
+    def _gpu_init(self) -> None:
+        # CUDA calls (sampler/cuda.py), every one traced: weight = size, p = 1, no variance.
+        self.gpu: dict[tuple[str, bool, int], _Block] = {}   # (source, is VMM handle, addr) -> block
+        self.vmm_maps: dict[int, tuple[int, int]] = {}       # mapped address -> (handle, size)
+        self.vmm_refs: dict[int, int] = {}                   # handle -> its own ref + mappings
 
     # malloc source -----------------------------------------------------------------------
     def alloc(self, addr: int, size: int, weight: float, stack_id: int, ts_ns: int,
               source: str = MALLOC) -> None:
-        if source != MALLOC:
+        if source in (MMAP, FAULT):
             self.map(addr, size, weight, stack_id, ts_ns, source)
             return
         old = self.blocks.get(addr)
         if old is not None:          # missed free (lost event): the address was reused
             self._release(addr, old, count_freed=False)
         p = size / weight
-        key = (MALLOC, stack_id)
+        key = (source, stack_id)
         self.blocks[addr] = _Block(key, size, p, born=ts_ns)
         self._born(key, addr, size, weight, ts_ns)
 
@@ -95,6 +103,58 @@ class ProcessTable:
         del self.blocks[addr]
         self._release(addr, block)
         return True
+
+    # CUDA sources ------------------------------------------------------------------------------
+    def gpu_alloc(self, source: str, addr: int, size: int, stack_id: int | None, ts_ns: int,
+                  handle: bool = False) -> None:
+        """A successful CUDA allocation (or cuMemCreate handle, `handle`), counted exactly."""
+        k = (source, handle, addr)
+        old = self.gpu.pop(k, None)
+        if old is not None:          # its free was not seen: the address was reused
+            self._release(addr, old, count_freed=False)
+        self.gpu[k] = _Block((source, stack_id or 0), size, 1.0, born=ts_ns)
+        if handle:
+            self.vmm_refs[addr] = 1
+        self._born((source, stack_id or 0), addr, size, float(size), ts_ns)
+
+    def gpu_free(self, source: str, addr: int, started_ns: int = 0, handle: bool = False) -> bool:
+        """A successful free that started at `started_ns`: it cannot free a block allocated after
+        that (another thread got the address back before this free returned)."""
+        k = (source, handle, addr)
+        block = self.gpu.get(k)
+        if block is None or (started_ns and block.born > started_ns):
+            return False
+        del self.gpu[k]
+        self._release(addr, block)
+        return True
+
+    def vmm_release(self, handle: int, started_ns: int = 0) -> bool:
+        """cuMemRelease: physical memory goes when its handle is released and it is unmapped."""
+        block = self.gpu.get(("cuda-driver", True, handle))
+        if block is None or handle not in self.vmm_refs or (started_ns and block.born > started_ns):
+            return False
+        return self._vmm_unref(handle)
+
+    def vmm_map(self, addr: int, size: int, handle: int) -> bool:
+        if handle not in self.vmm_refs:
+            return False             # created before the recording: unknown
+        self.vmm_maps[addr] = (handle, size)
+        self.vmm_refs[handle] += 1
+        return False                 # mapping adds no memory
+
+    def vmm_unmap(self, addr: int, size: int) -> bool:
+        freed = False
+        for a in [a for a in self.vmm_maps if addr <= a < addr + max(size, 1)]:
+            handle, _ = self.vmm_maps.pop(a)
+            freed |= self._vmm_unref(handle)
+        return freed
+
+    def _vmm_unref(self, handle: int) -> bool:
+        self.vmm_refs[handle] -= 1
+        if self.vmm_refs[handle] > 0:
+            return False
+        del self.vmm_refs[handle]
+        return self.gpu_free("cuda-driver", handle, handle=True)
 
     # mmap and fault sources ----------------------------------------------------------------
     def map(self, start: int, length: int, weight: float, stack_id: int, ts_ns: int,
@@ -187,13 +247,14 @@ class ProcessTable:
         self.stats.clear()
         self.blocks.clear()
         self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
+        self._gpu_init()
 
     def drop_malloc(self) -> list[int]:
         """Forget the sampled malloc blocks (the process left the attach tier: their frees will not
         be seen); returns their addresses."""
         addrs = list(self.blocks)
         self.blocks.clear()
-        for key in [k for k in self.stats if k[0] == MALLOC]:
+        for key in [k for k in self.stats if k[0] in (MALLOC, TORCH)]:
             del self.stats[key]
         return addrs
 

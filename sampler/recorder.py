@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -18,6 +19,7 @@ import psutil
 from . import __version__, preflight, probe_cost, usdt
 from .allocators import AllocatorLib, Family, find_allocators
 from .bpf_loader import (
+    C_CUDA_CALLS,
     C_FAULTS,
     C_HITS,
     C_LIVE_FULL,
@@ -32,17 +34,20 @@ from .bpf_loader import (
     BpfProbes,
     ProbeConfig,
 )
+from .cuda import GpuTracer
 from .dataset_writer import DatasetWriter
 from .errors import EnvironmentProblem, TargetGone
 from .events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
 from .governor import Governor
 from .malloc_arenas import arena_rows
-from .outstanding import FAULT, MALLOC, MMAP, ProcessTable
-from .procmaps import open_path
+from .outstanding import FAULT, MALLOC, MMAP, TORCH, ProcessTable
+from .procmaps import open_path, read_maps
 from .procmetrics import sample_process
 from .pytargets import PythonTargets
 from .schema import (
     FRAMES,
+    GPU,
+    GPU_EVENTS,
     MALLOC_ARENAS,
     OUTSTANDING,
     PROCESSES,
@@ -63,6 +68,7 @@ from .weights import chunk_size, sample_terms
 
 _VM_NAME = {op.value: op.name.lower() for op in VmOp}
 MADV_REMOVE = 9
+PROT_EXEC, MAP_ANONYMOUS = 4, 0x20
 # Tiers (processes.tier).
 ATTACH, PRELOAD, RSS, SYSCALLS = "attach", "preload", "rss", "syscalls"
 GOVERNOR_TICK_S = 1.0
@@ -95,8 +101,11 @@ class RecordOptions:
     preload: bool = False                 # start the command with the preload shim
     cpu_budget: float = 0.03              # governor: fraction of one CPU per process (0: off)
     probe_cost_ns: float | None = None    # per probe hit; None: calibrate at start-up
+    ringbuf_bytes: int = 32 << 20         # BPF ring buffer (mapped twice: counts 2x in RSS)
+    daemon: bool = False                  # sampler/daemon.py: runs without targets, adds its own
     quiet: bool = False
     argv: str = ""
+    gpu: bool = True                      # trace CUDA calls and sample NVML (sampler/cuda.py)
 
 
 @dataclass
@@ -141,6 +150,12 @@ class Recorder:
         self._fault_period_used = opts.rss or opts.all_processes or bool(opts.cgroups)
         self._proc = psutil.Process()
         self.launched: LaunchedCommand | None = None
+        # Set by the daemon (sampler/daemon.py) before run(): how files are written, and what runs
+        # once BPF is loaded, at every poll and after every interval's snapshot.
+        self.writer_factory: Callable[[str, str], DatasetWriter] = DatasetWriter
+        self.on_start: Callable[[], None] | None = None
+        self.on_tick: Callable[[float], None] | None = None
+        self.on_snapshot: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -163,7 +178,7 @@ class Recorder:
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
         self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
-                                            stack_bytes=o.stack_bytes))
+                                            stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes))
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
         self.unwinder = Unwinder(_cache_dir(o.unwind_cache))
@@ -171,7 +186,12 @@ class Recorder:
                                  interpreter_frames=o.interpreter_frames)
         self._samples = self._complete = 0
         self._hints: dict[int, int | None] = {}
-        self.writer = DatasetWriter(o.out, self.recording_id)
+        self.writer = self.writer_factory(o.out, self.recording_id)
+        self.gpu: GpuTracer | None = None
+        if o.gpu:
+            from .nvml import Nvml
+            self.gpu = GpuTracer(self.probes, Nvml(), o.vm_events_per_interval)
+        self._gpu_said = False
         self.governor: Governor | None = None
         self._cost_ns: float | None = None
         self._cgroup_ids = [cgroup_id(c) for c in o.cgroups]
@@ -187,9 +207,11 @@ class Recorder:
         self._write_recording(ended=None)
         self.probes.open_events(self._on_event)
         try:
+            if self.on_start is not None:
+                self.on_start()
             for info in infos:
                 self._add_target(info)
-            if not self.targets and (o.all_processes or o.cgroups):
+            if not self.targets and (o.all_processes or o.cgroups or o.daemon):
                 pass                    # processes join as they fault
             elif not self.targets:
                 raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
@@ -219,29 +241,83 @@ class Recorder:
         self._last_snap = time.monotonic()
         self._last_counters = self.probes.counters()
         self._last_cpu = sum(self._proc.cpu_times()[:2])
-        next_gov = time.monotonic() + GOVERNOR_TICK_S
+        self._next_gov = time.monotonic() + GOVERNOR_TICK_S
         host_wide = o.all_processes or bool(o.cgroups)
-        while not self._stop and (self.targets or host_wide):
+        while not self._stop and (self.targets or host_wide or o.daemon):
             self.probes.poll(100)
             now = time.monotonic()
             self._rescan(now)
             self._reap_launched()
+            if self.on_tick is not None:
+                self.on_tick(now)
             if self.governor is not None:
-                observe = now >= next_gov
+                observe = now >= self._next_gov
                 self._govern(now, observe)
                 if observe:
-                    next_gov = now + GOVERNOR_TICK_S
+                    self._next_gov = now + GOVERNOR_TICK_S
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
                 self._rescan(now, every=True)
                 self._snapshot()
+                if self.on_snapshot is not None:
+                    self.on_snapshot()
                 next_snap += o.interval
                 if next_snap < now:
                     next_snap = now + o.interval
 
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
+
+    # the daemon's calls (sampler/daemon.py) ---------------------------------------------------
+    def add_process(self, info: ProcessInfo, tier: str) -> bool:
+        """Start recording a process the daemon selected; False when it exited meanwhile."""
+        if tier == RSS:
+            self.probes.enable_faults(self.opts.fault_period)
+            self._fault_period_used = True
+        self._add_target(info, tier)
+        return info.pid in self.targets
+
+    def remove_process(self, pid: int, event: str = "exit", detail: str = "") -> None:
+        """Stop recording a process (it exited, or no longer matches): its last outstanding rows,
+        a `targets` row, probes detached."""
+        t = self.targets.get(pid)
+        if t is None:
+            return
+        self._write(OUTSTANDING, self._outstanding_rows(t, self._wall_now()))
+        self._target_row(t, event, detail)
+        self._drop_target(pid, detail or event)
+
+    def note(self, pid: int, event: str, detail: str) -> None:
+        """A `targets` row about a recorded process."""
+        if (t := self.targets.get(pid)) is not None:
+            self._target_row(t, event, detail)
+
+    def raise_detail(self, pid: int, until: float) -> bool:
+        """Pre-OOM capture: a duty-cycled attach-tier process gets its allocation probes all the
+        time until `until` (monotonic; the governor waits). Returns whether anything changed."""
+        t = self.targets.get(pid)
+        if t is None or self.governor is None or t.tier != ATTACH:
+            return False
+        actions = self.governor.pin(pid, time.monotonic(), until)
+        self._apply(t, actions)
+        return bool(actions)
+
+    def snapshot_now(self) -> None:
+        """An extra snapshot of every target (an interval shorter than the others)."""
+        self._snapshot()
+
+    def idle(self, seconds: float) -> None:
+        """Pause reading events (the daemon's own CPU budget): the ring buffer fills meanwhile
+        (a full one counts lost events); governed probes are still switched on time."""
+        end = time.monotonic() + seconds
+        while (now := time.monotonic()) < end:
+            if self.governor is not None:
+                observe = now >= self._next_gov
+                self._govern(now, observe)
+                if observe:
+                    self._next_gov = now + GOVERNOR_TICK_S
+            time.sleep(min(0.05, end - now))
 
     # targets ----------------------------------------------------------------------------------
     def _add_target(self, info: ProcessInfo, tier: str | None = None) -> None:
@@ -253,6 +329,7 @@ class Recorder:
             self.governor.add(pid, time.monotonic())
         try:
             self._attach_allocators(t)
+            self._attach_gpu(t)
         except ProcessLookupError:
             self._drop_target(pid, "exited while being attached")
             return
@@ -301,6 +378,21 @@ class Recorder:
             self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
                           "with --allocator LIB[:PREFIX].")
+
+    def _attach_gpu(self, t: _Target) -> bool:
+        """CUDA runtime/driver probes and PyTorch's USDT probes, in every tier (CUDA calls are
+        rare). Returns whether new ones were attached. ProcessLookupError: the process is gone."""
+        if self.gpu is None:
+            return False
+        if t.tier in (RSS, SYSCALLS) and t.info.pid in self.gpu.targets and not t.rescan_until:
+            return False        # host-wide tiers: rescan only when the process maps new code
+        new, warnings = self.gpu.scan(t.info.pid, read_maps(t.info.pid))
+        for w in warnings:
+            self._warn(t, w)
+        if new and not self._gpu_said and not self.opts.quiet and not self.gpu.nvml.ok:
+            self._gpu_said = True         # the one line about the missing driver, when it matters
+            print(f"allocsampler: {self.gpu.status}", file=sys.stderr)
+        return new
 
     def _attach_usdt(self, t: _Target, maps) -> bool:
         """Preload tier: a process carrying otel_memory probes samples its own allocations. Its
@@ -366,10 +458,11 @@ class Recorder:
                 n = len(t.libs)
                 try:
                     self._attach_allocators(t)
+                    new_gpu = self._attach_gpu(t)
                 except ProcessLookupError:
                     continue
                 self._detect_python(t, final=not t.rescan_until)
-                if len(t.libs) > n:
+                if len(t.libs) > n or new_gpu:
                     self._target_row(t, "attach", self._attach_detail(t))
 
     def _adopt(self, pid: int) -> _Target | None:
@@ -427,6 +520,8 @@ class Recorder:
         self.probes.detach(pid)
         if self.governor is not None:
             self.governor.forget(pid)
+        if self.gpu is not None:
+            self.gpu.forget(pid)
         if t is None:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
@@ -475,6 +570,8 @@ class Recorder:
         if ev.type == EvType.ALLOC:
             if ev.source == Source.FAULT:
                 t.table.map(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, FAULT)
+            elif ev.source == Source.TORCH:         # not governed: no duty
+                t.table.alloc(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, TORCH)
             else:
                 t.table.alloc(ev.addr, ev.size, ev.weight / t.duty, self._intern(ev), ev.ts_ns)
         elif ev.type == EvType.FREE:
@@ -483,6 +580,8 @@ class Recorder:
             self._on_vm(t, ev)
         elif ev.type == EvType.PROC:
             self._on_proc(t, ev)
+        elif ev.type == EvType.CUDA and self.gpu is not None:
+            self.gpu.on_event(t.table, ev, self._intern, self._wall)
 
     def _on_vm(self, t: _Target, ev) -> None:
         op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
@@ -493,6 +592,10 @@ class Recorder:
                 t.table.map(ev.ret, ev.size, ev.weight, sid, ev.ts_ns)
         elif ok and op == VmOp.MUNMAP:
             t.table.unmap(ev.addr, ev.size)
+        if ok and op == VmOp.MMAP and ev.arg & PROT_EXEC and not (ev.arg >> 32) & MAP_ANONYMOUS:
+            # a library is being loaded (dlopen of libcudart, libcuda): look for it at every poll
+            # for a moment, not only at the next snapshot
+            t.rescan_until = max(t.rescan_until, time.monotonic() + 1.0)
         elif ok and op == VmOp.MREMAP:
             t.table.move(ev.addr, ev.size, ev.ret, ev.arg)
             t.table.unmap(ev.addr, ev.size)
@@ -548,6 +651,9 @@ class Recorder:
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
             t.table.clear()
             t.vm = VmClassifier()
+            self.probes.detach_gpu(ev.pid)       # the new image maps its own CUDA, if any
+            if self.gpu is not None:
+                self.gpu.forget(ev.pid)
             if t.tier == PRELOAD:        # the new image may not carry the probes: start over
                 self.probes.detach_probes(ev.pid)
                 t.usdt.clear()
@@ -582,6 +688,8 @@ class Recorder:
         proc_rows: list[dict] = []
         arenas: list[dict] = []
         hits = self.probes.hits()
+        if self.gpu is not None:
+            self.gpu.sample()
         for pid, t in list(self.targets.items()):
             t.drops = drops.get(pid, t.drops)
             if self.governor is not None and t.tier == ATTACH:
@@ -607,6 +715,11 @@ class Recorder:
         self._write(VM_EVENTS, [{**r, "recording_id": self.recording_id, "host": self.host}
                                 for r in self._vm_rows])
         self._vm_rows = []
+        if self.gpu is not None:
+            base = {"ts": now, "recording_id": self.recording_id, "host": self.host}
+            self._write(GPU, [{**base, **r} for r in self.gpu.device_rows()])
+            self._write(GPU_EVENTS, [{**r, "recording_id": self.recording_id, "host": self.host}
+                                     for r in self.gpu.drain_rows()])
         self._write_recorder_row(now, interval)
 
     def _outstanding_rows(self, t: _Target, now: dt.datetime, interval: float | None = None) -> list[dict]:
@@ -644,6 +757,7 @@ class Recorder:
             "probe_hits_per_s": t.hit_rate if t.tier == ATTACH else None,
             "probe_cpu_estimate": (t.hit_rate * self._cost_ns * 1e-9
                                    if t.tier == ATTACH and self._cost_ns else None),
+            **(self.gpu.process_columns(t.info.pid, t.table) if self.gpu is not None else {}),
         }
 
     def _write_stacks(self, now: dt.datetime) -> None:
@@ -680,7 +794,7 @@ class Recorder:
             "stacks_complete": self._complete,
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
-            "sampled_faults": d[C_FAULTS],
+            "sampled_faults": d[C_FAULTS], "cuda_calls": d[C_CUDA_CALLS],
         }])
         self._events = 0
         self._vm_dropped = 0
@@ -692,10 +806,11 @@ class Recorder:
         self._write(TARGETS, [{
             "ts": self._wall_now(), "recording_id": self.recording_id, "host": self.host,
             "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
-            "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs],
+            "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs]
+                                         + (self.gpu.libraries(i.pid) if self.gpu is not None else []),
             "probes": [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
                        f"{t.modes.get(p.name, 'not attached')})" for lib in t.libs for p in lib.points]
-                      + t.usdt_labels,
+                      + t.usdt_labels + (self.gpu.labels(i.pid) if self.gpu is not None else []),
             "detail": detail,
         }])
 
@@ -710,6 +825,7 @@ class Recorder:
             "cpu_budget": o.cpu_budget if self.governor is not None else 0.0,
             "probe_cost_ns": self._cost_ns,
             "fault_period": o.fault_period if self._fault_period_used else None,
+            "gpu_status": self.gpu.status if getattr(self, "gpu", None) is not None else "off (--no-gpu)",
         }], name=self.recording_id, day=self.started.date())
 
     def _write(self, table, rows: list[dict], **kw) -> None:
@@ -729,6 +845,8 @@ class Recorder:
                 self._drop_target(pid, "recording ended")
             self._write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:
+            if getattr(self, "gpu", None) is not None:
+                self.gpu.close()
             probes.close()
 
     def _wall(self, mono_ns: int) -> dt.datetime:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
 #   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
@@ -19,6 +19,11 @@ SCHEMA_VERSION = 3
 #   of a duty-cycled target include 1/duty; new columns processes.tier/alloc_coverage/
 #   probe_hits_per_s/probe_cpu_estimate, recorder.sampled_faults, recordings.cpu_budget/
 #   probe_cost_ns/fault_period; targets events `tier` and `governor`.
+# 4 - the daemon: new table `findings` (periodic analysis); targets events `pre_oom` and
+#   `select` (which daemon target rule chose the process, and its tier).
+#   GPU memory: `outstanding.source` `cuda`, `cuda-host`, `cuda-driver`, `cuda-driver-host`
+#   (every CUDA call, exact) and `torch` (sampled tensors); tables `gpu_events` and `gpu`;
+#   processes.gpu_*; recordings.gpu_status; recorder.cuda_calls.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -66,8 +71,13 @@ OUTSTANDING = Table(
                               "the process's own `otel_memory` USDT samples in the preload tier), "
                               "`mmap` (anonymous private mmap/mremap) or `fault` (always-on tier: "
                               "memory brought in by sampled page faults and not yet unmapped or "
-                              "madvised away; each sample stands for `fault_period` pages). Sources "
-                              "overlap (a large malloc is also an mmap, and faults in): never add them."),
+                              "madvised away; each sample stands for `fault_period` pages). GPU: "
+                              "`cuda` (CUDA runtime device and managed memory), `cuda-driver` (driver "
+                              "device memory, including VMM physical memory of cuMemCreate), `cuda-host` "
+                              "and `cuda-driver-host` (pinned host memory), all exact (every call traced, "
+                              "stderr 0), and `torch` (sampled tensors of PyTorch's caching allocator). "
+                              "Sources overlap (a large malloc is also an mmap, and faults in; a "
+                              "cudaMalloc is also a cuMemAlloc): never add them."),
         Column("stack_id", pa.int64(), "Stack of the allocation site: join with `stacks` / `frames`."),
         Column("outstanding_bytes", pa.float64(), "Estimated bytes allocated and not yet freed."),
         Column("outstanding_stderr_bytes", pa.float64(), "Standard error of `outstanding_bytes`."),
@@ -183,6 +193,16 @@ PROCESSES = Table(
                                                  "(attach tier; the cost the target pays)."),
         Column("probe_cpu_estimate", pa.float64(), "Estimated CPU the probes cost the process, as a "
                                                    "fraction of one CPU (hits x calibrated cost per hit)."),
+        Column("gpu_used_bytes", pa.int64(), "GPU memory the driver (NVML) says the process uses, summed over "
+                                             "devices; null without NVML or for a process without CUDA."),
+        Column("gpu_reserved_bytes", pa.float64(), "Outstanding device memory from the traced CUDA calls: the "
+                                                   "larger of sources `cuda` and `cuda-driver` (with PyTorch, its "
+                                                   "caching allocator's reserved memory); null without CUDA."),
+        Column("gpu_pinned_bytes", pa.float64(), "Outstanding pinned host memory (the larger of `cuda-host` and "
+                                                 "`cuda-driver-host`); null without CUDA."),
+        Column("gpu_allocated_bytes", pa.float64(), "Estimated bytes of live tensors of PyTorch's caching "
+                                                    "allocator (source `torch`); null without its USDT probes."),
+        Column("gpu_allocated_stderr_bytes", pa.float64(), "Standard error of `gpu_allocated_bytes`."),
     ),
 )
 
@@ -223,7 +243,10 @@ TARGETS = Table(
         *_common("When it happened."),
         Column("pid", pa.int32(), "Process id."),
         Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `tier` (the process "
-                             "changed tier; detail says why) or `governor` (duty-cycle changes)."),
+                             "changed tier; detail says why), `governor` (duty-cycle changes), "
+                             "`select` (daemon: the target rule that selected the process and its "
+                             "tier) or `pre_oom` (daemon: the process neared its cgroup memory limit; "
+                             "detail raised for a window, snapshot taken)."),
         Column("comm", STR, "Process name."),
         Column("exe", pa.string(), "Executable path."),
         Column("cmdline", pa.string(), "Command line, space-joined."),
@@ -261,6 +284,7 @@ RECORDER = Table(
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
         Column("sampled_faults", pa.int64(), "Page-fault samples of targets in the interval (always-on tier)."),
+        Column("cuda_calls", pa.int64(), "CUDA runtime and driver calls traced in the interval."),
     ),
 )
 
@@ -286,6 +310,57 @@ RECORDINGS = Table(
                                               "without the governor)."),
         Column("fault_period", pa.int32(), "Always-on tier: one page fault sampled in this many (null "
                                            "when no process was in that tier)."),
+        Column("gpu_status", pa.string(), "GPU metrics: `nvml: N devices, driver V`, or one line saying why "
+                                          "NVML is not sampled (e.g. no NVIDIA driver); CUDA calls are traced "
+                                          "either way."),
+    ),
+)
+
+GPU_EVENTS = Table(
+    "gpu_events",
+    "Every CUDA runtime and driver memory call of the targets, one row per call (capped per interval), "
+    "with its result: allocations and frees, pinned host memory, the VMM API (cuMemCreate/Release, "
+    "cuMemMap/Unmap, cuMemAddressReserve/Free). Failed calls are rows that count nothing.",
+    (
+        *_common("Time of the call's return."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("tid", pa.int32(), "Thread id."),
+        Column("source", STR, "Outstanding source the call belongs to: `cuda`, `cuda-host`, `cuda-driver`, "
+                              "`cuda-driver-host`."),
+        Column("function", STR, "Function called, e.g. `cudaMalloc`, `cuMemCreate`."),
+        Column("op", STR, "`alloc`, `free`, `register`, `unregister` (pinned host memory), `create`, `release` "
+                          "(VMM physical memory), `map`, `unmap`, `reserve`, `unreserve` (address space: never "
+                          "counted as memory)."),
+        Column("memory", STR, "`device`, `managed`, `host` (pinned), `vmm` (physical memory handle) or "
+                              "`address` (reserved address range)."),
+        Column("ptr", pa.int64(), "Pointer or VMM handle: the out-parameter of a successful allocation (0 when "
+                                  "it failed), else the first argument."),
+        Column("size", pa.int64(), "Bytes (pitched allocations: pitch x height)."),
+        Column("handle", pa.int64(), "cuMemMap: the physical memory handle mapped at `ptr`, else null."),
+        Column("result", pa.int32(), "Return value: 0 is success (cudaSuccess, CUDA_SUCCESS)."),
+        Column("error", STR, "Name of a non-zero result, e.g. `cudaErrorMemoryAllocation`; null on success."),
+        Column("counted", pa.bool_(), "The call changed outstanding memory (a successful allocation, or the free "
+                                      "of a known block)."),
+        Column("duration_us", pa.float64(), "Time spent in the call, microseconds."),
+        Column("stack_id", pa.int64(), "Stack of calls that allocate, reserve, map or register (also failed "
+                                       "ones), else null."),
+    ),
+)
+
+GPU = Table(
+    "gpu",
+    "GPU devices as the NVIDIA driver reports them (NVML), one row per interval and device. Per-process "
+    "usage is `processes.gpu_used_bytes`.",
+    (
+        *_common("Time of the measurement."),
+        Column("device", pa.int32(), "NVML device index."),
+        Column("uuid", STR, "Device UUID."),
+        Column("name", STR, "Device name."),
+        Column("total_bytes", pa.int64(), "Memory of the device."),
+        Column("used_bytes", pa.int64(), "Memory in use (all processes, and the driver's reserve without "
+                                         "nvmlMemory_v2)."),
+        Column("reserved_bytes", pa.int64(), "Memory the driver reserves for itself (null without nvmlMemory_v2)."),
+        Column("processes", pa.int32(), "Processes with memory on the device."),
     ),
 )
 
@@ -319,5 +394,28 @@ MALLOC_ARENAS = Table(
     ),
 )
 
+FINDINGS = Table(
+    "findings",
+    "Daemon only: what its periodic analysis (`allocsampler analyze` over the recent data, run in a "
+    "child process) found, one row per finding and analysis run. docs/findings.md explains the "
+    "kinds and fields; `details` holds the kind-specific fields as JSON.",
+    (
+        *_common("When the analysis ran."),
+        Column("pid", pa.int32(), "Process id."),
+        Column("comm", STR, "Process name."),
+        Column("kind", STR, "`persistent_growth`, `arena_bloat`, `unexplained_growth`, ..."),
+        Column("severity", pa.float64(), "Ranking, 0..100 (higher is worse)."),
+        Column("confidence", pa.float64(), "0..1: how sure the statistics are that the pattern is real."),
+        Column("summary", pa.string(), "One sentence for humans (also logged)."),
+        Column("source", STR, "Allocation source of a stack finding (`malloc`, `mmap`, `fault`), else null."),
+        Column("stack_id", pa.int64(), "Stack of a stack finding (join with `stacks`/`frames`), else null."),
+        Column("new", pa.bool_(), "First time this daemon run reported this finding (kind, process, "
+                                  "source and stack); it was logged."),
+        Column("window_s", pa.float64(), "Length of the data window analysed, seconds."),
+        Column("details", pa.string(), "The finding as JSON (the fields of `analyze --json`)."),
+    ),
+)
+
 TABLES: dict[str, Table] = {t.name: t for t in (
-    OUTSTANDING, STACKS, FRAMES, PROCESSES, VM_EVENTS, TARGETS, RECORDER, RECORDINGS, MALLOC_ARENAS)}
+    OUTSTANDING, STACKS, FRAMES, PROCESSES, VM_EVENTS, TARGETS, RECORDER, RECORDINGS, MALLOC_ARENAS,
+    FINDINGS, GPU_EVENTS, GPU)}

@@ -15,6 +15,7 @@ import platform
 BPF_LINK_CREATE = 28
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_TRACE_UPROBE_SESSION = 57
+BPF_F_UPROBE_MULTI_RETURN = 1
 _SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -49,9 +50,10 @@ def session_supported() -> bool:
 
 
 def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid: int, *,
-           session: bool, ref_ctr_offsets: list[int] | None = None) -> int:
+           session: bool, ref_ctr_offsets: list[int] | None = None, retprobe: bool = False) -> int:
     """Create the link; returns its fd (closing it detaches). `ref_ctr_offsets`: USDT semaphores
-    the kernel counts up while attached. Raises OSError."""
+    the kernel counts up while attached; `retprobe`: run at the functions' returns (not with
+    `session`). Raises OSError."""
     n = len(offsets)
     path_buf = ctypes.create_string_buffer(os.fsencode(path))
     offs = (ctypes.c_uint64 * n)(*offsets)
@@ -65,6 +67,7 @@ def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid:
         cookies=ctypes.addressof(cks),
         ref_ctr_offsets=ctypes.addressof(refs) if refs is not None else 0,
         cnt=n,
+        multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0,
         pid=pid,
     )
     fd = _libc.syscall(_SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))

@@ -1,5 +1,6 @@
 """The preload tier's LD_PRELOAD shim (preload/allocsampler_preload.c): build, ELF contract, behaviour
-of the interposed functions under heavy sampling, and the accuracy of its sampling. No BPF needed."""
+of the interposed functions under heavy sampling, the accuracy of its sampling, and its sample-rate
+cap (ALLOCSAMPLER_MAX_SAMPLES_PER_S). No BPF needed."""
 
 from __future__ import annotations
 
@@ -34,12 +35,17 @@ def write(tmp: Path, name: str, text: str) -> Path:
 
 
 def run(argv: list[str], mean: int | None, *, extra_preload: str = "", timeout: float = 120,
-        env: dict | None = None) -> subprocess.CompletedProcess:
+        env: dict | None = None, cap: int | str | None = 0) -> subprocess.CompletedProcess:
+    """Runs argv under the shim with sample mean `mean` (None: not set) and sample-rate cap `cap`
+    (default 0: uncapped, so that tests of sampling at a fixed mean keep it; None: not set)."""
     base = dict(os.environ if env is None else env)
+    base.pop(preload.ENV_MAX_SAMPLES_PER_S, None)
     if extra_preload:
         base["LD_PRELOAD"] = extra_preload
     e = preload.preload_env(mean, base) if mean is not None else {
         **base, "LD_PRELOAD": f"{preload.shim_path()}"}
+    if cap is not None:
+        e[preload.ENV_MAX_SAMPLES_PER_S] = str(cap)
     r = subprocess.run(argv, env=e, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{argv} exited {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-2000:]}"
     return r
@@ -139,6 +145,14 @@ def test_preload_env_prepends_and_sets_the_mean(shim):
     for bad in (0, -1, 1.5, True, 1 << 41):
         with pytest.raises(UsageError):
             preload.preload_env(bad)
+    capped = preload.preload_env(4096, {"ALLOCSAMPLER_MAX_SAMPLES_PER_S": "7"}, 300)
+    assert capped["ALLOCSAMPLER_MAX_SAMPLES_PER_S"] == "300"
+    assert preload.preload_env(4096, {}, 0)["ALLOCSAMPLER_MAX_SAMPLES_PER_S"] == "0"
+    assert preload.preload_env(4096, {"ALLOCSAMPLER_MAX_SAMPLES_PER_S": "7"})["ALLOCSAMPLER_MAX_SAMPLES_PER_S"] == "7"
+    assert "ALLOCSAMPLER_MAX_SAMPLES_PER_S" not in preload.preload_env(4096, {})
+    for bad in (-1, 1.5, True, "5", 10 ** 9 + 1):
+        with pytest.raises(UsageError):
+            preload.preload_env(4096, {}, bad)
 
 
 def test_module_entry_point_prints_the_path(shim):
@@ -615,14 +629,15 @@ def stress_exes(tmp_path_factory) -> tuple[Path, Path]:
     return exe, lib
 
 
-@pytest.mark.parametrize("mean", [4096, 1 << 20])
-def test_threads_forks_and_dlopen_under_sampling(stress_exes, mean):
+@pytest.mark.parametrize(("mean", "cap"), [(4096, 0), (1 << 20, 0), (4096, 300)])
+def test_threads_forks_and_dlopen_under_sampling(stress_exes, mean, cap):
+    """With cap 300 the mean goes up and down while 8 threads allocate, free and fork."""
     exe, lib = stress_exes
-    out = run([str(exe), str(lib)], mean, timeout=300).stdout
+    out = run([str(exe), str(lib)], mean, timeout=300, cap=cap).stdout
     m = re.fullmatch(r"failed=0 sampled=(\d+) live_delta=(-?\d+) dropped=(\d+)\n", out)
     assert m, out
     sampled, delta, dropped = map(int, m.groups())
-    assert sampled > (50_000 if mean == 4096 else 500)
+    assert sampled > (50_000 if (mean, cap) == (4096, 0) else 100 if cap else 500)
     # Every sampled block freed in the phase was found in the set of sampled addresses.
     assert delta == 0
     assert dropped == 0
@@ -778,3 +793,357 @@ def test_estimate_agrees_with_ground_truth(accuracy_exe, threads, per_thread, me
     assert abs(weighted - truth) < 4 * se, (weighted, truth, se)
     assert abs(count - expected_count) < 4 * count_sd, (count, expected_count, count_sd)
     assert se / truth < 0.02            # the test has power: a 2% bias would show
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample-rate cap: ALLOCSAMPLER_MAX_SAMPLES_PER_S raises the mean above the cap, lowers it below
+
+SAMPLING_H = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef void stats_fn(unsigned long *, double *);
+typedef void sampling_fn(unsigned long *, unsigned long *, unsigned long *, unsigned long *, double *);
+static stats_fn *stats;
+static sampling_fn *sampling;
+static void *volatile sink;
+
+static void bind(void) {
+    stats = (stats_fn *)dlsym(RTLD_DEFAULT, "allocsampler_preload_stats");
+    sampling = (sampling_fn *)dlsym(RTLD_DEFAULT, "allocsampler_preload_sampling");
+    if (!stats || !sampling) { fprintf(stderr, "shim not loaded\n"); exit(2); }
+}
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+static void pause_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+static unsigned long sampled(void) { unsigned long s; stats(&s, NULL); return s; }
+/* "TAG mean configured_mean mean_changes max_per_s" */
+static void state(const char *tag) {
+    unsigned long mean, base, changes, cap;
+    sampling(&mean, &base, &changes, &cap, NULL);
+    printf("%s %lu %lu %lu %lu\n", tag, mean, base, changes, cap);
+}
+"""
+
+RATE_C = SAMPLING_H + r"""
+#include <string.h>
+
+/* loop SECONDS: a tight malloc/free loop over 16..4096-byte blocks for SECONDS; prints the samples
+ * of each whole second, then "total SAMPLES ELAPSED" and the sampling state. */
+static void loop(double seconds) {
+    unsigned long per_second[64], last, s0, i = 0;
+    int n = 0;
+    double t0 = now(), next = t0 + 1, t;
+    s0 = last = sampled();
+    for (;;) {
+        for (int j = 0; j < 1024; j++, i++) {
+            void *p = malloc(16 + (i * 2654435761UL) % 4081);
+            sink = p;
+            free(p);
+        }
+        t = now();
+        if (t >= next && n < 64) {
+            unsigned long s = sampled();
+            per_second[n++] = s - last;
+            last = s;
+            next += 1;
+        }
+        if (t - t0 >= seconds)
+            break;
+    }
+    unsigned long total = sampled() - s0;
+    for (int k = 0; k < n; k++) printf("second %lu\n", per_second[k]);
+    printf("total %lu %.6f\n", total, t - t0);
+    state("state");
+}
+
+/* drop: 1 s of ~3,200 malloc/free pairs of 64 KiB per second, then one 4 MiB pair per 100 ms
+ * until the mean is back at the configured one (at most 8 s). */
+static void drop(void) {
+    double t0 = now();
+    while (now() - t0 < 1.0) {
+        for (int j = 0; j < 32; j++) { void *p = malloc(65536); sink = p; free(p); }
+        pause_ms(10);
+    }
+    state("raised");
+    double t1 = now();
+    unsigned long mean, base;
+    do {
+        void *p = malloc(4 << 20);
+        sink = p;
+        free(p);
+        pause_ms(100);
+        sampling(&mean, &base, NULL, NULL, NULL);
+    } while (mean != base && now() - t1 < 8);
+    printf("after %.3f\n", now() - t1);
+    state("back");
+}
+
+int main(int argc, char **argv) {
+    bind();
+    if (argc > 2 && !strcmp(argv[1], "loop")) loop(atof(argv[2]));
+    else if (argc > 1 && !strcmp(argv[1], "drop")) drop();
+    else state("state");
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def rate_exe(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("rate")
+    return compile_c(write(d, "rate.c", RATE_C), d / "rate")
+
+
+def parse_state(line: str) -> dict[str, int]:
+    tag, *vals = line.split()
+    return {"tag": tag, **dict(zip(("mean", "configured", "changes", "cap"), map(int, vals), strict=True))}
+
+
+def test_cap_is_read_from_the_environment(rate_exe):
+    env = {k: v for k, v in os.environ.items() if k != preload.ENV_MAX_SAMPLES_PER_S}
+    cases = {None: 2000, "0": 0, "500": 500, "1000000000": 10 ** 9, "1000000001": 2000, "abc": 2000,
+             "12k": 2000, "": 2000, "-5": 2000}
+    for value, want in cases.items():
+        st = parse_state(run([str(rate_exe)], 4096, env=env, cap=None if value is None else value).stdout)
+        assert (st["cap"], st["mean"], st["configured"], st["changes"]) == (want, 4096, 4096, 0), value
+    assert preload.DEFAULT_MAX_SAMPLES_PER_S == 2000
+
+
+def test_cap_bounds_the_sample_rate_of_a_tight_loop(rate_exe):
+    """A tight malloc/free loop samples ~1M times/s at a 64 KiB mean; with a cap of 200/s the shim
+    raises the mean within milliseconds and stays under the cap afterwards."""
+    cap, mean = 200, 65536
+    out = run([str(rate_exe), "loop", "2"], mean, cap=cap).stdout.splitlines()
+    seconds = [int(ln.split()[1]) for ln in out if ln.startswith("second ")]
+    _, total, elapsed = next(ln for ln in out if ln.startswith("total ")).split()
+    total, elapsed = int(total), float(elapsed)
+    st = parse_state(out[-1])
+    assert len(seconds) >= 1 and elapsed >= 2
+    # The first window's budget (64 samples at this cap) and a second one at an underestimated
+    # rate may pass before the mean is high enough; then at most cap/2 per second is aimed at.
+    assert total < 3 * cap * elapsed, (total, elapsed, seconds)
+    assert all(n <= 2 * cap for n in seconds[1:]), seconds
+    assert st["changes"] >= 1 and st["mean"] >= 64 * mean and st["configured"] == mean, st
+
+    out = run([str(rate_exe), "loop", "1"], mean, cap=0).stdout.splitlines()
+    _, free_total, free_elapsed = next(ln for ln in out if ln.startswith("total ")).split()
+    free_rate = int(free_total) / float(free_elapsed)
+    assert free_rate > 20 * cap and free_rate > 10 * total / elapsed, (free_rate, total / elapsed)
+    st = parse_state(out[-1])
+    assert (st["changes"], st["mean"], st["cap"]) == (0, mean, 0), st
+
+
+def test_mean_comes_back_down_when_the_rate_drops(rate_exe):
+    """~2,000 samples/s at the configured mean against a cap of 200 raise the mean; at ~10
+    samples/s it comes back to the configured mean, within about a second (one window to notice)."""
+    mean = 65536
+    out = run([str(rate_exe), "drop"], mean, cap=200, timeout=60).stdout.splitlines()
+    raised = parse_state(out[0])
+    back = parse_state(out[2])
+    after = float(out[1].split()[1])
+    assert raised["mean"] >= 4 * mean and raised["changes"] >= 1, raised
+    assert back["mean"] == mean and back["changes"] > raised["changes"], (raised, back)
+    assert after < 5, after
+
+
+# Unbiasedness of the rule "weight a sample with the mean its gap was drawn with".
+
+MEAN_SWITCH_C = r"""
+/* The shim's source plus a driver of its sampling decision over a synthetic stream of allocation
+ * sizes, taken exactly as the inline fast paths take them, while the process-wide mean is switched
+ * between T and 16 T after every K-th sample. */
+#include "SOURCE"
+API void mean_switch_selftest(long n, unsigned long t, long k, double out[4])
+{
+    STORE(&g_max_per_s, 0); /* this driver changes the mean itself */
+    STORE(&g_base_mean, t);
+    STORE(&g_cur_mean, t);
+    t_remaining = 0;
+    double truth = 0, est = 0, var = 0, samples = 0;
+    for (long i = 0; i < n; i++) {
+        size_t size = 16 + (size_t)((i * 7919) % 99985);
+        truth += (double)size;
+        /* p of this allocation given everything before it: the current gap's mean (the first
+         * gap is drawn at the first decision, with the process-wide mean) */
+        uint64_t gap_mean = t_remaining ? t_mean : LOAD(&g_cur_mean);
+        double p = one_minus_exp_neg((double)size / (double)gap_mean);
+        var += (double)size * (double)size * (1 - p) / p;
+        if (size < t_remaining) {
+            t_remaining -= size;
+            continue;
+        }
+        uint64_t m = decide(size);
+        if (!m)
+            continue;
+        est += weight_for(size, m); /* what report_alloc does */
+        samples += 1;
+        if ((long)samples % k == 0)
+            STORE(&g_cur_mean, LOAD(&g_cur_mean) == t ? 16 * t : t);
+    }
+    out[0] = truth; out[1] = est; out[2] = var; out[3] = samples;
+}
+"""
+
+MEAN_SWITCH_MAIN_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+int main(int argc, char **argv) {
+    void (*selftest)(long, unsigned long, long, double *) =
+        (void (*)(long, unsigned long, long, double *))dlsym(RTLD_DEFAULT, "mean_switch_selftest");
+    if (!selftest || argc < 4) return 2;
+    double out[4];
+    selftest(atol(argv[1]), strtoul(argv[2], NULL, 10), atol(argv[3]), out);
+    printf("%.17g %.17g %.17g %.17g\n", out[0], out[1], out[2], out[3]);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def mean_switch_exe(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("switch")
+    src = write(d, "switch.c", MEAN_SWITCH_C.replace("SOURCE", str(preload.SOURCE)))
+    lib = d / "libswitch.so"
+    flags = [f for f in preload.CFLAGS if not f.startswith("-W")]
+    subprocess.run(["gcc", *flags, "-o", str(lib), str(src)], check=True, capture_output=True)
+    exe = compile_c(write(d, "main.c", MEAN_SWITCH_MAIN_C), d / "main")
+    return exe, lib
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_weights_with_the_gap_mean_stay_unbiased_when_the_mean_changes(mean_switch_exe, every):
+    """3M allocations of 16..100,000 bytes, the mean switched between 64 KiB and 1 MiB after every
+    (or every 5th) sample, far more often than the cap ever does: the sum of weights computed with
+    each gap's own mean is within 4 standard errors of the truth. The variance is the exact one of
+    the Horvitz-Thompson sum, sum S^2 (1 - p) / p with each allocation's p given its past (a sum of
+    martingale differences), and is small enough (< 0.5% of the truth) for a bias of 2% to show."""
+    exe, lib = mean_switch_exe
+    r = subprocess.run([str(exe), "3000000", "65536", str(every)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LD_PRELOAD": str(lib), "ALLOCSAMPLER_MAX_SAMPLES_PER_S": "0"})
+    assert r.returncode == 0, r.stderr
+    truth, est, var, samples = map(float, r.stdout.split())
+    se = math.sqrt(var)
+    assert samples > 100_000
+    assert se / truth < 0.005                      # the test has power
+    assert abs(est - truth) < 4 * se, (est, truth, se)
+
+
+UNBIASED_C = SAMPLING_H + r"""
+#include <pthread.h>
+#include <stdint.h>
+
+/* THREADS threads, CYCLES times: HIGH seconds allocating ~16 MB/s each (32 KiB of 16..16384-byte
+ * blocks per 2 ms), then LOW seconds allocating one 256 KiB block per 50 ms; every block is kept.
+ * Prints the samples, the sum of their weights, its variance estimate, the sampling state and the
+ * bytes allocated, all over the run. */
+#define THREADS 2
+#define MAXB 200000
+static pthread_barrier_t bar;
+static double high, low;
+static int cycles;
+struct th { void **keep; long n; unsigned long long truth; };
+
+static void keep(struct th *t, size_t size) {
+    if (t->n == MAXB) return;
+    void *p = malloc(size);
+    if (!p) abort();
+    t->keep[t->n++] = p;
+    t->truth += size;
+}
+
+static void *work(void *arg) {
+    struct th *t = arg;
+    unsigned long j = 0;
+    pthread_barrier_wait(&bar);
+    for (int c = 0; c < cycles; c++) {
+        double t0 = now();
+        while (now() - t0 < high) {
+            for (size_t batch = 0; batch < 32768;) {
+                size_t size = 16 + (j++ * 7919) % 16369;
+                keep(t, size);
+                batch += size;
+            }
+            pause_ms(2);
+        }
+        t0 = now();
+        while (now() - t0 < low) {
+            keep(t, 256 << 10);
+            pause_ms(50);
+        }
+    }
+    pthread_barrier_wait(&bar);
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    bind();
+    if (argc < 4) return 2;
+    cycles = atoi(argv[1]);
+    high = atof(argv[2]);
+    low = atof(argv[3]);
+    struct th ts[THREADS];
+    pthread_t tid[THREADS];
+    pthread_barrier_init(&bar, NULL, THREADS + 1);
+    for (int i = 0; i < THREADS; i++) {
+        ts[i].keep = calloc(MAXB, sizeof(void *));
+        ts[i].n = 0;
+        ts[i].truth = 0;
+        pthread_create(&tid[i], NULL, work, &ts[i]);
+    }
+    unsigned long s0, s1, mean, base, c0, c1, cap;
+    double w0, w1, v0, v1;
+    stats(&s0, &w0);
+    sampling(NULL, NULL, &c0, NULL, &v0);
+    pthread_barrier_wait(&bar);
+    pthread_barrier_wait(&bar);
+    stats(&s1, &w1);
+    sampling(&mean, &base, &c1, &cap, &v1);
+    unsigned long long truth = 0;
+    long blocks = 0;
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(tid[i], NULL);
+        truth += ts[i].truth;
+        blocks += ts[i].n;
+        for (long k = 0; k < ts[i].n; k++) free(ts[i].keep[k]);
+        free(ts[i].keep);
+    }
+    if (blocks >= THREADS * (long)MAXB) return 3;
+    printf("%lu %.17g %.17g %lu %lu %lu %llu\n", s1 - s0, w1 - w0, v1 - v0, c1 - c0, mean, base, truth);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def unbiased_exe(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("unbiased")
+    return compile_c(write(d, "unbiased.c", UNBIASED_C), d / "unbiased", "-pthread")
+
+
+def test_estimate_stays_unbiased_while_the_cap_moves_the_mean(unbiased_exe):
+    """Two threads alternate bursts at ~8x the cap with slow phases of 256 KiB blocks, so that the
+    cap raises and lowers the mean several times while every allocated byte is kept: the shim's
+    sum of weights matches the bytes allocated within 4 standard errors. The mean path is random,
+    so the variance (sum S^2 (1 - p) / p) is estimated without bias from the samples themselves:
+    sum w^2 (1 - p) = sum w (w - S), which the shim accumulates with the weights."""
+    mean, cap = 4096, 1000
+    out = run([str(unbiased_exe), "2", "0.5", "0.6"], mean, cap=cap, timeout=60).stdout.split()
+    samples, weighted, var = int(out[0]), float(out[1]), float(out[2])
+    changes, cur, base, truth = map(int, out[3:])
+    se = math.sqrt(var)
+    assert base == mean and changes >= 3, out      # raised, lowered, raised again at least
+    assert samples > 300
+    assert se / truth < 0.05, (se, truth)          # power: a bias of 20% would show
+    assert abs(weighted - truth) < 4 * se, (weighted, truth, se, samples, changes)

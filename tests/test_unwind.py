@@ -392,7 +392,7 @@ def py_run(tmp_path_factory):
 
 
 def test_python_and_torch_stacks(py_run):
-    """Native stacks of a Python process (and torch's autograd engine) down to _start; timings."""
+    """Native stacks of a Python process (and torch's autograd engine) down to _start."""
     locate = py_run.locate
     report = []
     for which, (regs, stack) in py_run.captures.items():
@@ -405,23 +405,14 @@ def test_python_and_torch_stacks(py_run):
             libs = {lib for lib, _ in named}
             assert {"libtorch_cpu.so", "libtorch_python.so"} <= libs, named
             assert any("Engine" in f and "execute" in f for _, f in named), named
-        # Cold: a new Unwinder (indexes built, FDEs decoded); images are open already.
-        cold = []
-        for _ in range(3):
-            u = Unwinder()
-            t0 = time.perf_counter()
-            assert u.unwind(locate, regs, stack) == full
-            cold.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        reps = 300
-        for _ in range(reps):
-            u.unwind(locate, regs, stack)
-        warm = (time.perf_counter() - t0) / reps
+        # A fresh Unwinder (indexes built, FDEs decoded anew) and a warm one give the same walk;
+        # their speed is measured by scripts/bench_stacks.py, not here.
+        u = Unwinder()
+        assert u.unwind(locate, regs, stack) == full
+        assert u.unwind(locate, regs, stack) == full
         needed = next(c for c in range(0, len(stack) + 1, 8) if u.unwind(locate, regs, stack[:c]) == full)
-        report.append(f"{which}: {len(full.pcs)} frames, cold {min(cold) * 1e3:.2f} ms, warm {warm * 1e6:.0f} us "
-                      f"({warm * 1e6 / len(full.pcs):.1f} us/frame), bytes needed {needed} of {len(stack)}")
-        # Loose bound on a shared 2-CPU machine; the measured values are printed.
-        assert warm / len(full.pcs) < 20e-6
+        assert 0 < needed <= len(stack)
+        report.append(f"{which}: {len(full.pcs)} frames, bytes needed {needed} of {len(stack)}")
     print("\n" + "\n".join(report))
 
 
@@ -448,7 +439,6 @@ def test_rules_of_every_loaded_library(py_run):
         report.append(f"{Path(path).name}: {len(starts)} FDEs, index {table.index_seconds * 1e3:.1f} ms, "
                       f"{len(sample)} sampled in {elapsed:.2f} s (with ElfImage.open), "
                       f"unsupported {kinds[cfi.UNSUPPORTED] / max(total, 1):.2%}")
-        assert elapsed < 30, report[-1]
         assert total == 0 or kinds[cfi.NO_CFI] == 0, report[-1]  # every indexed FDE decodes
         assert kinds[cfi.UNSUPPORTED] <= 0.02 * total, report[-1]
     print("\n" + "\n".join(report))
