@@ -18,16 +18,16 @@ import html
 import numpy as np
 import pandas as pd
 
+from sampler.schema import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
+
 from .dataset import Dataset, read_table
 from .findings import Finding
 from .stats import bin_series, mann_kendall, normal_sf, theil_sen
 from .units import fmt_bytes, fmt_hours
 
 MiB = 1 << 20
-GPU_SOURCES = ("cuda", "cuda-host", "cuda-driver", "cuda-driver-host", "torch")
-HOST_SOURCES = ("cuda-host", "cuda-driver-host")
-_WHAT = {"cuda": "device memory", "cuda-driver": "device memory", "torch": "tensor memory",
-         "cuda-host": "pinned host memory", "cuda-driver-host": "pinned host memory"}
+_WHAT = {**dict.fromkeys(DEVICE_SOURCES, "device memory"), **dict.fromkeys(HOST_SOURCES, "pinned host memory"),
+         TORCH: "tensor memory"}
 FRAG_MIN_BYTES = 64 * MiB
 FRAG_MIN_RATIO = 0.25
 UNEXPLAINED_MIN_BYTES = 64 * MiB

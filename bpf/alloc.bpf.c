@@ -79,13 +79,13 @@ static __always_inline int on_alloc_entry(struct pt_regs *ctx, u32 cookie)
     u32 fn = cookie & 0xff;
     u64 id = bpf_get_current_pid_tgid();
     count(C_HITS + (fn & 31), 1);
-    count_hit(id >> 32, false);
+    s32 shift = count_hit(id >> 32, false);
     if ((cookie & FNF_DELEGATES) && delegated(fn, a, b))
         return 1;
     struct pending p = {};
     p.fn = fn;
     p.size = requested_size(fn, a, b, c);
-    p.weight = sample_bytes(p.size);
+    p.weight = sample_bytes(id >> 32, p.size, shift);
     struct live_key old = {.pid = id >> 32, .addr = a};
     if (fn == FN_REALLOC || fn == FN_REALLOCARRAY) {
         u64 *born = a ? live.lookup(&old) : 0;

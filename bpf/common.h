@@ -6,6 +6,7 @@
  *   PY_MAX        Python frames captured per sampled event
  *   LIVE_MAX      capacity of the sampled-live-address table
  *   RINGBUF_PAGES ring buffer size in pages
+ *   VM_EVENTS_PER_S unsampled syscall events sent per process per VM window (0: all)
  *
  * The event layout here is mirrored by sampler/events.py: change both together.
  */
@@ -29,6 +30,16 @@
 #ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 2048
 #endif
+#ifndef VM_EVENTS_PER_S
+#define VM_EVENTS_PER_S 2000
+#endif
+/* The VM event budget's window: 2^30 ns (~1.07 s). */
+#define VM_WINDOW_SHIFT 30
+/* A process's sampling mean is SAMPLE_MEAN * 2^shift, shift in [SHIFT_MIN, SHIFT_MAX], set from
+ * user space (sampler/sample_rate.py). The per-CPU countdown counts in 1/2^SHIFT_MAX bytes of
+ * SAMPLE_MEAN, so that every shift divides exactly. */
+#define SHIFT_MIN (-6)
+#define SHIFT_MAX 10
 
 /* Weight table: h(x) = x / (1 - exp(-x)) at x = i / WTAB_STEPS, Q20 fixed point; filled from
  * sampler/weights.py before any probe is attached. Beyond WTAB_MAX_X the weight is the size. */
@@ -55,7 +66,7 @@ enum fn_id {
     FN_MALLOC = 1, FN_CALLOC, FN_REALLOC, FN_REALLOCARRAY, FN_POSIX_MEMALIGN, FN_ALIGNED_ALLOC,
     FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
     FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (bpf/usdt.bpf.c) */
-    FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (bpf/cuda.bpf.c) */
+    FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (bpf/usdt.bpf.c) */
 };
 /* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
  * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
@@ -76,6 +87,7 @@ enum counter {
     C_PY_MISS,           /* Python target, thread state unknown */
     C_FAULTS,            /* sampled page faults of targets */
     C_CUDA_CALLS,        /* CUDA runtime/driver calls of targets (bpf/cuda.bpf.c) */
+    C_VM_SUPPRESSED,     /* unsampled syscall events not sent: the process was over its budget */
     C_HITS = 16,         /* + fn_id: allocator probe hits */
     C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
     C_N = 64,
@@ -127,13 +139,21 @@ BPF_PERCPU_ARRAY(countdown, s64, 1);
 BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
 /* Sampled blocks that are still live, per process. A free of any other address emits nothing. */
 BPF_HASH(live, struct live_key, u64, LIVE_MAX);
-/* Processes being recorded (tgid -> target_flags); syscall tracepoints fire host-wide and check it. */
-BPF_HASH(targets, u32, u32, 4096);
+/* Processes being recorded; syscall tracepoints fire host-wide and check it. */
+struct target {
+    u32 flags;       /* target_flags */
+    s32 shift;       /* of the sampling mean (also in pid_hits, read where that is looked up) */
+};
+BPF_HASH(targets, u32, struct target, 4096);
 /* Per process and CPU: allocator probe hits (the governor's cost estimate). Entries are created
- * by user space for attach-tier targets; the probes only add to them. */
+ * by user space for attach-tier targets; the probes only add to them. `shift` is the process's
+ * sampling-mean shift, copied to every CPU by user space: the allocation probes read it from
+ * the entry they already look up, with no second lookup on their path. */
 struct pid_hits {
     u64 alloc;
     u64 free;
+    s32 shift;
+    u32 pad;
 };
 BPF_PERCPU_HASH(pid_hits, u32, struct pid_hits, 4096);
 
@@ -160,10 +180,15 @@ BPF_HASH(stack_hint, u32, u32, 4096);
 BPF_PERCPU_ARRAY(stack_scratch, struct ev_stack, 1);
 BPF_PERCPU_ARRAY(scratch_busy, u64, 1);
 
-/* Per-process drop accounting (rare path only). */
+/* Per-process accounting: drops, samples drawn and the VM event budget's window. Touched on
+ * sampled and syscall paths only, never by an unsampled allocation. */
 struct drops {
     u64 lost_events;
     u64 live_full;
+    u64 vm_suppressed;   /* unsampled syscall events not sent (over budget) */
+    u64 sampled;         /* samples drawn (the sample-rate cap's measure, sampler/sample_rate.py) */
+    u64 vm_window;       /* ktime >> VM_WINDOW_SHIFT of the current window */
+    u64 vm_sent;         /* unsampled syscall events sent in it */
 };
 BPF_HASH(drops, u32, struct drops, 4096);
 
@@ -174,15 +199,17 @@ static __always_inline void count(u32 idx, u64 n)
         *c += n;
 }
 
-static __always_inline void count_hit(u32 pid, bool is_free)
+/* Returns the process's sampling-mean shift. */
+static __always_inline s32 count_hit(u32 pid, bool is_free)
 {
     struct pid_hits *h = pid_hits.lookup(&pid);
     if (!h)
-        return;
+        return 0;
     if (is_free)
         h->free++;
     else
         h->alloc++;
+    return h->shift;
 }
 
 static __always_inline void count_drop(u32 pid, u32 what)
@@ -198,7 +225,7 @@ static __always_inline void count_drop(u32 pid, u32 what)
         __sync_fetch_and_add(&d->lost_events, 1);
 }
 
-/* An Exp(SAMPLE_MEAN) draw: -ln(U) * mean with U uniform in (0, 1], computed as
+/* An Exp(SAMPLE_MEAN) draw in 1/2^SHIFT_MAX bytes: -ln(U) * mean with U uniform in (0, 1], computed as
  * ln2 * (32 - log2(r)) for a 32-bit random r, log2 in Q16 by repeated squaring. */
 static __always_inline s64 draw_countdown(void)
 {
@@ -222,33 +249,53 @@ static __always_inline s64 draw_countdown(void)
     }
     u64 nlog2 = ((u64)(32 - k) << 16) - frac;    /* -log2(U), Q16 */
     s64 c = (s64)((((u64)SAMPLE_MEAN * nlog2) >> 16) * 45426 >> 16);   /* x ln2 (Q16) */
-    return c > 0 ? c : 1;
+    return c > 0 ? c << SHIFT_MAX : 1;       /* in 1/2^SHIFT_MAX bytes (see sample_bytes) */
+}
+
+static __always_inline void count_sampled(u32 pid)
+{
+    count(C_SAMPLED, 1);
+    struct drops zero = {};
+    struct drops *d = drops.lookup_or_try_init(&pid, &zero);
+    if (d)
+        __sync_fetch_and_add(&d->sampled, 1);
 }
 
 /* Poisson sampling over requested bytes, decided at allocation entry. Returns the unbiased
- * weight (size / (1 - exp(-size/mean)) bytes) of a sampled allocation, 0 if not sampled.
- * The countdown is per CPU: every allocation, whichever process or CPU it runs on, is sampled
- * independently with probability 1 - exp(-size/mean) because the exponential is memoryless. */
-static __always_inline u64 sample_bytes(u64 size)
+ * weight (size / (1 - exp(-size/mean)) bytes) of a sampled allocation, 0 if not sampled, with
+ * mean = SAMPLE_MEAN * 2^shift, the process's own mean.
+ * The countdown is per CPU and shared by all processes: an allocation consumes size / 2^shift
+ * of it (in 1/2^SHIFT_MAX bytes, exact). Because the exponential is memoryless, every allocation,
+ * whichever process or CPU it runs on and whatever the means were before, is sampled
+ * independently with probability 1 - exp(-size/mean): weights stay unbiased when a mean changes. */
+static __always_inline u64 sample_bytes(u32 pid, u64 size, s32 shift)
 {
     u32 zero = 0;
     s64 *cd = countdown.lookup(&zero);
     if (!cd || size == 0)
         return 0;
+    if (shift < SHIFT_MIN)
+        shift = SHIFT_MIN;
+    if (shift > SHIFT_MAX)
+        shift = SHIFT_MAX;
+    u64 mean = shift >= 0 ? (u64)SAMPLE_MEAN << shift : (u64)SAMPLE_MEAN >> -shift;
+    if (size >= (u64)WTAB_MAX_X * mean) {      /* sampled for sure (p > 1 - 4e-11) */
+        *cd = draw_countdown();
+        count_sampled(pid);
+        return size;
+    }
     s64 c = *cd;
     if (c == 0)
         c = draw_countdown();
-    c -= (s64)size;
+    /* size * 2^(SHIFT_MAX - shift), exact; no overflow: size < 24 * mean */
+    c -= (s64)((size << (SHIFT_MAX - SHIFT_MIN)) >> (shift - SHIFT_MIN));
     if (c > 0) {
         *cd = c;
         return 0;
     }
     *cd = draw_countdown();
-    count(C_SAMPLED, 1);
+    count_sampled(pid);
 
-    u64 mean = SAMPLE_MEAN;
-    if (size >= (u64)WTAB_MAX_X * mean)
-        return size;
     u64 xq = (size << 22) / mean;             /* x = size/mean in units of 1/64, Q16 */
     u32 i = xq >> 16;
     u32 j = i + 1;

@@ -1,5 +1,5 @@
-/* GPU memory: CUDA runtime (libcudart) and driver (libcuda) allocation calls, and PyTorch's
- * caching-allocator USDT probes (pytorch:malloc / pytorch:free in libc10_cuda).
+/* GPU memory: CUDA runtime (libcudart) and driver (libcuda) allocation calls. (PyTorch's
+ * caching-allocator USDT probes, pytorch:malloc / pytorch:free, are bpf/usdt.bpf.c's.)
  *
  * CUDA calls are rare (a caching allocator calls cudaMalloc once per segment), so every call
  * is recorded, unsampled: `cuda_call` is attached with two uprobe_multi links per library and
@@ -28,9 +28,6 @@ enum cuda_conv {
 #define CK_SRC(c) (((c) >> 12) & 0xf)
 #define CK_STACK 0x10000
 #define CK_NULL_SKIP 0x20000
-/* Tensor addresses of the caching allocator share `live` with malloc blocks under this tag. */
-#define TORCH_TAG (1ULL << 63)
-enum { USDT_TORCH_ALLOC = 3, USDT_TORCH_FREE = 4 };   /* usdt_spec.kind (bpf/usdt.bpf.c) */
 
 struct cuda_key {
     u32 tid;
@@ -143,41 +140,5 @@ int cuda_call(struct pt_regs *ctx)
     if (events.ringbuf_output(e, len, 0))
         count_drop(pid, C_LOST_EVENTS);
     scratch_release();
-    return 0;
-}
-
-/* pytorch:malloc(ptr, device, size, stream) / pytorch:free(ptr), attached like the preload
- * tier's probes (cookie = usdt_specs slot; user space orders the arguments ptr, size, device).
- * Tensors are frequent: they are sampled like malloc blocks, tracked in `live` under TORCH_TAG. */
-int usdt_torch(struct pt_regs *ctx)
-{
-    u32 id_spec = bpf_get_attach_cookie(ctx);
-    struct usdt_spec *spec = usdt_specs.lookup(&id_spec);
-    if (!spec)
-        return 0;
-    u64 regs[PT_REGS_WORDS] = {};
-    bpf_probe_read_kernel(regs, sizeof(regs), ctx);
-    u64 id = bpf_get_current_pid_tgid();
-    u32 pid = id >> 32, tid = id;
-    u64 ptr = usdt_arg(regs, &spec->arg[0]);
-    if (spec->kind == USDT_TORCH_FREE) {
-        count(C_HITS + FN_TORCH_FREE, 1);
-        if (ptr)
-            emit_free(pid, tid, FN_TORCH_FREE, ptr | TORCH_TAG);
-        return 0;
-    }
-    count(C_HITS + FN_TORCH_ALLOC, 1);
-    u64 size = usdt_arg(regs, &spec->arg[1]);
-    if (!ptr || !size)
-        return 0;
-    u64 weight = sample_bytes(size);
-    if (!weight)
-        return 0;
-    struct alloc_rec r = {.addr = ptr | TORCH_TAG, .size = size, .weight = weight,
-                          .old = usdt_arg(regs, &spec->arg[2]),      /* the device (h->arg) */
-                          .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
-                          .fn = FN_TORCH_ALLOC, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE,
-                          .source = SRC_TORCH};
-    emit_alloc(pid, tid, &r);
     return 0;
 }

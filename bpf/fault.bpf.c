@@ -19,9 +19,9 @@ BPF_HASH(fault_cgroups, u64, u32, 256);
 
 static __always_inline bool fault_selected(u32 pid)
 {
-    u32 *flags = targets.lookup(&pid);
-    if (flags)
-        return *flags & TGT_FAULTS;
+    struct target *tg = targets.lookup(&pid);
+    if (tg)
+        return tg->flags & TGT_FAULTS;
     u32 k = 0, k_self = 1;
     u64 *all = fault_cfg.lookup(&k), *self = fault_cfg.lookup(&k_self);
     if (!all || !self || !pid || pid == *self)

@@ -1,16 +1,26 @@
-/* Preload tier: USDT probes of processes that sample their own allocations (our LD_PRELOAD
+/* USDT allocation probes.
+ *
+ * Preload tier: USDT probes of processes that sample their own allocations (our LD_PRELOAD
  * shim, or any allocator or application that follows the OpenTelemetry eBPF profiler's memory
  * contract): otel_memory:alloc(ptr, size, weighted_bytes) for sampled allocations only, and
  * otel_memory:free(ptr) for frees of sampled blocks only. No malloc call traps; sampled events
  * become the same records as the attach tier's.
  *
- * One program for every probe site, attached with uprobe_multi; the cookie indexes `usdt_specs`,
- * which says where each argument lives at that site (sampler/usdt.py pack_spec), like libbpf's
- * usdt.bpf.h.
+ * GPU: PyTorch's caching-allocator probes pytorch:malloc(ptr, device, size, stream) and
+ * pytorch:free(ptr) in libc10_cuda (sampler/cuda.py; user space orders the arguments ptr, size,
+ * device). Tensors are frequent: they are sampled here like malloc blocks, and tracked in `live`
+ * under TORCH_TAG.
+ *
+ * One program for every probe site of both, attached with uprobe_multi (one stack capture
+ * compiled, not two); the cookie indexes `usdt_specs`, which says where each argument lives at
+ * that site (sampler/usdt.py pack_spec), like libbpf's usdt.bpf.h, and which probe it is (kind).
  */
 
 enum usdt_arg_kind { USDT_CONST = 1, USDT_REG, USDT_DEREF };
-enum usdt_kind { USDT_ALLOC = 1, USDT_FREE = 2 };
+/* usdt_spec.kind; sampler/bpf_loader.py (otel_memory) and sampler/cuda.py (pytorch) */
+enum usdt_kind { USDT_ALLOC = 1, USDT_FREE = 2, USDT_TORCH_ALLOC = 3, USDT_TORCH_FREE = 4 };
+/* Tensor addresses of the caching allocator share `live` with malloc blocks under this tag. */
+#define TORCH_TAG (1ULL << 63)
 #define USDT_SPECS 1024
 #define PT_REGS_WORDS (sizeof(struct pt_regs) / 8)
 
@@ -63,25 +73,39 @@ int usdt_memory(struct pt_regs *ctx)
     bpf_probe_read_kernel(regs, sizeof(regs), ctx);
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
+    u32 kind = spec->kind;
+    bool torch = kind == USDT_TORCH_ALLOC || kind == USDT_TORCH_FREE;
     u64 ptr = usdt_arg(regs, &spec->arg[0]);
-    if (spec->kind == USDT_FREE) {
-        count(C_HITS + FN_USDT_FREE, 1);
+    if (kind == USDT_FREE || kind == USDT_TORCH_FREE) {
+        u32 fn = torch ? FN_TORCH_FREE : FN_USDT_FREE;
+        count(C_HITS + fn, 1);
         if (ptr)
-            emit_free(pid, tid, FN_USDT_FREE, ptr);
+            emit_free(pid, tid, fn, torch ? ptr | TORCH_TAG : ptr);
         return 0;
     }
-    count(C_HITS + FN_USDT_ALLOC, 1);
+    u32 fn = torch ? FN_TORCH_ALLOC : FN_USDT_ALLOC;
+    count(C_HITS + fn, 1);
     u64 size = usdt_arg(regs, &spec->arg[1]);
-    u64 weight = usdt_arg(regs, &spec->arg[2]);
     if (!ptr || !size)
         return 0;
-    if (weight < size)              /* an inclusion probability above 1 is an emitter's bug */
-        weight = size;
-    count(C_SAMPLED, 1);
-    struct alloc_rec r = {.addr = ptr, .size = size, .weight = weight,
+    u64 weight = 0;
+    if (torch) {                    /* every tensor: sampled here */
+        struct target *tg = targets.lookup(&pid);
+        weight = sample_bytes(pid, size, tg ? tg->shift : 0);
+        if (!weight)
+            return 0;
+    }
+    /* otel_memory: weighted_bytes; pytorch: the device (read only for sampled tensors) */
+    u64 arg2 = usdt_arg(regs, &spec->arg[2]);
+    if (!torch) {                   /* sampled by the process */
+        weight = arg2 < size ? size : arg2;     /* a probability above 1 is an emitter's bug */
+        count(C_SAMPLED, 1);
+    }
+    struct alloc_rec r = {.addr = torch ? ptr | TORCH_TAG : ptr, .size = size, .weight = weight,
+                          .old = torch ? arg2 : 0,                   /* the device (h->arg) */
                           .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
-                          .fn = FN_USDT_ALLOC, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE,
-                          .source = SRC_MALLOC};
+                          .fn = fn, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE,
+                          .source = torch ? SRC_TORCH : SRC_MALLOC};
     emit_alloc(pid, tid, &r);
     return 0;
 }

@@ -1,35 +1,91 @@
 /* Memory-mapping syscalls of the targets: mmap, munmap, mremap, brk, madvise, mprotect.
  *
- * Every call by a target emits a small EV_VM record at syscall exit (munmap: at entry) - they
- * are rare next to malloc: each already costs a kernel entry. Anonymous private read/write mmaps and the new
- * extent of a mremap are also a sampled allocation source (SRC_MMAP): sampled ones carry a
- * weight and a user stack. Partial unmaps are resolved in user space.
+ * A call by a target emits a small EV_VM record at syscall exit (munmap: at entry). Anonymous
+ * private read/write mmaps and the new extent of a mremap are also a sampled allocation source
+ * (SRC_MMAP): sampled ones carry a weight and a user stack. Partial unmaps are resolved in user
+ * space.
+ *
+ * Budget: a process that maps and unmaps faster than user space can read (an mmap storm runs
+ * ~360k calls/s here) sends at most VM_EVENTS_PER_S unsampled records per window; the others are
+ * counted per process (drops.vm_suppressed), not sent. Records that the outstanding table needs
+ * always pass: sampled ones, the unmap or move of a sampled mapping (found by its start in
+ * `vm_live`), and executable file mappings (dlopen: user space looks for new allocators).
+ * Sampled records are bounded by the process's sampling mean, raised in user space when they
+ * come too fast (sampler/sample_rate.py).
  */
 
 #define MAP_SHARED_ 0x01
 #define MAP_PRIVATE_ 0x02
 #define MAP_ANONYMOUS_ 0x20
 
+#define PROT_EXEC_ 0x04
+
 struct vm_args {
     u64 addr;
     u64 len;
     u64 arg;
     u32 op;
-    u32 pad;
+    s32 shift;       /* the process's sampling-mean shift */
 };
 
 BPF_HASH(vm_pending, u32, struct vm_args, 16384);
+/* Sampled mappings by start address -> length, so that their unmap passes the budget. */
+BPF_HASH(vm_live, struct live_key, u64, 16384);
+
+/* Whether an unsampled record of this process may be sent in the current window. */
+static __always_inline bool vm_admit(u32 pid)
+{
+    if (VM_EVENTS_PER_S == 0)
+        return true;
+    struct drops zero = {};
+    struct drops *d = drops.lookup_or_try_init(&pid, &zero);
+    if (!d)
+        return true;
+    u64 w = bpf_ktime_get_ns() >> VM_WINDOW_SHIFT;
+    if (d->vm_window != w) {         /* a race between threads costs a few records, no more */
+        d->vm_window = w;
+        d->vm_sent = 0;
+    }
+    if (d->vm_sent >= VM_EVENTS_PER_S) {
+        __sync_fetch_and_add(&d->vm_suppressed, 1);
+        count(C_VM_SUPPRESSED, 1);
+        return false;
+    }
+    __sync_fetch_and_add(&d->vm_sent, 1);
+    return true;
+}
+
+/* The unmap of [addr, addr + len) starts at a sampled mapping: forget it (or its unmapped head),
+ * and say so (the record must pass). */
+static __always_inline bool vm_live_unmap(u32 pid, u64 addr, u64 len)
+{
+    struct live_key k = {.pid = pid, .addr = addr};
+    u64 *lp = vm_live.lookup(&k);
+    if (!lp)
+        return false;
+    u64 have = *lp;
+    vm_live.delete(&k);
+    if (len < have) {
+        struct live_key rest = {.pid = pid, .addr = addr + len};
+        u64 left = have - len;
+        vm_live.update(&rest, &left);
+    }
+    return true;
+}
 
 static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
-    if (!targets.lookup(&pid))
+    struct target *tg = targets.lookup(&pid);
+    if (!tg)
         return 0;
     count(C_VM_HITS + op, 1);
     if (op == VM_MUNMAP) {
         /* reported at entry: once the range is free another thread's mmap may get it, and its
          * event must come after this one (a failing munmap is rare: it is taken as done) */
+        if (!vm_live_unmap(pid, addr, len) && !vm_admit(pid))
+            return 0;
         struct ev_hdr *h = events.ringbuf_reserve(sizeof(struct ev_hdr));
         if (!h) {
             count_drop(pid, C_LOST_EVENTS);
@@ -42,7 +98,7 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
         events.ringbuf_submit(h, 0);
         return 0;
     }
-    struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op};
+    struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op, .shift = tg->shift};
     if (vm_pending.update(&tid, &v))
         count(C_PENDING_FULL, 1);
     return 0;
@@ -66,9 +122,18 @@ static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
         u32 prot = v.arg, flags = v.arg >> 32;
         if ((flags & (MAP_SHARED_ | MAP_PRIVATE_ | MAP_ANONYMOUS_)) == (MAP_PRIVATE_ | MAP_ANONYMOUS_)
             && (prot & 3))
-            weight = sample_bytes(v.len);
+            weight = sample_bytes(pid, v.len, v.shift);
     } else if (sampling && ok && v.op == VM_MREMAP) {
-        weight = sample_bytes(v.arg);              /* new length */
+        weight = sample_bytes(pid, v.arg, v.shift);     /* new length */
+    }
+    bool moved = sampling && ok && v.op == VM_MREMAP && vm_live_unmap(pid, v.addr, v.len);
+    if (weight || moved) {                   /* a moved sampled mapping stays sampled */
+        struct live_key k = {.pid = pid, .addr = ret};
+        u64 n = v.op == VM_MREMAP ? v.arg : v.len;
+        vm_live.update(&k, &n);              /* full: its unmap only passes within the budget */
+    } else if (!(v.op == VM_MMAP && (v.arg & PROT_EXEC_) && !((v.arg >> 32) & MAP_ANONYMOUS_))
+               && !vm_admit(pid)) {
+        return 0;
     }
 
     struct ev_stack *e = sampling && weight ? scratch_acquire() : 0;

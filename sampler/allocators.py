@@ -16,9 +16,10 @@ from __future__ import annotations
 import enum
 import os
 import re
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 
-from .elf import ElfImage
+from .elf import ElfImage, Symbol
 from .probe_sites import ProbeSite, choose_site, forwards_to
 from .procmaps import Mapping, open_path, read_maps
 
@@ -163,6 +164,37 @@ def _candidates(image: ElfImage, family: Family) -> dict[str, Fn]:
     return {n: fn for n, fn in names.items() if image.symbol(n) is not None}
 
 
+def own_probes(image: ElfImage, names: Collection[str], skipped: list[tuple[str, str]], *,
+               may_forward: Collection[str] = (), sizeless: bool = False) -> Iterator[tuple[Symbol, bytes]]:
+    """Of `names` (all defined by `image`), in order, the functions that need a probe of their
+    own, with their code; each one left out is appended to `skipped` with the reason.
+
+    Shared by the malloc family and the CUDA layers, so both count a call once: a symbol at the
+    address of one already yielded is an alias (its calls reach that probe), and a function that
+    calls or tail-jumps to another of `names` is left to that one's probe -- unless it is in
+    `may_forward` (it hands only some calls on, and its probe leaves those to the other).
+    A symbol of size 0 has no code to check: skipped, or with `sizeless` yielded with b""."""
+    plt = image.plt_targets()
+    seen: dict[int, str] = {}
+    for name in names:
+        sym = image.symbol(name)
+        assert sym is not None
+        if sym.value in seen:
+            skipped.append((name, f"alias of {seen[sym.value]}"))
+            continue
+        body = image.read_vaddr(sym.value, sym.size) if sym.size else b""
+        if not body and not sizeless:
+            skipped.append((name, "no code (size 0)"))
+            continue
+        others = {n for n in names if n != name}
+        called = forwards_to(body, sym.value, plt, image.aliases, others) if body else set()
+        if called and name not in may_forward:
+            skipped.append((name, f"calls {', '.join(sorted(called))}, which is probed"))
+            continue
+        seen[sym.value] = name
+        yield sym, body
+
+
 def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -> AllocatorLib:
     lib = AllocatorLib(family.name, path, attach_path, image.build_id)
     if family.name == "static" and image.symbol("malloc") is None:
@@ -171,25 +203,10 @@ def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -
     if family.cxx:
         lib.skipped += [(n, "throws: a return probe would break exception unwinding (not probed)")
                         for n in THROWING_NEW if image.symbol(n) is not None]
-    plt = image.plt_targets()
-    seen: dict[int, str] = {}
-    for name, fn in names.items():
-        sym = image.symbol(name)
-        assert sym is not None
-        if sym.value in seen:
-            lib.skipped.append((name, f"alias of {seen[sym.value]}"))
-            continue
-        body = image.read_vaddr(sym.value, sym.size) if sym.size else b""
-        if not body:
-            lib.skipped.append((name, "no code (size 0)"))
-            continue
-        delegates = family.name == "glibc" and fn in GLIBC_DELEGATING
-        others = {n for n in names if n != name}
-        called = forwards_to(body, sym.value, plt, image.aliases, others)
-        if called and not delegates:
-            lib.skipped.append((name, f"calls {', '.join(sorted(called))}, which is probed"))
-            continue
-        seen[sym.value] = name
+    delegating = {n for n, fn in names.items() if family.name == "glibc" and fn in GLIBC_DELEGATING}
+    for sym, body in own_probes(image, names, lib.skipped, may_forward=delegating):
+        name, fn = sym.name, names[sym.name]
+        delegates = name in delegating
         frees = fn.frees
         site = choose_site(body, sym.value, reads=_READS[fn], needs_return=not frees,
                            null_skip="rdi" if frees else None)

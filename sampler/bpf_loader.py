@@ -11,7 +11,9 @@ import contextlib
 import ctypes
 import errno
 import os
+import queue
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,13 +24,15 @@ import bpf as bpf_sources
 from . import uprobe_multi, usdt, weights
 from .allocators import AllocatorLib, Fn
 from .errors import EnvironmentProblem
+from .sample_rate import SHIFT_MAX, SHIFT_MIN
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
-C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS = range(8)
+(C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS,
+ C_VM_SUPPRESSED) = range(9)
 C_HITS, C_VM_HITS, C_N = 16, 48, 64
 FN_USDT_ALLOC, FN_USDT_FREE = 13, 14        # bpf/common.h enum fn_id
 TGT_SYSCALLS, TGT_FAULTS = 1, 2             # bpf/common.h enum target_flags
-USDT_ALLOC, USDT_FREE = 1, 2                # bpf/usdt.bpf.c enum usdt_kind
+USDT_ALLOC, USDT_FREE = 1, 2                # bpf/usdt.bpf.c enum usdt_kind (torch kinds: sampler/cuda.py)
 USDT_SPECS = 1024
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
@@ -44,6 +48,7 @@ class ProbeConfig:
     live_max: int = 262144
     ringbuf_bytes: int = 32 << 20   # a burst of sampled stacks (1-16 KiB each) must fit
     mode: str = "auto"            # auto | session | perf
+    vm_events_per_s: int = 2000   # unsampled syscall records per process and ~1 s window (0: all)
 
 
 @dataclass
@@ -101,6 +106,7 @@ class BpfProbes:
             f"-DPY_MAX={cfg.py_max}",
             f"-DLIVE_MAX={cfg.live_max}",
             f"-DRINGBUF_PAGES={pages}",
+            f"-DVM_EVENTS_PER_S={cfg.vm_events_per_s}",
             "-Wno-unused-function",
         ]
         if _exit_has_group_dead():
@@ -125,12 +131,13 @@ class BpfProbes:
         self._usdt_ids: dict[bytes, int] = {}
         self._faults_on = False
         self._seq = 0
+        self._closing: queue.SimpleQueue[int | None] | None = None
+        self._closer: threading.Thread | None = None
         try:
-            self._usdt_fd = self.bpf.load_func(
-                b"usdt_memory", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
-            self._cuda_fd, self._torch_fd = (self.bpf.load_func(
+            # usdt_memory: the otel_memory (preload tier) and pytorch probes, told apart by usdt_spec.kind
+            self._usdt_fd, self._cuda_fd = (self.bpf.load_func(
                 name, BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
-                for name in (b"cuda_call", b"usdt_torch"))
+                for name in (b"usdt_memory", b"cuda_call"))
             if self.session:
                 self._alloc_fd = self.bpf.load_func(
                     b"alloc_session", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_SESSION).fd
@@ -148,7 +155,30 @@ class BpfProbes:
     # targets -------------------------------------------------------------------------------
     def add_target(self, pid: int, flags: int = TGT_SYSCALLS) -> None:
         """Trace a process's syscalls (and with TGT_FAULTS its sampled page faults)."""
-        self._targets[ctypes.c_uint32(pid)] = ctypes.c_uint32(flags)
+        key = ctypes.c_uint32(pid)
+        try:
+            v = self._targets[key]
+        except KeyError:
+            v = self._targets.Leaf()
+        v.flags = flags
+        self._targets[key] = v
+
+    def set_sample_shift(self, pid: int, shift: int) -> None:
+        """A process's sampling mean becomes SAMPLE_MEAN * 2^shift, for every source: written to
+        `targets` (syscalls, tensors) and to each CPU's `pid_hits` entry (allocator probes)."""
+        shift = max(SHIFT_MIN, min(SHIFT_MAX, shift))
+        key = ctypes.c_uint32(pid)
+        with contextlib.suppress(KeyError):
+            v = self._targets[key]
+            v.shift = shift
+            self._targets[key] = v
+        self._ensure_hits(pid)
+        tab = self.bpf["pid_hits"]
+        with contextlib.suppress(KeyError):
+            vs = tab[key]
+            for v in vs:
+                v.shift = shift
+            tab[key] = vs
 
     def attach(self, pid: int, lib: AllocatorLib, allocs_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
         """Attach the allocator probes of one library for one process (`allocs_only`: only the
@@ -243,7 +273,7 @@ class BpfProbes:
         cookies = [self._usdt_spec(p, *torch_spec(p)) for p in probes]
         refs = [p.semaphore for p in probes]
         self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
-            self._torch_fd, attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
+            self._usdt_fd, attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
             ref_ctr_offsets=refs if any(refs) else None))
 
     def detach_gpu(self, pid: int) -> None:
@@ -283,24 +313,47 @@ class BpfProbes:
                 keep_perf.append((fd, ev, is_alloc))
         att.links, att.perf = keep_links, keep_perf
 
-    def detach_probes(self, pid: int) -> None:
-        """Close a process's allocator probes, keep it a target (re-attach after an exec)."""
+    def detach_probes(self, pid: int, wait: bool = True) -> None:
+        """Close a process's allocator probes, keep it a target (re-attach after an exec).
+        `wait=False` (the process has exited): session links are closed by a background thread,
+        as closing one waits for an RCU grace period (~35 ms per link here) that would otherwise
+        stall the event loop."""
         att = self._attached.pop(pid, None)
         if att:
             for fd, _ in att.links:
-                os.close(fd)
+                if wait:
+                    os.close(fd)
+                else:
+                    self._close_later(fd)
             for fd, ev, _ in att.perf:
                 _libbcc.bpf_close_perf_event_fd(fd)
                 _libbcc.bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
 
-    def detach(self, pid: int) -> None:
-        """Close a process's probes and stop tracing its syscalls."""
-        self.detach_probes(pid)
+    def _close_later(self, fd: int) -> None:
+        if self._closer is None:
+            self._closing = queue.SimpleQueue()
+            self._closer = threading.Thread(target=_close_fds, args=(self._closing,), name="link-closer",
+                                            daemon=True)
+            self._closer.start()
+        self._closing.put(fd)
+
+    def detach(self, pid: int, wait: bool = True) -> None:
+        """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes)."""
+        self.detach_probes(pid, wait)
         self.detach_gpu(pid)
         # drops too: its entries are created by BPF and would fill the map over a long run
         for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
             with contextlib.suppress(KeyError):
                 del tab[ctypes.c_uint32(pid)]
+        self.forget_mappings(pid)
+
+    def forget_mappings(self, pid: int) -> None:
+        """Drop a process's sampled mappings from `vm_live` (it exited or exec'd); walks the
+        table, which holds only sampled mappings (few)."""
+        tab = self.bpf["vm_live"]
+        for k in [k for k in tab if k.pid == pid]:
+            with contextlib.suppress(KeyError):
+                del tab[k]
 
     # governor ------------------------------------------------------------------------------
     def _ensure_hits(self, pid: int) -> None:
@@ -309,7 +362,14 @@ class BpfProbes:
         try:
             tab[key]
         except KeyError:
-            tab[key] = tab.Leaf()       # zero on every CPU
+            vs = tab.Leaf()             # zero on every CPU, with the process's shift
+            try:
+                shift = self._targets[key].shift
+            except KeyError:
+                shift = 0
+            for v in vs:
+                v.shift = shift
+            tab[key] = vs
 
     def hits(self) -> dict[int, tuple[int, int]]:
         """pid -> (allocation probe hits, free probe hits) so far, summed over CPUs."""
@@ -415,14 +475,24 @@ class BpfProbes:
         tab = self.bpf["counters"]
         return [sum(tab[ctypes.c_int(i)]) for i in range(C_N)]
 
-    def drops(self) -> dict[int, tuple[int, int]]:
-        """pid -> (lost events, samples not tracked because the live table was full)."""
-        return {k.value: (v.lost_events, v.live_full) for k, v in self.bpf["drops"].items()}
+    def drops(self) -> dict[int, tuple[int, int, int, int]]:
+        """pid -> (lost events, samples not tracked because the live table was full, unsampled
+        syscall events not sent because the process was over its budget, samples drawn)."""
+        return {k.value: (v.lost_events, v.live_full, v.vm_suppressed, v.sampled)
+                for k, v in self.bpf["drops"].items()}
 
     def close(self) -> None:
         for pid in list(self._attached) + list(self._gpu_links):
             self.detach(pid)
+        if self._closer is not None:
+            self._closing.put(None)
+            self._closer.join()
         self.bpf.cleanup()
+
+
+def _close_fds(fds: queue.SimpleQueue) -> None:
+    while (fd := fds.get()) is not None:
+        os.close(fd)              # releases the GIL while the kernel waits
 
 
 MADV_PAGEOUT = 21

@@ -7,9 +7,10 @@ import sys
 
 from . import __version__
 from .errors import EXIT_USAGE, AllocsamplerError
+from .sources import GPU_SOURCES, MALLOC, MMAP
 
 _SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-_GPU_SOURCES = ("cuda", "cuda-driver", "cuda-host", "cuda-driver-host", "torch")   # sampler/cuda.py
+_SOURCES = (MALLOC, MMAP, *GPU_SOURCES)     # --source choices
 
 
 def _size(text: str) -> int:
@@ -22,6 +23,16 @@ def _size(text: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return n
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= v <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be in 0..1000000: {text!r}")
+    return v
 
 
 def _positive(text: str) -> float:
@@ -96,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "tier (default: %(default)s; 0: off)")
     tier.add_argument("--probe-cost", type=float, metavar="NS",
                       help="cost of one probe hit in ns (default: calibrated at start-up)")
+    tier.add_argument("--max-samples-per-s", type=_count, default=2000, metavar="N",
+                      help="per process: above N samples/s its sampling mean is raised by a power of two "
+                           "(estimates stay unbiased; default: %(default)s; 0: no cap)")
+    tier.add_argument("--vm-events-per-s", type=_count, default=2000, metavar="N",
+                      help="per process: unsampled mmap/munmap/brk/madvise/mprotect events sent per second; "
+                           "the rest are counted, not sent (default: %(default)s; 0: all)")
     r.add_argument("--quiet", "-q", action="store_true", help="no summary at the end")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: start and record a command")
 
@@ -109,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         a = sub.add_parser(name, help=text, description=text)
         a.add_argument("dir", help="dataset directory (record --out, or the daemon's data directory)")
         a.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
-        a.add_argument("--source", action="append", default=[], choices=("malloc", "mmap", *_GPU_SOURCES),
+        a.add_argument("--source", action="append", default=[], choices=_SOURCES,
                        help="only these allocation sources")
         a.add_argument("--since", type=_when, help="start of the window (ISO time, UTC if no zone)")
         a.add_argument("--until", type=_when, help="end of the window (ISO time)")
@@ -127,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pprof", metavar="OUT.pb.gz", help="write a gzipped pprof profile")
     e.add_argument("--collapsed", metavar="OUT.txt", help="write collapsed stacks ('-': standard output)")
     e.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
-    e.add_argument("--source", choices=("malloc", "mmap", *_GPU_SOURCES), default="malloc",
+    e.add_argument("--source", choices=_SOURCES, default="malloc",
                    help="allocation source (they overlap, so one at a time; default: %(default)s)")
     when = e.add_mutually_exclusive_group()
     when.add_argument("--at", type=_when, metavar="TIME", help="inuse at TIME, alloc up to TIME (default: "
@@ -291,7 +308,8 @@ def _record(args) -> int:
         interpreter_frames=args.interpreter_frames, rss=args.rss, fault_period=args.fault_period,
         cgroups=args.cgroup, all_processes=args.all_processes, preload=args.preload,
         cpu_budget=args.cpu_budget / 100, probe_cost_ns=args.probe_cost, quiet=args.quiet,
-        argv=" ".join(sys.argv), gpu=args.gpu)
+        argv=" ".join(sys.argv), gpu=args.gpu, max_samples_per_s=args.max_samples_per_s,
+        vm_events_per_s=args.vm_events_per_s)
     rec = Recorder(opts)
     code = rec.run()
     if not args.quiet:

@@ -158,6 +158,8 @@ class DaemonConfig:
     interval_s: float = 10                                     # snapshot interval
     sample_bytes: int = field(default=512 << 10, metadata=_SIZE_META)   # mean bytes between samples
     cpu_budget_percent: float = 3                              # governor: probe cost per target process
+    max_samples_per_s: int = 2000                              # per process: its sample mean rises above
+    vm_events_per_s: int = 2000                                # per process: unsampled syscall events sent
     fault_period: int = 61                                     # always-on tier: one page fault in N
     max_rss: int = field(default=256 << 20, metadata=_SIZE_META)        # the daemon's own memory bound
     cpu_percent: float = 10                                    # the daemon's own CPU budget (of one CPU)
@@ -375,6 +377,8 @@ _DAEMON: dict[str, Callable[[Any], Any]] = {
     "interval_s": _number(1, 3600),
     "sample_bytes": _size(1, 1 << 30),
     "cpu_budget_percent": _number(0, 100),
+    "max_samples_per_s": _number(0, 1_000_000, integer=True),
+    "vm_events_per_s": _number(0, 1_000_000, integer=True),
     "fault_period": _number(1, 1 << 20, integer=True),
     "max_rss": _size(128 << 20, 1 << 40),
     "cpu_percent": _number(0, 100, lo_open=True),

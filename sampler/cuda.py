@@ -32,18 +32,15 @@ import re
 from dataclasses import dataclass, field
 
 from . import usdt
+from .allocators import own_probes
 from .elf import ElfImage
-from .probe_sites import forwards_to
 from .procmaps import Mapping, open_path
+from .sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 
-CUDA, CUDA_HOST, CUDA_DRIVER, CUDA_DRIVER_HOST, TORCH = "cuda", "cuda-host", "cuda-driver", "cuda-driver-host", "torch"
-GPU_SOURCES = (CUDA, CUDA_HOST, CUDA_DRIVER, CUDA_DRIVER_HOST, TORCH)
-DEVICE_SOURCES = (CUDA, CUDA_DRIVER)          # device memory, the two layers
-HOST_SOURCES = (CUDA_HOST, CUDA_DRIVER_HOST)  # pinned host memory, the two layers
 SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = 4, 5, 6   # bpf/common.h enum ev_source
 LAYER_OF = {SRC_CUDA: CUDA, SRC_CUDA_DRIVER: CUDA_DRIVER}
-TORCH_TAG = 1 << 63                           # bpf/cuda.bpf.c: tensors live in `live` under this tag
-USDT_TORCH_ALLOC, USDT_TORCH_FREE = 3, 4      # bpf/cuda.bpf.c usdt_spec.kind
+TORCH_TAG = 1 << 63                           # bpf/usdt.bpf.c: tensors live in `live` under this tag
+USDT_TORCH_ALLOC, USDT_TORCH_FREE = 3, 4      # bpf/usdt.bpf.c enum usdt_kind
 TORCH_PROVIDER = "pytorch"
 
 # cookie bits (bpf/cuda.bpf.c)
@@ -176,25 +173,13 @@ def plan_library(image: ElfImage, layer: str, path: str) -> CudaLib:
     function of the library is not probed (the other probe sees its memory)."""
     lib = CudaLib(layer, path, image.build_id)
     fns = {f.name: f for f in FUNCTIONS if f.layer == layer and image.symbol(f.name) is not None}
-    plt = image.plt_targets()
-    seen: dict[int, str] = {}
-    for name, fn in fns.items():
-        sym = image.symbol(name)
-        assert sym is not None
-        if sym.value in seen:
-            lib.skipped.append((name, f"alias of {seen[sym.value]}"))
-            continue
-        body = image.read_vaddr(sym.value, sym.size) if sym.size else b""
-        called = forwards_to(body, sym.value, plt, image.aliases, set(fns) - {name}) if body else set()
-        if called:
-            lib.skipped.append((name, f"calls {', '.join(sorted(called))}, which is probed"))
-            continue
+    # probed at the entry, so a symbol without a size is still probed
+    for sym, _ in own_probes(image, fns, lib.skipped, sizeless=True):
         off = image.vaddr_to_file_offset(sym.value)
         if off is None:
-            lib.skipped.append((name, "not in a loadable segment"))
+            lib.skipped.append((sym.name, "not in a loadable segment"))
             continue
-        seen[sym.value] = name
-        lib.points.append(CudaPoint(name, off, cookie(fn)))
+        lib.points.append(CudaPoint(sym.name, off, cookie(fns[sym.name])))
     return lib
 
 

@@ -464,6 +464,7 @@ class Daemon:
         self.pre_oom_last: dict[tuple[int, int], float] = {}
         self.growth: dict[int, deque] = {}
         self.proc_rows: dict[int, dict] = {}
+        self.gpu_rows: dict[int, dict] = {}      # device index -> `gpu` row of this interval
         self.last_proc_rows: dict[int, dict] = {}
         self.out_sums: dict[int, dict[str, list[float]]] = {}
         self.events_per_s = 0.0
@@ -515,6 +516,7 @@ class Daemon:
         opts = RecordOptions(
             out=str(self.root), interval=d.interval_s, sample_mean=d.sample_bytes, live_max=LIVE_MAX,
             fault_period=d.fault_period, cpu_budget=d.cpu_budget_percent / 100, ringbuf_bytes=RINGBUF_BYTES,
+            max_samples_per_s=d.max_samples_per_s, vm_events_per_s=d.vm_events_per_s,
             daemon=True, quiet=True, argv=" ".join(sys.argv))
         self.rec = rec = Recorder(opts)
         rec.writer_factory = lambda root, rid: _make_writer(self, root, rid)
@@ -638,11 +640,14 @@ class Daemon:
         elif name == "processes":
             for r in rows:
                 self.proc_rows[r["pid"]] = r
+        elif name == "gpu":
+            for r in rows:
+                self.gpu_rows[r["device"]] = r
         elif name == "recorder":
             self._interval_done(rows[-1])
 
     def _interval_done(self, row: dict) -> None:
-        from .metrics import GPU_KINDS, SOURCES, Estimate, ProcessMetrics
+        from .metrics import GPU_KINDS, SOURCES, DeviceMetrics, Estimate, ProcessMetrics
 
         ts = row["ts"].timestamp()
         procs = []
@@ -657,20 +662,26 @@ class Daemon:
             bloat = (max(0.0, (r.get("heap_rss") or 0) + (r.get("arena_rss") or 0) - live)
                      if tier in ("attach", "preload") else None)
             gpu = {k: float(v) for k in GPU_KINDS if (v := r.get(f"gpu_{k}_bytes")) is not None}
+            gpu_se = {k: float(v) for k in GPU_KINDS if (v := r.get(f"gpu_{k}_stderr_bytes")) is not None}
             try:
                 procs.append(ProcessMetrics(
                     pid=pid, comm=str(r["comm"]), tier=tier, rss_bytes=int(r["rss"]),
                     growth_bytes_per_second=_slope(hist),
                     outstanding={s: Estimate(v[0], math.sqrt(v[1])) for s, v in sums.items() if s in SOURCES},
-                    arena_bloat_bytes=bloat, gpu_memory_bytes=gpu, memory_limit_bytes=r.get("memory_limit")))
+                    arena_bloat_bytes=bloat, gpu_memory_bytes=gpu, gpu_memory_stderr_bytes=gpu_se,
+                    memory_limit_bytes=r.get("memory_limit"), sample_mean_bytes=r.get("sample_mean_bytes")))
             except (ValueError, TypeError):
                 continue             # a tier or source this version does not publish
         for pid in [p for p in self.growth if p not in self.proc_rows]:
             del self.growth[pid]
         self.metrics.set_processes(procs)
+        self.metrics.set_devices(DeviceMetrics(index=int(d), total_bytes=r["total_bytes"], used_bytes=r["used_bytes"],
+                                               reserved_bytes=r.get("reserved_bytes"), processes=r.get("processes"))
+                                 for d, r in self.gpu_rows.items())
         self.metrics.add_interval(events=row["events"], lost_events=row["lost_events"], samples=row["samples"],
                                   dropped_samples=row["dropped_samples"],
-                                  vm_events_dropped=row["vm_events_dropped"])
+                                  vm_events_dropped=row["vm_events_dropped"],
+                                  vm_events_suppressed=row.get("vm_events_suppressed") or 0)
         self.events_per_s = row["events"] / row["interval_s"] if row["interval_s"] else 0.0
         now, cpu = time.monotonic(), time.process_time()
         self._cpu_hist.append((now, cpu))
@@ -682,7 +693,7 @@ class Daemon:
             live_entries=row["live_entries"], cpu_seconds_total=time.process_time(),
             resident_memory_bytes=row["rss"], targets=dict(tiers), last_snapshot_timestamp=ts,
             dataset_bytes=self._dataset_bytes, writing_paused=self.writing_paused)
-        self.last_proc_rows, self.proc_rows, self.out_sums = self.proc_rows, {}, {}
+        self.last_proc_rows, self.proc_rows, self.out_sums, self.gpu_rows = self.proc_rows, {}, {}, {}
 
     # -- disk -----------------------------------------------------------------------------------
     @property
@@ -920,10 +931,13 @@ class Daemon:
                 self.pre_oom_last = dict(list(self.pre_oom_last.items())[-2048:])
             ratio, usage, limit = p
             self.pre_oom_windows[pid] = now + a.pre_oom_window_s
-            raised = rec.raise_detail(pid, now + a.pre_oom_window_s)
+            raised = rec.raise_detail(pid, now + a.pre_oom_window_s, a.pre_oom_sample_bytes)
+            mean = rec.sample_mean(pid)
             detail = (f"cgroup memory {usage / _MiB:.0f} MiB of its {limit / _MiB:.0f} MiB limit ({100 * ratio:.0f}%, "
                       f"threshold {100 * a.pre_oom_fraction:.0f}%): snapshot now and after {a.pre_oom_window_s:g} s"
-                      + ("; allocation probes attached all the time meanwhile" if raised else ""))
+                      + (f"; sampled at a {mean} byte mean meanwhile" if mean < self.cfg.daemon.sample_bytes else "")
+                      + ("; allocation probes attached all the time meanwhile"
+                         if raised and t.tier == "attach" and self.rec.governor is not None else ""))
             rec.note(pid, "pre_oom", detail)
             rec.snapshot_now()
             log(f"pre-OOM: pid {pid} ({t.info.comm}) {detail}")

@@ -2,7 +2,8 @@
 
 Every allocator probe hit costs the target a trap (~1.35-6 us here, calibrated at start-up by
 sampler/probe_cost.py). From each target's hit rates the governor estimates that cost as a
-fraction of one CPU. Over the budget it first duty-cycles the *allocation* probes: they are
+fraction of one CPU; a hit also runs the probe links of every other target on the same library,
+so each of those adds `link_ns` to it. Over the budget it first duty-cycles the *allocation* probes: they are
 attached for a fraction `duty` of each cycle, at a random phase, while free probes stay
 attached so that every sampled block's free is still seen. An allocation is then sampled with
 probability duty x (1 - exp(-S/T)), so its weight is divided by `duty` (Horvitz-Thompson again):
@@ -41,6 +42,7 @@ class TargetState:
     iv_t: float = 0.0                         # over whole intervals (tick windows are too noisy)
     interval_t0: float = 0.0
     pinned_until: float = 0.0         # full coverage until then, whatever it costs (pre-OOM capture)
+    cost_ns: float = 0.0              # per hit: the calibrated cost + link_ns x other targets' links
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,26 @@ class Action:
 
 class Governor:
     def __init__(self, budget: float, cost_ns: float, cycle_s: float = 2.0, min_duty: float = 0.05,
-                 seed: int | None = None):
+                 seed: int | None = None, link_ns: float = 0.0):
         self.budget = budget              # fraction of one CPU per process
         self.cost_ns = cost_ns            # per probe hit
+        self.link_ns = link_ns            # per probe hit and link of another target at that address
         self.cycle_s = cycle_s
         self.min_duty = min_duty
         self.states: dict[int, TargetState] = {}
         self._rng = random.Random(seed)
 
     def add(self, pid: int, now: float) -> None:
-        self.states[pid] = TargetState(last_t=now, on_since=now, interval_t0=now)
+        self.states[pid] = TargetState(last_t=now, on_since=now, interval_t0=now, cost_ns=self.cost_ns)
+
+    def sharing(self, pid: int, others: int) -> None:
+        """`others` other targets have probe links on this target's allocator library."""
+        if (st := self.states.get(pid)) is not None:
+            st.cost_ns = self.cost_ns + self.link_ns * others
+
+    def cost(self, pid: int) -> float:
+        st = self.states.get(pid)
+        return st.cost_ns if st else self.cost_ns
 
     def forget(self, pid: int) -> None:
         self.states.pop(pid, None)
@@ -69,9 +81,9 @@ class Governor:
         st = self.states.get(pid)
         return st.duty if st else 1.0
 
-    def cpu(self, alloc_rate: float, free_rate: float, duty: float = 1.0) -> float:
+    def cpu(self, alloc_rate: float, free_rate: float, duty: float = 1.0, cost_ns: float | None = None) -> float:
         """Fraction of one CPU the probes cost at these hit rates."""
-        return (duty * alloc_rate + free_rate) * self.cost_ns * 1e-9
+        return (duty * alloc_rate + free_rate) * (cost_ns or self.cost_ns) * 1e-9
 
     def observe(self, pid: int, now: float, hits: tuple[int, int]) -> None:
         """New cumulative hit counts (allocation, free) of a target."""
@@ -98,7 +110,7 @@ class Governor:
         if st is None or st.level == RSS or now < st.pinned_until:
             return []
         if st.level == FULL:
-            full = self.cpu(st.alloc_rate, st.free_rate)
+            full = self.cpu(st.alloc_rate, st.free_rate, cost_ns=st.cost_ns)
             if full > self.budget and st.last_hits is not None:
                 return self._reduce(st, now, full)
             return []
@@ -144,11 +156,11 @@ class Governor:
         st.cycle_end += self.cycle_s
 
     def _reduce(self, st: TargetState, now: float, full: float) -> list[Action]:
-        free_cpu = self.cpu(0.0, st.free_rate)
-        alloc_cpu = self.cpu(st.alloc_rate, 0.0)
+        free_cpu = self.cpu(0.0, st.free_rate, cost_ns=st.cost_ns)
+        alloc_cpu = self.cpu(st.alloc_rate, 0.0, cost_ns=st.cost_ns)
         duty = (self.budget - free_cpu) / alloc_cpu if alloc_cpu > 0 else 1.0
         what = (f"probes would cost {100 * full:.1f}% of a CPU ({st.alloc_rate:,.0f} allocation + "
-                f"{st.free_rate:,.0f} free hits/s x {self.cost_ns / 1000:.2f} us), over the "
+                f"{st.free_rate:,.0f} free hits/s x {st.cost_ns / 1000:.2f} us), over the "
                 f"{100 * self.budget:g}% budget")
         if duty < self.min_duty:
             st.level = RSS
@@ -193,7 +205,7 @@ class Governor:
                     st.alloc_rate = _smooth(st.alloc_rate, da / on)
             st.iv_hits, st.iv_on_total, st.iv_t = hits, attached, now
         if st.level == DUTY:
-            full = self.cpu(st.alloc_rate, st.free_rate)
+            full = self.cpu(st.alloc_rate, st.free_rate, cost_ns=st.cost_ns)
             if full < 0.5 * self.budget:
                 st.level, st.duty = FULL, 1.0
                 st.next_toggle = float("inf")
@@ -203,8 +215,8 @@ class Governor:
                 out.insert(0, Action("duty", f"probes would cost {100 * full:.1f}% of a CPU at full rate: "
                                              "allocation probes attached all the time again"))
             else:
-                alloc_cpu = self.cpu(st.alloc_rate, 0.0)
-                duty = (self.budget - self.cpu(0.0, st.free_rate)) / alloc_cpu if alloc_cpu else 1.0
+                alloc_cpu = self.cpu(st.alloc_rate, 0.0, cost_ns=st.cost_ns)
+                duty = (self.budget - self.cpu(0.0, st.free_rate, cost_ns=st.cost_ns)) / alloc_cpu if alloc_cpu else 1.0
                 if duty < self.min_duty:
                     st.level = RSS
                     if st.on:

@@ -1,13 +1,14 @@
 """Prometheus metrics endpoint of the daemon: text exposition format 0.0.4, no third-party client.
 
-The daemon fills a `MetricsState` once per interval (per-process figures) and more often
+The daemon fills a `MetricsState` once per interval (per-process and GPU figures) and more often
 (recorder health); `MetricsServer` serves `render(state.snapshot())` on `GET /metrics`.
 
 Cardinality is bounded by construction: per-process series carry only pid, comm and a label
 from a small fixed set (tier, source, GPU memory kind), never a stack; and only the top
 `max_processes` processes by RSS get series, the rest are counted in
-`allocsampler_processes_omitted`. Counters are cumulative since `allocsampler_start_time_seconds`;
-take `rate()` of them for per-second figures (events/s is `rate(allocsampler_events_total[1m])`).
+`allocsampler_processes_omitted`. GPU device series carry only the device index. Counters are
+cumulative since `allocsampler_start_time_seconds`; take `rate()` of them for per-second figures
+(events/s is `rate(allocsampler_events_total[1m])`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DEFAULT_MAX_PROCESSES = 200
 # The closed label sets (schema.md: processes.tier, outstanding.source).
 TIERS = ("attach", "preload", "rss", "syscalls")
 SOURCES = ("malloc", "mmap", "fault")
-GPU_KINDS = ("used", "reserved", "allocated")   # driver (NVML) / torch caching allocator
+GPU_KINDS = ("used", "reserved", "pinned", "allocated")   # processes.gpu_<kind>_bytes (schema.md)
 
 
 @dataclass(frozen=True)
@@ -56,17 +57,30 @@ class ProcessMetrics:
     outstanding: Mapping[str, Estimate] = field(default_factory=dict)   # source (SOURCES) -> estimate
     arena_bloat_bytes: float | None = None          # glibc heap/arena bytes resident but not live
     gpu_memory_bytes: Mapping[str, float] = field(default_factory=dict)  # kind (GPU_KINDS) -> bytes
+    gpu_memory_stderr_bytes: Mapping[str, float] = field(default_factory=dict)  # of the estimated kinds
     memory_limit_bytes: int | None = None           # smallest cgroup limit or host RAM
+    sample_mean_bytes: int | None = None            # its sampling mean now (sampler/sample_rate.py)
 
     def __post_init__(self) -> None:
         if self.tier not in TIERS:
             raise ValueError(f"tier {self.tier!r} not in {TIERS}")
         if not set(self.outstanding) <= set(SOURCES):
             raise ValueError(f"outstanding sources {sorted(self.outstanding)} not in {SOURCES}")
-        if not set(self.gpu_memory_bytes) <= set(GPU_KINDS):
-            raise ValueError(f"GPU memory kinds {sorted(self.gpu_memory_bytes)} not in {GPU_KINDS}")
-        object.__setattr__(self, "outstanding", MappingProxyType(dict(self.outstanding)))
-        object.__setattr__(self, "gpu_memory_bytes", MappingProxyType(dict(self.gpu_memory_bytes)))
+        if not set(self.gpu_memory_bytes) | set(self.gpu_memory_stderr_bytes) <= set(GPU_KINDS):
+            raise ValueError(f"GPU memory kinds {sorted({*self.gpu_memory_bytes, *self.gpu_memory_stderr_bytes})} "
+                             f"not in {GPU_KINDS}")
+        for name in ("outstanding", "gpu_memory_bytes", "gpu_memory_stderr_bytes"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+
+@dataclass(frozen=True)
+class DeviceMetrics:
+    """One GPU at the last snapshot, as the driver (NVML) reports it: a `gpu` table row."""
+    index: int                          # NVML device index: the only label
+    total_bytes: int
+    used_bytes: int
+    reserved_bytes: int | None = None   # the driver's own reserve; None without nvmlMemory_v2
+    processes: int | None = None        # processes with memory on the device
 
 
 @dataclass
@@ -77,6 +91,7 @@ class RecorderHealth:
     samples_total: int = 0                # sampling decisions that chose an allocation
     dropped_samples_total: int = 0        # samples not tracked: live table full
     vm_events_dropped_total: int = 0      # vm_events rows over the per-interval cap
+    vm_events_suppressed_total: int = 0   # syscall events BPF did not send (per-process budget)
     live_entries: int = 0                 # sampled live blocks tracked in the BPF live table
     live_capacity: int = 0                # its max entries (0: unknown)
     cpu_seconds_total: float = 0.0        # own user + system CPU
@@ -92,6 +107,7 @@ class MetricsState:
     """What /metrics shows. The daemon writes through the methods (they take the lock); the server
     renders `snapshot()`, a copy, so a slow scrape never holds the lock."""
     processes: list[ProcessMetrics] = field(default_factory=list)
+    devices: list[DeviceMetrics] = field(default_factory=list)
     health: RecorderHealth = field(default_factory=RecorderHealth)
     max_processes: int = DEFAULT_MAX_PROCESSES
     start_time: float = field(default_factory=time.time)
@@ -103,13 +119,20 @@ class MetricsState:
         with self._lock:
             self.processes = procs
 
+    def set_devices(self, devices: Iterable[DeviceMetrics]) -> None:
+        """Replace the GPU figures (once per interval): none when NVML is not there."""
+        devs = list(devices)
+        with self._lock:
+            self.devices = devs
+
     def update_health(self, **changes: object) -> None:
         """Set health fields by name, e.g. update_health(resident_memory_bytes=..., writing_paused=True)."""
         with self._lock:
             self.health = dataclasses.replace(self.health, **changes)  # TypeError on an unknown name
 
     def add_interval(self, *, events: int = 0, lost_events: int = 0, samples: int = 0,
-                     dropped_samples: int = 0, vm_events_dropped: int = 0) -> None:
+                     dropped_samples: int = 0, vm_events_dropped: int = 0,
+                     vm_events_suppressed: int = 0) -> None:
         """Add one `recorder` row's per-interval counts to the cumulative counters."""
         with self._lock:
             h = self.health
@@ -117,11 +140,12 @@ class MetricsState:
                 h, events_total=h.events_total + events, lost_events_total=h.lost_events_total + lost_events,
                 samples_total=h.samples_total + samples,
                 dropped_samples_total=h.dropped_samples_total + dropped_samples,
-                vm_events_dropped_total=h.vm_events_dropped_total + vm_events_dropped)
+                vm_events_dropped_total=h.vm_events_dropped_total + vm_events_dropped,
+                vm_events_suppressed_total=h.vm_events_suppressed_total + vm_events_suppressed)
 
     def snapshot(self) -> MetricsState:
         with self._lock:
-            return MetricsState(processes=list(self.processes),
+            return MetricsState(processes=list(self.processes), devices=list(self.devices),
                                 health=dataclasses.replace(self.health, targets=dict(self.health.targets)),
                                 max_processes=self.max_processes, start_time=self.start_time)
 
@@ -205,9 +229,21 @@ def render(state: MetricsState) -> str:
     bloat = fam("process_arena_bloat_bytes", "gauge",
                 "glibc heap and arena bytes resident although no live allocation holds them.")
     gpu = fam("process_gpu_memory_bytes", "gauge",
-              "GPU memory of the process by kind: used (driver), reserved and allocated (caching allocator).")
+              "GPU memory of the process by kind: used (the driver's figure), reserved (device memory of the "
+              "traced CUDA calls; with PyTorch, its caching allocator's reserve), pinned (page-locked host memory "
+              "of the traced CUDA calls), allocated (estimated live PyTorch tensors). Kinds overlap: never add them.")
+    gpu_se = fam("process_gpu_memory_stderr_bytes", "gauge",
+                 "One standard error of allocsampler_process_gpu_memory_bytes, for the estimated kinds (allocated).")
+    mean = fam("process_sample_mean_bytes", "gauge",
+               "Sampling mean of a recorded process now: the configured one times a power of two, raised "
+               "when its samples come too fast, lowered during a pre-OOM capture.")
     omitted = fam("processes_omitted", "gauge",
                   "Recorded processes without per-process series (beyond the top processes by RSS).")
+    dev_total = fam("gpu_memory_total_bytes", "gauge", "Memory of a GPU device (NVML).")
+    dev_used = fam("gpu_memory_used_bytes", "gauge",
+                   "Memory in use on a GPU device, all processes (and the driver's reserve without nvmlMemory_v2).")
+    dev_reserved = fam("gpu_memory_reserved_bytes", "gauge", "Memory the driver reserves for itself on a GPU device.")
+    dev_procs = fam("gpu_processes", "gauge", "Processes with memory on a GPU device.")
     targets = fam("targets", "gauge", "Processes being recorded, by tier.")
     events = fam("events_total", "counter", "Ring-buffer records read.")
     lost = fam("lost_events_total", "counter", "Ring-buffer records lost because the buffer was full.")
@@ -216,6 +252,9 @@ def render(state: MetricsState) -> str:
                   "Sampled allocations not tracked because the live table was full (estimates run low).")
     vm_dropped = fam("vm_events_dropped_total", "counter",
                      "vm_events rows not written because of the per-interval cap.")
+    vm_suppressed = fam("vm_events_suppressed_total", "counter",
+                        "Syscall events (mmap, munmap, brk, madvise, mprotect) not sent by BPF because "
+                        "their process was over its per-second budget (vm_events_per_s).")
     fill = fam("live_table_fill_ratio", "gauge", "Entries of the BPF live-allocation table over its capacity.")
     live = fam("live_table_entries", "gauge", "Sampled live allocations tracked in the BPF live table.")
     cpu = fam("cpu_seconds_total", "counter", "CPU time (user + system) the daemon used.")
@@ -237,9 +276,16 @@ def render(state: MetricsState) -> str:
                 out.add(e.bytes, **ids, source=source)
                 out_se.add(e.stderr_bytes, **ids, source=source)
         bloat.add(p.arena_bloat_bytes, **ids)
+        mean.add(p.sample_mean_bytes, **ids)
         for kind in GPU_KINDS:
             gpu.add(p.gpu_memory_bytes.get(kind), **ids, kind=kind)
+            gpu_se.add(p.gpu_memory_stderr_bytes.get(kind), **ids, kind=kind)
     omitted.add(n_omitted)
+    for d in sorted({d.index: d for d in state.devices}.values(), key=lambda d: d.index):   # one per index
+        dev_total.add(d.total_bytes, device=d.index)
+        dev_used.add(d.used_bytes, device=d.index)
+        dev_reserved.add(d.reserved_bytes, device=d.index)
+        dev_procs.add(d.processes, device=d.index)
 
     h = state.health
     for tier in TIERS:       # every tier, zeros included: a series that vanishes cannot be alerted on
@@ -249,6 +295,7 @@ def render(state: MetricsState) -> str:
     samples.add(h.samples_total)
     dropped.add(h.dropped_samples_total)
     vm_dropped.add(h.vm_events_dropped_total)
+    vm_suppressed.add(h.vm_events_suppressed_total)
     fill.add(h.live_entries / h.live_capacity if h.live_capacity > 0 else None)
     live.add(h.live_entries)
     cpu.add(h.cpu_seconds_total)

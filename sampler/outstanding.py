@@ -11,9 +11,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from . import weights
-
-MALLOC, MMAP, FAULT = "malloc", "mmap", "fault"
-TORCH = "torch"       # sampled tensors of PyTorch's caching allocator: blocks, like malloc
+from .sources import FAULT, MALLOC, MMAP, TORCH
 
 
 @dataclass(slots=True)
@@ -206,6 +204,23 @@ class ProcessTable:
             self.unmap(a, frag.end - lo, (FAULT,))
             r.frags[a] = _Fragment(frag.end - lo + a, frag.mapping)
             bisect.insort(r.starts, a)
+
+    def keep_mapped(self, mapped: list[tuple[int, int]]) -> None:
+        """Drop the parts of sampled regions and pages that lie outside the process's mappings
+        (sorted, disjoint [start, end)): their unmap was not seen (a syscall event over the
+        process's budget)."""
+        starts = [m[0] for m in mapped]
+        for source in (MMAP, FAULT):
+            for lo, hi in self.regions(source):
+                pos = lo
+                while pos < hi:
+                    i = bisect.bisect_right(starts, pos) - 1
+                    if i >= 0 and pos < mapped[i][1]:
+                        pos = mapped[i][1]              # covered up to this mapping's end
+                        continue
+                    cut = min(starts[i + 1] if i + 1 < len(starts) else hi, hi)
+                    self.unmap(pos, cut - pos, (source,))
+                    pos = cut
 
     def _shrink(self, m: _Block, cut: int) -> None:
         """A sampled mapping lost `cut` bytes: move its weight from live to freed."""

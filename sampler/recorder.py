@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import datetime as dt
+import math
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from .bpf_loader import (
     C_SAMPLED,
     C_STACK_ERR,
     C_VM_HITS,
+    C_VM_SUPPRESSED,
     TGT_FAULTS,
     TGT_SYSCALLS,
     BpfProbes,
@@ -41,9 +43,10 @@ from .events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
 from .governor import Governor
 from .malloc_arenas import arena_rows
 from .outstanding import FAULT, MALLOC, MMAP, TORCH, ProcessTable
-from .procmaps import open_path, read_maps
+from .procmaps import Mapping, open_path, read_maps
 from .procmetrics import sample_process
 from .pytargets import PythonTargets
+from .sample_rate import SampleRate
 from .schema import (
     FRAMES,
     GPU,
@@ -72,6 +75,7 @@ PROT_EXEC, MAP_ANONYMOUS = 4, 0x20
 # Tiers (processes.tier).
 ATTACH, PRELOAD, RSS, SYSCALLS = "attach", "preload", "rss", "syscalls"
 GOVERNOR_TICK_S = 1.0
+SAMPLING_TICK_S = 0.25     # a burst of samples fills the ring buffer within a second
 
 
 @dataclass
@@ -93,6 +97,8 @@ class RecordOptions:
     interpreter_frames: bool = False      # keep libpython frames between Python frames
     unwind_cache: str | None = None       # directory for the per-build-id unwind tables
     vm_events_per_interval: int = 20000
+    vm_events_per_s: int = 2000           # unsampled syscall events sent per process (BPF budget)
+    max_samples_per_s: int = 2000         # per process: its mean is raised above (0: no cap)
     rss: bool = False                     # always-on tier: sampled page faults, no uprobes
     fault_period: int = 61                # one fault sampled in this many (prime: no aliasing
                                           # with loops that fault a power of two of pages)
@@ -122,7 +128,9 @@ class _Target:
     rescan_until: float = 0.0
     warned: bool = False                                 # "no probeable allocator" said once
     py_checked: bool = False                             # Python detection done for this image
-    drops: tuple[int, int] = (0, 0)
+    drops: tuple[int, int, int, int] = (0, 0, 0, 0)      # lost events, live table full, vm
+                                                         # suppressed, samples drawn (BPF counts)
+    reconciled: int = 0                                  # vm suppressed at the last reconciliation
     tier: str = ATTACH
     usdt: set[tuple] = field(default_factory=set)        # files whose otel_memory probes are attached
     usdt_labels: list[str] = field(default_factory=list)
@@ -178,7 +186,9 @@ class Recorder:
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
         self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
-                                            stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes))
+                                            stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
+                                            vm_events_per_s=o.vm_events_per_s))
+        self.sample_rate = SampleRate(o.max_samples_per_s)
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
         self.unwinder = Unwinder(_cache_dir(o.unwind_cache))
@@ -198,11 +208,13 @@ class Recorder:
         if o.rss or o.all_processes or o.cgroups:
             self.probes.enable_faults(o.fault_period, o.all_processes, self._cgroup_ids)
         if o.cpu_budget > 0 and not (o.rss or o.syscalls_only):
-            self._cost_ns, how = ((o.probe_cost_ns, "given") if o.probe_cost_ns
-                                  else probe_cost.calibrate(self.probes, _cache_dir(o.unwind_cache, "")))
-            self.governor = Governor(o.cpu_budget, self._cost_ns)
+            self._cost_ns, link_ns, how = (
+                (o.probe_cost_ns, probe_cost.DEFAULT_LINK_NS, "given") if o.probe_cost_ns
+                else probe_cost.calibrate(self.probes, _cache_dir(o.unwind_cache, "")))
+            self.governor = Governor(o.cpu_budget, self._cost_ns, link_ns=link_ns)
             if not o.quiet:
-                print(f"allocsampler: probe cost {self._cost_ns / 1000:.2f} us per hit ({how}); budget "
+                print(f"allocsampler: probe cost {self._cost_ns / 1000:.2f} us per hit, +{link_ns / 1000:.2f} us "
+                      f"per other target probed on the same library ({how}); budget "
                       f"{100 * o.cpu_budget:g}% of a CPU per process", file=sys.stderr)
         self._write_recording(ended=None)
         self.probes.open_events(self._on_event)
@@ -242,6 +254,7 @@ class Recorder:
         self._last_counters = self.probes.counters()
         self._last_cpu = sum(self._proc.cpu_times()[:2])
         self._next_gov = time.monotonic() + GOVERNOR_TICK_S
+        self._next_sampling = time.monotonic() + SAMPLING_TICK_S
         host_wide = o.all_processes or bool(o.cgroups)
         while not self._stop and (self.targets or host_wide or o.daemon):
             self.probes.poll(100)
@@ -255,6 +268,9 @@ class Recorder:
                 self._govern(now, observe)
                 if observe:
                     self._next_gov = now + GOVERNOR_TICK_S
+            if now >= self._next_sampling:
+                self._tune_sampling(now)
+                self._next_sampling = now + SAMPLING_TICK_S
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
@@ -286,22 +302,33 @@ class Recorder:
             return
         self._write(OUTSTANDING, self._outstanding_rows(t, self._wall_now()))
         self._target_row(t, event, detail)
-        self._drop_target(pid, detail or event)
+        self._drop_target(pid, detail or event, exited=event == "exit")
 
     def note(self, pid: int, event: str, detail: str) -> None:
         """A `targets` row about a recorded process."""
         if (t := self.targets.get(pid)) is not None:
             self._target_row(t, event, detail)
 
-    def raise_detail(self, pid: int, until: float) -> bool:
-        """Pre-OOM capture: a duty-cycled attach-tier process gets its allocation probes all the
-        time until `until` (monotonic; the governor waits). Returns whether anything changed."""
+    def raise_detail(self, pid: int, until: float, sample_mean: int | None = None) -> bool:
+        """Pre-OOM capture until `until` (monotonic): the process is sampled at `sample_mean` or
+        the next power-of-two fraction of the recording's mean below it (the sample-rate cap
+        still applies), and a duty-cycled attach-tier process gets its allocation probes all the
+        time (the governor waits). Returns whether anything changed."""
         t = self.targets.get(pid)
-        if t is None or self.governor is None or t.tier != ATTACH:
+        if t is None:
             return False
-        actions = self.governor.pin(pid, time.monotonic(), until)
-        self._apply(t, actions)
-        return bool(actions)
+        changed = False
+        if sample_mean and sample_mean < self.opts.sample_mean:
+            shift = -math.ceil(math.log2(self.opts.sample_mean / sample_mean))
+            new = self.sample_rate.lower(pid, shift, until)
+            if new is not None:
+                self._set_shift(t, new, self.sample_rate.why(pid))
+                changed = True
+        if self.governor is not None and t.tier == ATTACH:
+            actions = self.governor.pin(pid, time.monotonic(), until)
+            self._apply(t, actions)
+            changed |= bool(actions)
+        return changed
 
     def snapshot_now(self) -> None:
         """An extra snapshot of every target (an interval shorter than the others)."""
@@ -317,6 +344,9 @@ class Recorder:
                 self._govern(now, observe)
                 if observe:
                     self._next_gov = now + GOVERNOR_TICK_S
+            if now >= self._next_sampling:      # the cap matters most while events wait
+                self._tune_sampling(now)
+                self._next_sampling = now + SAMPLING_TICK_S
             time.sleep(min(0.05, end - now))
 
     # targets ----------------------------------------------------------------------------------
@@ -327,11 +357,11 @@ class Recorder:
         self.probes.add_target(pid, TGT_SYSCALLS | (TGT_FAULTS if tier == RSS else 0))
         if self.governor is not None and tier == ATTACH:
             self.governor.add(pid, time.monotonic())
+        self.sample_rate.add(pid, time.monotonic())
         try:
-            self._attach_allocators(t)
-            self._attach_gpu(t)
+            self._attach_gpu(t, self._attach_allocators(t))
         except ProcessLookupError:
-            self._drop_target(pid, "exited while being attached")
+            self._drop_target(pid, "exited while being attached", exited=True)
             return
         self._detect_python(t, final=True)
         self._target_row(t, "attach", self._attach_detail(t))
@@ -347,13 +377,14 @@ class Recorder:
             if why:
                 self._warn(t, why)
 
-    def _attach_allocators(self, t: _Target) -> None:
+    def _attach_allocators(self, t: _Target) -> list[Mapping] | None:
+        """Returns the maps it read, for _attach_gpu (None: this tier reads none)."""
         pid = t.info.pid
         if t.tier in (RSS, SYSCALLS):
-            return
+            return None
         libs, maps = find_allocators(pid, self.opts.allocators)
         if self._attach_usdt(t, maps) or t.tier == PRELOAD:
-            return
+            return maps
         for lib in libs:
             ident = (lib.path, lib.build_id)
             if ident in t.attached:
@@ -378,15 +409,17 @@ class Recorder:
             self._warn(t, "no probeable allocator (statically linked or stripped: no malloc symbol in "
                           "any mapped file); only mmap/brk are recorded. Name the allocator library "
                           "with --allocator LIB[:PREFIX].")
+        return maps
 
-    def _attach_gpu(self, t: _Target) -> bool:
+    def _attach_gpu(self, t: _Target, maps: list[Mapping] | None) -> bool:
         """CUDA runtime/driver probes and PyTorch's USDT probes, in every tier (CUDA calls are
-        rare). Returns whether new ones were attached. ProcessLookupError: the process is gone."""
+        rare). `maps`: as _attach_allocators read them, None to read them here. Returns whether new
+        ones were attached. ProcessLookupError: the process is gone."""
         if self.gpu is None:
             return False
         if t.tier in (RSS, SYSCALLS) and t.info.pid in self.gpu.targets and not t.rescan_until:
             return False        # host-wide tiers: rescan only when the process maps new code
-        new, warnings = self.gpu.scan(t.info.pid, read_maps(t.info.pid))
+        new, warnings = self.gpu.scan(t.info.pid, read_maps(t.info.pid) if maps is None else maps)
         for w in warnings:
             self._warn(t, w)
         if new and not self._gpu_said and not self.opts.quiet and not self.gpu.nvml.ok:
@@ -457,8 +490,7 @@ class Recorder:
             if every or t.rescan_until:
                 n = len(t.libs)
                 try:
-                    self._attach_allocators(t)
-                    new_gpu = self._attach_gpu(t)
+                    new_gpu = self._attach_gpu(t, self._attach_allocators(t))
                 except ProcessLookupError:
                     continue
                 self._detect_python(t, final=not t.rescan_until)
@@ -481,6 +513,8 @@ class Recorder:
         """Feed probe hits to the governor (`observe`: once a second) and apply what it decides
         (every poll: duty-cycle phases are a fraction of a second)."""
         hits = self.probes.hits() if observe else {}
+        if observe:
+            self._price_shared_links()
         for pid, t in list(self.targets.items()):
             if t.tier != ATTACH:
                 continue
@@ -489,6 +523,35 @@ class Recorder:
             actions = self.governor.tick(pid, now)
             if actions:
                 self._apply(t, actions)
+
+    def _tune_sampling(self, now: float) -> None:
+        """The sample-rate cap (sampler/sample_rate.py), at every SAMPLING_TICK_S: samples drawn
+        per process, counted in BPF (what user space reads lags behind under a burst)."""
+        drops = self.probes.drops()
+        for pid, t in list(self.targets.items()):
+            t.drops = drops.get(pid, t.drops)
+            new = self.sample_rate.observe(pid, now, t.drops[3])
+            if new is not None:
+                self._set_shift(t, new, self.sample_rate.why(pid))
+
+    def _set_shift(self, t: _Target, shift: int, why: str) -> None:
+        self.probes.set_sample_shift(t.info.pid, shift)
+        self._target_row(t, "sampling", f"sample mean {self.sample_mean(t.info.pid)} bytes ({why})")
+
+    def sample_mean(self, pid: int) -> int:
+        """The process's sampling mean now (bytes)."""
+        return round(self.opts.sample_mean * 2.0 ** self.sample_rate.shift(pid))
+
+    def _price_shared_links(self) -> None:
+        """A hit also runs the links of the other targets on the same library: tell the governor
+        how many there are for each target (the most over its libraries)."""
+        users: dict[tuple, int] = {}
+        for t in self.targets.values():
+            for lib in t.libs:
+                users[(lib.path, lib.build_id)] = users.get((lib.path, lib.build_id), 0) + 1
+        for pid, t in self.targets.items():
+            if t.tier == ATTACH:
+                self.governor.sharing(pid, max((users[(lib.path, lib.build_id)] - 1 for lib in t.libs), default=0))
 
     def _apply(self, t: _Target, actions) -> None:
         """Bring the allocation probes to the governor's state. Order matters for the weights:
@@ -515,13 +578,15 @@ class Recorder:
                     self.probes.attach(pid, lib, allocs_only=True)
             t.allocs_on = True
 
-    def _drop_target(self, pid: int, why: str) -> None:
+    def _drop_target(self, pid: int, why: str, exited: bool = False) -> None:
         t = self.targets.pop(pid, None)
-        self.probes.detach(pid)
+        # an exited process makes no more hits: its links may close in the background
+        self.probes.detach(pid, wait=not exited)
         if self.governor is not None:
             self.governor.forget(pid)
         if self.gpu is not None:
             self.gpu.forget(pid)
+        self.sample_rate.forget(pid)
         if t is None:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
@@ -556,7 +621,7 @@ class Recorder:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 status = f"exit status {self.launched.proc.wait(2)}"
         self._target_row(t, "exit", status)
-        self._drop_target(pid, status or "exited")
+        self._drop_target(pid, status or "exited", exited=True)
 
     # events -----------------------------------------------------------------------------------
     def _on_event(self, raw: bytes) -> None:
@@ -649,6 +714,7 @@ class Recorder:
                 self.probes.detach_probes(ev.pid)
                 t.attached.clear()
             self.probes.forget_live(t.info.pid, t.table.live_addresses())
+            self.probes.forget_mappings(t.info.pid)
             t.table.clear()
             t.vm = VmClassifier()
             self.probes.detach_gpu(ev.pid)       # the new image maps its own CUDA, if any
@@ -734,6 +800,9 @@ class Recorder:
         s = sample_process(t.info.pid)
         b = s.breakdown
         t.vm.learn_regions(b.regions)
+        if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
+            t.reconciled = t.drops[2]
+            t.table.keep_mapped([(r[0], r[1]) for r in b.regions])
         heap_live, arena_live, live_var = _live_by_region(t.table, b.regions)
         arenas += [{"ts": now, "recording_id": self.recording_id, "host": self.host, **r}
                    for r in arena_rows(t.info.pid, b.regions, t.table)]
@@ -751,12 +820,13 @@ class Recorder:
             "heap_arena_live_stderr_bytes": live_var ** 0.5,
             "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
             "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
-            "lost_events": t.drops[0], "dropped_samples": t.drops[1],
+            "lost_events": t.drops[0], "dropped_samples": t.drops[1], "vm_events_suppressed": t.drops[2],
+            "sample_mean_bytes": self.sample_mean(t.info.pid),
             "stack_collisions": self.stacks.collisions,
             "tier": t.tier, "alloc_coverage": t.coverage,
             "probe_hits_per_s": t.hit_rate if t.tier == ATTACH else None,
-            "probe_cpu_estimate": (t.hit_rate * self._cost_ns * 1e-9
-                                   if t.tier == ATTACH and self._cost_ns else None),
+            "probe_cpu_estimate": (t.hit_rate * self.governor.cost(t.info.pid) * 1e-9
+                                   if t.tier == ATTACH and self.governor is not None else None),
             **(self.gpu.process_columns(t.info.pid, t.table) if self.gpu is not None else {}),
         }
 
@@ -794,6 +864,7 @@ class Recorder:
             "stacks_complete": self._complete,
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
+            "vm_events_suppressed": d[C_VM_SUPPRESSED],
             "sampled_faults": d[C_FAULTS], "cuda_calls": d[C_CUDA_CALLS],
         }])
         self._events = 0
@@ -842,7 +913,7 @@ class Recorder:
             for pid in list(self.targets):
                 t = self.targets[pid]
                 self._target_row(t, "detach", "recording ended")
-                self._drop_target(pid, "recording ended")
+                self._drop_target(pid, "recording ended", exited=True)     # nothing reads on
             self._write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:
             if getattr(self, "gpu", None) is not None:

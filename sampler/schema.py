@@ -11,6 +11,21 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
+# The values of the `source` columns: defined in sampler/sources.py (no pyarrow: the CLI needs them at start-up)
+from .sources import (  # noqa: F401  (re-exported)
+    CUDA,
+    CUDA_DRIVER,
+    CUDA_DRIVER_HOST,
+    CUDA_HOST,
+    DEVICE_SOURCES,
+    FAULT,
+    GPU_SOURCES,
+    HOST_SOURCES,
+    MALLOC,
+    MMAP,
+    TORCH,
+)
+
 SCHEMA_VERSION = 4
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
@@ -24,6 +39,8 @@ SCHEMA_VERSION = 4
 #   GPU memory: `outstanding.source` `cuda`, `cuda-host`, `cuda-driver`, `cuda-driver-host`
 #   (every CUDA call, exact) and `torch` (sampled tensors); tables `gpu_events` and `gpu`;
 #   processes.gpu_*; recordings.gpu_status; recorder.cuda_calls.
+#   Later, compatible: per-process sampling means (processes.sample_mean_bytes; targets event
+#   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed).
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -182,6 +199,16 @@ PROCESSES = Table(
                                               "was full (cumulative): estimates are low by about this "
                                               "many samples."),
         Column("stack_collisions", pa.int64(), "Distinct stacks that hashed to one id (cumulative; expected 0)."),
+        Column("vm_events_suppressed", pa.int64(), "Unsampled syscall events (mmap, munmap, brk, madvise, "
+                                                   "mprotect) not sent because the process was over its "
+                                                   "budget per second (cumulative). Unmaps of sampled "
+                                                   "mappings are always sent; other unseen unmaps are "
+                                                   "reconciled with /proc/PID/maps at the snapshot."),
+        Column("sample_mean_bytes", pa.int64(), "The process's sampling mean now: the recording's mean "
+                                                "times a power of two, raised when its samples come faster "
+                                                "than the cap and lowered by a pre-OOM capture. Weights "
+                                                "carry the mean they were drawn with, so estimates stay "
+                                                "unbiased across changes."),
         Column("tier", STR, "How the process is recorded now: `attach` (uprobes on its allocator), "
                             "`preload` (its own otel_memory USDT samples), `rss` (always-on: sampled "
                             "page faults) or `syscalls` (mmap/brk only)."),
@@ -192,7 +219,9 @@ PROCESSES = Table(
         Column("probe_hits_per_s", pa.float64(), "Allocator probe hits per second in the interval "
                                                  "(attach tier; the cost the target pays)."),
         Column("probe_cpu_estimate", pa.float64(), "Estimated CPU the probes cost the process, as a "
-                                                   "fraction of one CPU (hits x calibrated cost per hit)."),
+                                                   "fraction of one CPU (hits x the calibrated cost per hit, which "
+                                                   "grows with the other targets probed on the same "
+                                                   "library: each hit runs their links too)."),
         Column("gpu_used_bytes", pa.int64(), "GPU memory the driver (NVML) says the process uses, summed over "
                                              "devices; null without NVML or for a process without CUDA."),
         Column("gpu_reserved_bytes", pa.float64(), "Outstanding device memory from the traced CUDA calls: the "
@@ -244,6 +273,7 @@ TARGETS = Table(
         Column("pid", pa.int32(), "Process id."),
         Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `tier` (the process "
                              "changed tier; detail says why), `governor` (duty-cycle changes), "
+                             "`sampling` (its sampling mean changed: detail gives the mean and why), "
                              "`select` (daemon: the target rule that selected the process and its "
                              "tier) or `pre_oom` (daemon: the process neared its cgroup memory limit; "
                              "detail raised for a window, snapshot taken)."),
@@ -283,6 +313,8 @@ RECORDER = Table(
         Column("stacks_complete", pa.int64(), "Of those, the ones whose walk reached the thread's entry."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
+        Column("vm_events_suppressed", pa.int64(), "Unsampled syscall events that BPF did not send in the "
+                                                   "interval (processes over their budget per second)."),
         Column("sampled_faults", pa.int64(), "Page-fault samples of targets in the interval (always-on tier)."),
         Column("cuda_calls", pa.int64(), "CUDA runtime and driver calls traced in the interval."),
     ),
@@ -298,7 +330,9 @@ RECORDINGS = Table(
         Column("ended", TS, "End of the recording, null while it runs or if it was killed."),
         Column("schema_version", pa.int32(), "Version of this schema."),
         Column("sampler_version", pa.string(), "allocsampler version."),
-        Column("sample_mean_bytes", pa.int64(), "Mean bytes between samples (T)."),
+        Column("sample_mean_bytes", pa.int64(), "Mean bytes between samples (T); a process's own mean "
+                                                "may be a power-of-two multiple of it "
+                                                "(processes.sample_mean_bytes)."),
         Column("interval_s", pa.float64(), "Snapshot interval."),
         Column("probe_mode", STR, "`session` (uprobe_multi sessions: return probe only for sampled "
                                   "calls) or `perf` (classic uprobes/uretprobes)."),

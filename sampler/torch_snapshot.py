@@ -34,7 +34,18 @@ from pathlib import Path
 from . import __version__
 from .dataset_writer import DatasetWriter
 from .errors import UsageError
-from .schema import FRAMES, OUTSTANDING, PROCESSES, RECORDINGS, SCHEMA_VERSION, STACKS, TARGETS
+from .schema import (
+    CUDA,
+    CUDA_DRIVER,
+    FRAMES,
+    OUTSTANDING,
+    PROCESSES,
+    RECORDINGS,
+    SCHEMA_VERSION,
+    STACKS,
+    TARGETS,
+    TORCH,
+)
 
 SEGMENT_ADD = ("segment_alloc", "segment_map")
 SEGMENT_REMOVE = ("segment_free", "segment_unmap")
@@ -145,13 +156,13 @@ def _final_state(snap: dict, stacks: _Stacks) -> _State:
         expandable = bool(seg.get("is_expandable"))
         seg_sid = stacks.intern(seg.get("frames") or [])
         st.segments[(dev, base)] = _Item(int(seg.get("total_size", 0)), seg_sid,
-                                         "cuda-driver" if expandable else "cuda")
+                                         CUDA_DRIVER if expandable else CUDA)
         addr = base
         for b in seg.get("blocks", []):
             size = int(b.get("size", 0))
             a = int(b.get("address", addr))
             if b.get("state") == "active_allocated":
-                st.blocks[(dev, a)] = _Item(size, stacks.intern(_block_frames(b)), "torch")
+                st.blocks[(dev, a)] = _Item(size, stacks.intern(_block_frames(b)), TORCH)
             addr = a + size
     return st
 
@@ -187,13 +198,13 @@ def _apply(st: _State, stacks: _Stacks, dev: int, e: dict, undo: bool, frees: st
     table = st.blocks if action in ("alloc", frees) else st.segments
     if table is st.blocks:
         if add:
-            table[key] = _Item(size, stacks.intern(e.get("frames") or []), "torch")
+            table[key] = _Item(size, stacks.intern(e.get("frames") or []), TORCH)
         else:
             table.pop(key, None)
         return
     # segments: an expandable segment maps and unmaps ranges inside its reservation
     expandable = action in ("segment_map", "segment_unmap")
-    source = "cuda-driver" if expandable else "cuda"
+    source = CUDA_DRIVER if expandable else CUDA
     if add:
         if key not in table and _segment_of(st, dev, addr) is None:
             table[key] = _Item(size, stacks.intern(e.get("frames") or []), source)

@@ -200,3 +200,43 @@ def final_by_site(out: Path, pid: int, source: str = "malloc") -> pd.DataFrame:
     frames = read_table(out, "frames")
     top = frames[frames["depth"] == 0][["stack_id", "function"]].drop_duplicates("stack_id")
     return df.merge(top.rename(columns={"function": "site_fn"}), on="stack_id", how="left")
+
+
+# -- recordings of the leaky driver that several modules only read ---------------------------------
+# Each recording costs a BPF compile (~11 CPU-s) and its workload: test_pprof, test_querying and
+# test_diff share these two, recorded once per session. Tests must not write into them (exports go
+# to the test's own tmp_path); teardown checks that nothing there changed.
+
+def _tree(root: Path) -> list[tuple[str, int, int]]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="session")
+def leaky(tmp_path_factory, leaky_lib, bpf_ready):
+    """Phase 1: leak_malloc leaks 32 MiB, churn churns 32 MiB; phase 2 (after boundaries[0]):
+    leak_calloc leaks 16 MiB. The baseline of test_diff."""
+    from test_pprof import record_leaky
+    r = record_leaky(tmp_path_factory.mktemp("leaky_rec") / "rec", leaky_lib, [
+        [("leak_malloc", 8192, 4096), ("churn", 8192, 4096)],
+        [("leak_calloc", 256, 65536)],
+    ])
+    r.truth["churn"] = 8192 * 4096
+    before = _tree(r.out)
+    yield r
+    assert _tree(r.out) == before, "a test wrote into the shared recording"
+
+
+@pytest.fixture(scope="session")
+def leaky_grown(tmp_path_factory, leaky_lib, bpf_ready):
+    """`leaky` grown, test_diff's new run and test_querying's second host: leak_malloc leaks
+    128 MiB (4x), leak_posix_memalign 16 MiB (new), leak_calloc nothing (gone), the same churn."""
+    from test_pprof import record_leaky
+    r = record_leaky(tmp_path_factory.mktemp("leaky_grown") / "rec", leaky_lib, [[
+        ("leak_malloc", 32768, 4096),
+        ("leak_posix_memalign", 1024, 64, 16384),
+        ("churn", 8192, 4096),
+    ]])
+    r.truth["churn"] = 8192 * 4096
+    before = _tree(r.out)
+    yield r
+    assert _tree(r.out) == before, "a test wrote into the shared recording"

@@ -605,11 +605,9 @@ def test_burst_is_governed_and_the_daemon_keeps_its_cpu_budget(daemon, bins):
     seconds, after which it pays what it pays unprobed; the daemon stays within its CPU budget
     (CPU_PERCENT of a CPU, a token bucket) over the burst, losing events rather than CPU when it must.
 
-    The burst target is the only attach-tier target here. With other attach-tier processes on the
-    same libc, each probed call of every target costs far more than the calibrated cost per hit
-    (measured on Linux 6.18: 70-230 us of CPU per malloc/free pair instead of ~2 us, with plain
-    `allocsampler record` as well), and the governor, which estimates hits x calibrated cost, does
-    not see it: a known limit of the attach tier (see the daemon's report)."""
+    The burst target is the only attach-tier target here: a hit also runs the links of other
+    targets on the same libc (~35-85 ns each, calibrated and priced by the governor; see
+    scripts/bench_targets.py)."""
     for t in daemon.targets:
         t.kill()
     wait_for(lambda: not daemon.status()["targets"], 30, "the earlier targets to be finalized")
@@ -666,8 +664,21 @@ def test_pre_oom_capture(daemon, bins):
         assert t.line() == "held"
         rows = wait_for(lambda: [d for e, d in daemon.events(t.pid) if e == "pre_oom"], 30, "a pre_oom row")
         assert "limit" in rows[0] and "threshold 50%" in rows[0], rows
+        # pre_oom_sample_bytes (64K by default) against the daemon's 512K: the mean / 8 meanwhile
+        assert "sampled at a 65536 byte mean" in rows[0], rows
         wait_for(lambda: any("window over" in d for e, d in daemon.events(t.pid) if e == "pre_oom"), 20,
                  "the end of the window")
+
+        def means() -> list[int]:
+            p = daemon.table("processes")
+            return list(p[p["pid"] == t.pid].sort_values("ts")["sample_mean_bytes"])
+        # the snapshot taken at the start of the window shows the lowered mean; later ones the
+        # daemon's own again (the window is 3 s, snapshots every 2 s)
+        seen = wait_for(lambda: (m := means()) and 65536 in m and m[-1] == 512 << 10 and m, 20,
+                        "snapshots with the lowered mean, then the daemon's own")
+        assert seen.index(65536) < len(seen) - 1, seen
+        changes = [d for e, d in daemon.events(t.pid) if e == "sampling"]
+        assert any("65536 bytes (pre-OOM capture)" in d for d in changes), changes
         lines = [ln for ln in daemon.log().splitlines() if f"pre-OOM: pid {t.pid}" in ln]
         print(f"\n[pre-OOM] {lines}")
         assert len(lines) == 2, lines
@@ -714,13 +725,17 @@ def test_storm_of_short_lived_processes(daemon, bins):
     with contextlib.suppress(AssertionError):      # exit rows reach the disk with the next interval
         wait_for(lambda: (r := rows())[0] == r[1], 10, "an exit row for every recorded storm process")
     seen, exited = rows()
+    with contextlib.suppress(AssertionError):      # links of exited processes close in the background
+        wait_for(lambda: fd_kinds(daemon.pid) == fds0, 30, "every probe link closed")
     fds1 = fd_kinds(daemon.pid)
     rss1 = memory(daemon.pid)
     print(f"\n[storm] {len(seen)} of 200 recorded ({len(exited)} exits written), peak {peak} targets at once; "
           f"probe fds {fds0} -> {fds1}; RSS {rss0[0] / MiB:.0f} -> {rss1[0] / MiB:.0f} MiB "
           f"(less shared LLVM pages: {rss0[1] / MiB:.0f} -> {rss1[1] / MiB:.0f} MiB)")
     assert daemon.alive()
-    assert len(seen) >= 20 and exited == seen, (len(seen), seen - exited)
+    # attaching takes a few ms and the links of exited processes close in the background (each
+    # close waits ~35 ms for the kernel): the daemon keeps up with 25 new processes per second
+    assert len(seen) >= 150 and exited == seen, (len(seen), seen - exited)
     assert fds1 == fds0, (fds0, fds1)
     # bounded: under max_rss (less what other processes keep resident), and the storm left nothing
     assert rss1[1] <= 256 * MiB and rss1[0] - rss0[0] <= 24 * MiB, (rss0, rss1)

@@ -82,3 +82,18 @@ def test_duty_is_rounded_down_so_the_budget_is_a_ceiling():
     g = governor()
     simulate(g, 30, 30_000, 10_000)        # (3% - 1%) / 3% = 0.666.. -> 0.66
     assert g.states[1].duty == 0.66
+
+
+def test_links_of_other_targets_on_the_same_library_are_priced():
+    """2% of a CPU alone; with 20 other targets' links at 35 ns each, every hit costs 1.7 us:
+    3.4%, over the budget."""
+    g = Governor(budget=0.03, cost_ns=1000, seed=7, link_ns=35)
+    g.add(1, 0.0)
+    g.sharing(1, 20)
+    assert g.cost(1) == pytest.approx(1700)
+    _, _, actions = simulate(g, 60, 10_000, 10_000)
+    st = g.states[1]
+    assert st.level == DUTY and "1.70 us" in actions[0].reason
+    assert st.duty == pytest.approx((0.03 - 0.017) / 0.017, abs=0.05)
+    g.sharing(1, 0)                       # the others left: the price falls back
+    assert g.cost(1) == 1000

@@ -3,6 +3,7 @@ format, the cardinality cap, and a real server on an ephemeral port."""
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 import shutil
 import socket
@@ -13,9 +14,13 @@ import urllib.request
 
 import pytest
 
+from sampler.config import Config
+from sampler.cuda import GpuTracer, _GpuTarget
+from sampler.daemon import Daemon
 from sampler.errors import EnvironmentProblem
 from sampler.metrics import (
     CONTENT_TYPE,
+    DeviceMetrics,
     Estimate,
     MetricsServer,
     MetricsState,
@@ -23,6 +28,9 @@ from sampler.metrics import (
     RecorderHealth,
     render,
 )
+from sampler.nvml import DeviceMemory, NvmlSample
+from sampler.outstanding import ProcessTable
+from sampler.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
@@ -38,14 +46,21 @@ FAMILIES = {
     "allocsampler_process_outstanding_bytes": ("gauge", ("pid", "comm", "source")),
     "allocsampler_process_outstanding_stderr_bytes": ("gauge", ("pid", "comm", "source")),
     "allocsampler_process_arena_bloat_bytes": ("gauge", ("pid", "comm")),
+    "allocsampler_process_sample_mean_bytes": ("gauge", ("pid", "comm")),
     "allocsampler_process_gpu_memory_bytes": ("gauge", ("pid", "comm", "kind")),
+    "allocsampler_process_gpu_memory_stderr_bytes": ("gauge", ("pid", "comm", "kind")),
     "allocsampler_processes_omitted": ("gauge", ()),
+    "allocsampler_gpu_memory_total_bytes": ("gauge", ("device",)),
+    "allocsampler_gpu_memory_used_bytes": ("gauge", ("device",)),
+    "allocsampler_gpu_memory_reserved_bytes": ("gauge", ("device",)),
+    "allocsampler_gpu_processes": ("gauge", ("device",)),
     "allocsampler_targets": ("gauge", ("tier",)),
     "allocsampler_events_total": ("counter", ()),
     "allocsampler_lost_events_total": ("counter", ()),
     "allocsampler_samples_total": ("counter", ()),
     "allocsampler_dropped_samples_total": ("counter", ()),
     "allocsampler_vm_events_dropped_total": ("counter", ()),
+    "allocsampler_vm_events_suppressed_total": ("counter", ()),
     "allocsampler_live_table_fill_ratio": ("gauge", ()),
     "allocsampler_live_table_entries": ("gauge", ()),
     "allocsampler_cpu_seconds_total": ("counter", ()),
@@ -153,26 +168,31 @@ def sample_state() -> MetricsState:
                        growth_bytes_per_second=12345.5,
                        outstanding={"malloc": Estimate(1.5e9, 2.5e7), "mmap": Estimate(4e8, 1e6)},
                        arena_bloat_bytes=2e8, gpu_memory_bytes={"used": 8 << 30, "reserved": 6e9},
-                       memory_limit_bytes=16 << 30),
+                       memory_limit_bytes=16 << 30, sample_mean_bytes=4 << 20),
         ProcessMetrics(pid=202, comm=WEIRD_COMM, tier="rss", rss_bytes=1 << 20,
                        outstanding={"fault": Estimate(5e5, 1e5)}),
         ProcessMetrics(pid=303, comm="bad\udcffname", tier="preload", rss_bytes=7),
     ])
-    state.add_interval(events=1000, lost_events=3, samples=50, dropped_samples=1, vm_events_dropped=2)
-    state.add_interval(events=500, samples=25)
+    state.add_interval(events=1000, lost_events=3, samples=50, dropped_samples=1, vm_events_dropped=2,
+                       vm_events_suppressed=70_000)
+    state.add_interval(events=500, samples=25, vm_events_suppressed=30_000)
     state.update_health(live_entries=2500, live_capacity=10000, cpu_seconds_total=12.25,
                         resident_memory_bytes=150 << 20, targets={"attach": 1, "rss": 1, "preload": 1},
                         last_snapshot_timestamp=1_700_000_600.5, dataset_bytes=1 << 30, writing_paused=True)
     return state
 
 
-def test_render_is_strict_exposition_format():
-    fams = parse(render(sample_state()))
+def assert_published(fams: dict) -> None:
+    """Exactly the published families, each sample with exactly its family's labels."""
     assert {n: (f["type"], f["help"] is not None) for n, f in fams.items()} == \
         {n: (t, True) for n, (t, _) in FAMILIES.items()}
     for name, f in fams.items():
         for key in f["samples"]:
             assert tuple(k for k, _ in key) == tuple(sorted(FAMILIES[name][1])), (name, key)
+
+
+def test_render_is_strict_exposition_format():
+    assert_published(parse(render(sample_state())))
 
 
 def test_render_values_and_escaping():
@@ -195,6 +215,9 @@ def test_render_values_and_escaping():
     assert value(fams, "allocsampler_events_total") == 1500
     assert value(fams, "allocsampler_lost_events_total") == 3
     assert value(fams, "allocsampler_samples_total") == 75
+    assert value(fams, "allocsampler_vm_events_suppressed_total") == 100_000
+    assert value(fams, "allocsampler_process_sample_mean_bytes", pid="101", comm="python3") == 4 << 20
+    assert len(series(fams, "allocsampler_process_sample_mean_bytes")) == 1
     assert value(fams, "allocsampler_live_table_fill_ratio") == 0.25
     assert value(fams, "allocsampler_cpu_seconds_total") == 12.25
     assert value(fams, "allocsampler_writing_paused") == 1
@@ -202,6 +225,69 @@ def test_render_values_and_escaping():
     # every tier has a series, so "no target in tier X" is a 0 and not a missing series
     assert series(fams, "allocsampler_targets") == {
         (("tier", "attach"),): 1, (("tier", "preload"),): 1, (("tier", "rss"),): 1, (("tier", "syscalls"),): 0}
+
+
+def _processes_row(pid: int, comm: str, now: dt.datetime, tracer: GpuTracer, table: ProcessTable) -> dict:
+    """A `processes` row as Recorder._process_row builds it: every schema column (the ones these
+    tests do not need are null), the GPU ones from GpuTracer.process_columns."""
+    row = dict.fromkeys(c.name for c in PROCESSES.columns)
+    row.update(ts=now, recording_id="r1", host="h", pid=pid, comm=comm, rss=5 << 30, tier="attach",
+               memory_limit=64 << 30, **tracer.process_columns(pid, table))
+    assert set(row) == {c.name for c in PROCESSES.columns}
+    return row
+
+
+def test_gpu_metrics_from_recorder_rows():
+    """The daemon publishes the GPU columns of the recorder's `processes` rows and its `gpu` device
+    rows, per process and per device; unknown (null) values are no series."""
+    tracer = GpuTracer(probes=None)
+    tracer.last = NvmlSample(           # what GpuTracer.sample() keeps of an NVML sample
+        devices=[DeviceMemory(0, "GPU-aaaa", "NVIDIA H100", 80 << 30, 9 << 30, 512 << 20, 2),
+                 DeviceMemory(1, "GPU-bbbb", "NVIDIA H100", 80 << 30, 0, None, 0)],
+        used_by_pid={101: 7 << 30}, pids={101})
+    tracer.targets[101] = _GpuTarget(cuda=True, torch=True)
+    table = ProcessTable()
+    table.gpu_alloc(CUDA, 0x10000, 2 << 30, 1, 1)
+    table.gpu_alloc(CUDA_DRIVER, 0x10000, 3 << 30, 1, 1)
+    table.gpu_alloc(CUDA_HOST, 0x20000, 256 << 20, 2, 1)
+    table.alloc(0x30000, 1 << 20, float(4 << 20), 3, 1, TORCH)         # one sampled tensor
+    torch_bytes, torch_se = table.totals(TORCH)
+    assert torch_se > 0
+
+    now = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    base = {"ts": now, "recording_id": "r1", "host": "h"}
+    daemon = Daemon(Config(targets=()), "")
+    daemon.metrics = MetricsState()
+    daemon.observe(PROCESSES, [_processes_row(101, "python3", now, tracer, table),
+                               _processes_row(202, "cc1", now, tracer, ProcessTable())])   # no CUDA
+    daemon.observe(GPU, [{**base, **r} for r in tracer.device_rows()])        # as Recorder._snapshot
+    daemon.observe(RECORDER, [{**dict.fromkeys((c.name for c in RECORDER.columns), 0), **base, "interval_s": 10.0}])
+
+    fams = parse(render(daemon.metrics.snapshot()))
+    assert_published(fams)
+    ids = {"pid": "101", "comm": "python3"}
+    assert series(fams, "allocsampler_process_gpu_memory_bytes") == {
+        tuple(sorted({**ids, "kind": k}.items())): v
+        for k, v in (("used", 7 << 30), ("reserved", 3 << 30), ("pinned", 256 << 20), ("allocated", torch_bytes))}
+    assert series(fams, "allocsampler_process_gpu_memory_stderr_bytes") == {
+        tuple(sorted({**ids, "kind": "allocated"}.items())): torch_se}
+    assert series(fams, "allocsampler_gpu_memory_total_bytes") == {(("device", "0"),): 80 << 30,
+                                                                    (("device", "1"),): 80 << 30}
+    assert series(fams, "allocsampler_gpu_memory_used_bytes") == {(("device", "0"),): 9 << 30, (("device", "1"),): 0}
+    assert series(fams, "allocsampler_gpu_memory_reserved_bytes") == {(("device", "0"),): 512 << 20}
+    assert series(fams, "allocsampler_gpu_processes") == {(("device", "0"),): 2, (("device", "1"),): 0}
+
+    # the next interval without NVML (no `gpu` rows): the device series go, they do not linger
+    daemon.observe(RECORDER, [{**dict.fromkeys((c.name for c in RECORDER.columns), 0), **base, "interval_s": 10.0}])
+    assert series(parse(render(daemon.metrics.snapshot())), "allocsampler_gpu_memory_total_bytes") == {}
+
+
+def test_closed_gpu_labels():
+    with pytest.raises(ValueError, match="GPU"):
+        ProcessMetrics(pid=1, comm="x", tier="attach", rss_bytes=0, gpu_memory_stderr_bytes={"gpu0": 1})
+    state = MetricsState()
+    state.set_devices([DeviceMetrics(index=3, total_bytes=1, used_bytes=1), DeviceMetrics(3, 2, 2)])
+    assert series(parse(render(state)), "allocsampler_gpu_memory_used_bytes") == {(("device", "3"),): 2}
 
 
 def test_empty_state_renders():

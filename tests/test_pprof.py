@@ -149,14 +149,9 @@ def record_leaky(out: Path, lib: Path, phases: list[list[tuple]]) -> Recorded:
     return Recorded(out, w.pid, truth, boundaries)
 
 
-@pytest.fixture(scope="module")
-def leaky(tmp_path_factory, leaky_lib, bpf_ready) -> Recorded:
-    r = record_leaky(tmp_path_factory.mktemp("pprof") / "rec", leaky_lib, [
-        [("leak_malloc", 8192, 4096), ("churn", 8192, 4096)],       # 32 MiB held, 32 MiB churned
-        [("leak_calloc", 256, 65536)],                              # 16 MiB held, after the boundary
-    ])
-    r.truth["churn"] = 8192 * 4096
-    return r
+# The tests below read the session's `leaky` recording (conftest.py, shared with test_querying and
+# test_diff): leak_malloc 32 MiB held and churn 32 MiB churned, then, after boundaries[0],
+# leak_calloc 16 MiB held.
 
 
 def export(*args: str) -> subprocess.CompletedProcess:

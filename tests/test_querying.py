@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_pprof import Recorded, record_leaky
+from test_pprof import Recorded
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "querying.md"
 FUNCTION = "leak_malloc"
@@ -41,13 +41,14 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, leaky_lib, bpf_ready) -> Fleet:
+def fleet(tmp_path_factory, leaky, leaky_grown) -> Fleet:
+    """The session's shared recordings (conftest.py), read in place: `leaky` as DIR (leak_malloc
+    32 MiB and leak_calloc 16 MiB held, 32 MiB churned) and `leaky_grown` (leak_malloc 128 MiB,
+    leak_posix_memalign 16 MiB held) as a second host, linked under one FLEET directory."""
     root = tmp_path_factory.mktemp("fleet")
-    a = record_leaky(root / "a", leaky_lib, [[("leak_malloc", 8192, 4096), ("churn", 8192, 4096)],   # 32 MiB held
-                                             [("leak_calloc", 256, 65536)]])                         # 16 MiB held
-    a.truth["churn"] = 8192 * 4096
-    b = record_leaky(root / "b", leaky_lib, [[("leak_malloc", 2048, 4096), ("leak_posix_memalign", 512, 64, 16384)]])
-    return Fleet(root, a, b)
+    (root / "a").symlink_to(leaky.out, target_is_directory=True)
+    (root / "b").symlink_to(leaky_grown.out, target_is_directory=True)
+    return Fleet(root, leaky, leaky_grown)
 
 
 def run_python(code: str) -> pd.DataFrame:

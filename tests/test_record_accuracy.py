@@ -27,6 +27,20 @@ def _check(df, site: str, truth: float, rel: float = 0.25) -> None:
     assert abs(est - truth) <= 4.5 * se, f"{site}: error {abs(est - truth) / MiB:.1f} MiB > 4.5 x stderr {se / MiB:.1f}"
 
 
+def _check_z_scores(df, truth: dict[str, float], min_samples: int) -> np.ndarray:
+    """Independent sites: the z-scores of their estimates against the truth have mean ~0 and
+    spread ~1 if estimates and errors are honest."""
+    z = []
+    for site, t in truth.items():
+        est, se, n = _estimate(df, site)
+        assert n > min_samples, f"{site}: only {n} samples"
+        z.append((est - t) / se)
+    z = np.array(z)
+    assert abs(z.mean()) < 3 / np.sqrt(len(z)), f"biased: z = {np.round(z, 2)}"
+    assert 0.4 < z.std(ddof=1) < 1.8, f"stderr mis-stated: z = {np.round(z, 2)}"
+    return z
+
+
 @pytest.mark.parametrize("mode", ["session", "perf"])
 def test_leaks_are_estimated_and_churn_is_not(mode, workload, record):
     w = workload()
@@ -118,15 +132,7 @@ def test_estimates_are_unbiased_within_their_stderr(workload, record):
     assert code == 0, err
     from analysis.dataset import read_table
     assert read_table(rec.out, "recorder")["lost_events"].sum() == 0
-    df = final_by_site(rec.out, w.pid)
-    z = []
-    for site, t in truth.items():
-        est, se, n = _estimate(df, site)
-        assert n > 20, f"{site}: only {n} samples"
-        z.append((est - t) / se)
-    z = np.array(z)
-    assert abs(z.mean()) < 3 / np.sqrt(len(z)), f"biased: z = {np.round(z, 2)}"
-    assert 0.4 < z.std(ddof=1) < 1.8, f"stderr mis-stated: z = {np.round(z, 2)}"
+    _check_z_scores(final_by_site(rec.out, w.pid), truth, min_samples=20)
 
 
 @pytest.mark.parametrize("library,family", [("libjemalloc.so.2", "jemalloc"),
@@ -146,3 +152,27 @@ def test_preloaded_allocators_are_found_and_probed(library, family, workload, re
     df = final_by_site(rec.out, w.pid)
     _check(df, "leak_malloc", truth - 1024 * 2048)
     assert _estimate(df, "churn")[0] <= 2 * MiB
+
+
+def test_a_capped_sample_rate_stays_unbiased(workload, record):
+    """A 16 KiB mean and a cap of 400 samples/s: each burst of allocations raises the process's
+    mean (a power of two, in BPF) and each pause lowers it again. Every sample carries the mean it
+    was drawn with, so the 16 sites' estimates must still match their truth within their errors."""
+    w = workload()
+    rec = record("--pid", str(w.pid), "-i", "1", "--sample-bytes", "16K", "--max-samples-per-s", "400")
+    rec.wait_attached()
+    truth = {}
+    for k in range(16):
+        truth[f"site_{k}"] = w.call("run_site", k, 1200, 101 + k)      # ~40 MiB per site
+        time.sleep(0.3 if k % 2 else 1.2)        # short and long pauses: the mean goes up and down
+    rec.wait_snapshot(time.time() + 1.5)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    from analysis.dataset import read_table
+    assert read_table(rec.out, "recorder")["lost_events"].sum() == 0
+    events = read_table(rec.out, "targets")
+    changes = [str(d) for d in events[events["event"] == "sampling"]["detail"]]
+    raised = [c for c in changes if "over the cap" in c]
+    assert len(raised) >= 2 and len(changes) > len(raised), changes     # up, and down again
+    z = _check_z_scores(final_by_site(rec.out, w.pid), truth, min_samples=10)
+    print(f"\n[capped] {len(changes)} mean changes; z = {np.round(z, 2)}")
