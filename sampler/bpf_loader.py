@@ -175,6 +175,8 @@ class BpfProbes:
         self._ensure_hits(pid)
         tab = self.bpf["pid_hits"]
         with contextlib.suppress(KeyError):
+            # read-modify-write of every CPU's entry: hits counted in between are lost, a few
+            # out of the governor's per-second rates
             vs = tab[key]
             for v in vs:
                 v.shift = shift
