@@ -118,7 +118,14 @@ def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | No
     # over the tail rather than one step (a single large block allocated once is not a leak)
     tail_steps = np.diff(y[tail])
     tail_growth = y[tail[-1]] - y[tail[0]]
-    one_step = tail_steps.max(initial=0.0) > (0.5 if len(tail_steps) >= 5 else 0.8) * tail_growth
+    one_step = False
+    if len(tail_steps) and tail_growth > 0:
+        k = int(np.argmax(tail_steps))
+        # one step holds most of the tail's growth, and came faster than the tail's average pace
+        # (a step that only spans a late, long interval is the same pace, not one block)
+        pace = tail_growth / (t[tail[-1]] - t[tail[0]])
+        one_step = (tail_steps[k] > (0.5 if len(tail_steps) >= 5 else 0.8) * tail_growth
+                    and tail_steps[k] / (t[tail[k + 1]] - t[tail[k]]) > 1.5 * pace)
     if tail_z < tail_z_min or tail_beta < 0.5 * growth / (t[-1] - t[0]) or one_step:
         return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
     # the rate: over the whole window, or over its last half when growth started late
