@@ -287,31 +287,17 @@ class Discovery:
 def cgroup_memory_levels(pid: int) -> list[tuple[str, int]]:
     """(usage file, limit) of each cgroup from the process's own up to the root that has a memory
     limit: v2 memory.current/memory.max, else v1 memory.usage_in_bytes/limit_in_bytes."""
-    from .procmetrics import _cgroup_dir, _mem_total
+    from .procmetrics import _mem_total, cgroup_limit_dirs
 
     host = _mem_total()
     for fstype, limit_file, usage_file in (("cgroup2", "memory.max", "memory.current"),
                                            ("cgroup", "memory.limit_in_bytes", "memory.usage_in_bytes")):
         try:
-            where = _cgroup_dir(pid, fstype)
+            dirs = cgroup_limit_dirs(pid, fstype, limit_file)
         except (ProcessLookupError, OSError, ValueError):
             return []
-        if where is None:
-            continue
-        mount, d = where
-        out = []
-        while True:
-            try:
-                with open(os.path.join(d, limit_file)) as f:
-                    raw = f.read().strip()
-                limit = None if raw == "max" else int(raw)
-            except (OSError, ValueError):
-                limit = None
-            if limit is not None and 0 < limit < host and os.path.exists(os.path.join(d, usage_file)):
-                out.append((os.path.join(d, usage_file), limit))
-            if d == mount or not d.startswith(mount):
-                break
-            d = os.path.dirname(d)
+        out = [(os.path.join(d, usage_file), limit) for d, limit in dirs
+               if 0 < limit < host and os.path.exists(os.path.join(d, usage_file))]
         if out:
             return out
     return []

@@ -71,21 +71,27 @@ def _mem_total() -> int:
 
 def _cgroup_limits(pid: int, fstype: str, limit_file: str) -> list[int]:
     """Finite limits in `limit_file` from the process's cgroup up to the mount's root."""
+    return [limit for _, limit in cgroup_limit_dirs(pid, fstype, limit_file)]
+
+
+def cgroup_limit_dirs(pid: int, fstype: str, limit_file: str) -> list[tuple[str, int]]:
+    """(cgroup directory, limit) of each cgroup from the process's own up to the mount's root
+    whose `limit_file` holds a finite limit (a missing or unreadable file: none there)."""
     directory = _cgroup_dir(pid, fstype)
     if directory is None:
         return []
     mount_point, cgroup_dir = directory
-    limits = []
+    out = []
     while True:
         try:
             with open(os.path.join(cgroup_dir, limit_file)) as f:
                 value = f.read().strip()
-        except FileNotFoundError:  # the root cgroup, or no memory controller here
-            value = "max"
-        if value != "max":
-            limits.append(int(value))
-        if cgroup_dir == mount_point:
-            return limits
+            if value != "max":
+                out.append((cgroup_dir, int(value)))
+        except (OSError, ValueError):  # the root cgroup, or no memory controller here
+            pass
+        if cgroup_dir == mount_point or not cgroup_dir.startswith(mount_point):
+            return out
         cgroup_dir = os.path.dirname(cgroup_dir)
 
 
