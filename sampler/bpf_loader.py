@@ -1,4 +1,5 @@
-"""Compiling the BPF programs with bcc and attaching them to targets.
+"""Loading the BPF programs (compiled by bcc, kept by sampler/bpf_object.py) and attaching them
+to targets.
 
 One BPF object holds all programs (bpf/*.c) so that they share the sampled-live table, the
 countdown and the ring buffer. Syscall and sched tracepoints are attached once, host-wide,
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import bpf as bpf_sources
 
-from . import uprobe_multi, usdt, weights
+from . import bpf_object, uprobe_multi, usdt, weights
 from .allocators import AllocatorLib, Fn
+from .bpf_object import PROG_KPROBE, libbcc
 from .errors import EnvironmentProblem
 from .sample_rate import SHIFT_MAX, SHIFT_MIN
 
@@ -37,7 +39,6 @@ USDT_SPECS = 1024
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
-_libbcc = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ProbeConfig:
     ringbuf_bytes: int = 32 << 20   # a burst of sampled stacks (1-16 KiB each) must fit
     mode: str = "auto"            # auto | session | perf
     vm_events_per_s: int = 2000   # unsampled syscall records per process and ~1 s window (0: all)
+    cache_dir: Path | None = None  # compiled programs kept across runs (sampler/bpf_object.py)
 
 
 @dataclass
@@ -78,34 +80,21 @@ def _quiet_stderr():
         os.close(devnull)
 
 
-def _load_libbcc():
-    """A private handle on libbcc, so that our argtypes do not change bcc's own."""
-    lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
-    lib.bpf_attach_uprobe.restype = ctypes.c_int
-    lib.bpf_attach_uprobe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
-                                      ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32]
-    lib.bpf_detach_uprobe.argtypes = [ctypes.c_char_p]
-    lib.bpf_close_perf_event_fd.argtypes = [ctypes.c_int]
-    return lib
-
-
 class BpfProbes:
     def __init__(self, cfg: ProbeConfig):
-        from bcc import BPF  # imported late: slow, and absent on machines that only analyze
-
         self.cfg = cfg
         self.session = cfg.mode == "session" or (cfg.mode == "auto" and uprobe_multi.session_supported())
         # One translation unit: bcc rewrites map operations only in the main file, not in
         # included headers, so common.h is pasted in rather than #included.
         text = "\n".join(bpf_sources.source(s) for s in ("common.h", *SOURCES))
-        pages = max(1, cfg.ringbuf_bytes // os.sysconf("SC_PAGE_SIZE"))
+        page = os.sysconf("SC_PAGE_SIZE")
+        pages = max(1, cfg.ringbuf_bytes // page)
         pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
+        # map sizes are given at load (bpf_object), so they are not compile flags
         cflags = [
             f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
             f"-DSTACK_BYTES={cfg.stack_bytes}",
             f"-DPY_MAX={cfg.py_max}",
-            f"-DLIVE_MAX={cfg.live_max}",
-            f"-DRINGBUF_PAGES={pages}",
             f"-DVM_EVENTS_PER_S={cfg.vm_events_per_s}",
             "-Wno-unused-function",
         ]
@@ -113,17 +102,20 @@ class BpfProbes:
             cflags.append("-DEXIT_HAS_GROUP_DEAD")
         try:
             with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
-                self.bpf = BPF(text=text, cflags=cflags)
+                spec, self.compiled = bpf_object.build(text, cflags, cfg.cache_dir)
         except Exception as e:
             raise EnvironmentProblem(
-                f"could not compile or load the BPF programs ({e}); check kernel headers under "
+                f"could not compile the BPF programs ({e}); check kernel headers under "
                 f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
-        _release_compiler_memory()
+        if self.compiled:
+            _release_compiler_memory()
+        try:
+            self.bpf = bpf_object.BpfObject(spec, {"live": cfg.live_max, "events": pages * page})
+        except OSError as e:
+            raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
         tab = self.bpf["weight_tab"]
         for i, v in enumerate(weights.weight_table()):
             tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
-        global _libbcc
-        _libbcc = _libbcc or _load_libbcc()
         self._targets = self.bpf["targets"]
         self._live = self.bpf["live"]
         self._attached: dict[int, _Attachment] = {}
@@ -131,24 +123,22 @@ class BpfProbes:
         self._usdt_ids: dict[bytes, int] = {}
         self._faults_on = False
         self._seq = 0
-        self._closing: queue.SimpleQueue[int | None] | None = None
-        self._closer: threading.Thread | None = None
+        self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._closers: list[threading.Thread] = []
+        # Programs of the probe mode are loaded now (a kernel that refuses them fails here, with
+        # advice); the rest (perf-mode fallback, USDT, CUDA) when first attached: the verifier
+        # takes ~0.2-0.5 s for each large one.
         try:
-            # usdt_memory: the otel_memory (preload tier) and pytorch probes, told apart by usdt_spec.kind
-            self._usdt_fd, self._cuda_fd = (self.bpf.load_func(
-                name, BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
-                for name in (b"usdt_memory", b"cuda_call"))
+            self.bpf.attach_tracepoints()
             if self.session:
-                self._alloc_fd = self.bpf.load_func(
-                    b"alloc_session", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_SESSION).fd
-                self._free_fd = self.bpf.load_func(
-                    b"free_multi", BPF.KPROBE, attach_type=uprobe_multi.BPF_TRACE_UPROBE_MULTI).fd
-            # perf-mode programs: the mode itself, and the fallback of session mode
-            for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
-                                                  if not n.startswith(("free", "delete"))),
-                         "alloc_return"}:
-                self.bpf.load_func(name.encode(), BPF.KPROBE)
-        except Exception as e:
+                self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
+                                                    uprobe_multi.BPF_TRACE_UPROBE_SESSION)
+                self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            else:
+                for name in {*_PERF_ENTRY.values(), "alloc_return"}:
+                    self.bpf.load_func(name, PROG_KPROBE)
+        except OSError as e:
+            self.bpf.close()
             raise EnvironmentProblem(f"the kernel rejected a BPF program ({e}): this kernel may lack "
                                      "uprobe_multi/session support; try --probe-mode perf") from None
 
@@ -228,22 +218,25 @@ class BpfProbes:
         """Classic uprobe (+ uretprobe for allocation functions) through libbcc, passing
         ref_ctr_offset = 0 explicitly: bcc 0.26's Python binding omits that argument and the
         kernel then sees stack garbage (iovisor/bcc#5236)."""
-        from bcc import BPF
-
         name = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
         probes = [(name, 0, p.file_offset)]
         if not p.fn.frees:
             probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
         for prog, kind, offset in probes:
-            fn = self.bpf.load_func(prog.encode(), BPF.KPROBE)
+            prog_fd = self.bpf.load_func(prog, PROG_KPROBE)
             ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
             self._seq += 1
             with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
-                fd = _libbcc.bpf_attach_uprobe(fn.fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
+                fd = libbcc().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
             if fd < 0:
                 err = ctypes.get_errno() or errno.EINVAL
                 raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
             att.perf.append((fd, ev, not p.fn.frees))
+
+    def _multi_prog(self, name: str) -> int:
+        """usdt_memory (the otel_memory and pytorch probes, told apart by usdt_spec.kind) or
+        cuda_call, loaded for uprobe_multi links."""
+        return self.bpf.load_func(name, PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
 
     def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
         """Attach the preload tier's program to a file's otel_memory probe sites for one process
@@ -251,17 +244,18 @@ class BpfProbes:
         att = self._attached.setdefault(pid, _Attachment())
         cookies = [self._usdt_spec(p) for p in probes]
         refs = [p.semaphore for p in probes]
-        fd = uprobe_multi.attach(self._usdt_fd, attach_path, [p.file_offset for p in probes], cookies, pid,
-                                 session=False, ref_ctr_offsets=refs if any(refs) else None)
+        fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes],
+                                 cookies, pid, session=False, ref_ctr_offsets=refs if any(refs) else None)
         att.links.append((fd, False))
 
     def attach_cuda(self, pid: int, attach_path: str, offsets: list[int], cookies: list[int]) -> None:
         """Trace CUDA calls of one library for one process (sampler/cuda.py): one link at the
         functions' entries, one at their returns. Raises OSError."""
         links = self._gpu_links.setdefault(pid, [])
-        entry = uprobe_multi.attach(self._cuda_fd, attach_path, offsets, cookies, pid, session=False)
+        prog = self._multi_prog("cuda_call")
+        entry = uprobe_multi.attach(prog, attach_path, offsets, cookies, pid, session=False)
         try:
-            links.append(uprobe_multi.attach(self._cuda_fd, attach_path, offsets, cookies, pid,
+            links.append(uprobe_multi.attach(prog, attach_path, offsets, cookies, pid,
                                              session=False, retprobe=True))
         except OSError:
             os.close(entry)
@@ -275,7 +269,7 @@ class BpfProbes:
         cookies = [self._usdt_spec(p, *torch_spec(p)) for p in probes]
         refs = [p.semaphore for p in probes]
         self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
-            self._usdt_fd, attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
+            self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
             ref_ctr_offsets=refs if any(refs) else None))
 
     def detach_gpu(self, pid: int) -> None:
@@ -309,17 +303,17 @@ class BpfProbes:
                 keep_links.append((fd, is_alloc))
         for fd, ev, is_alloc in att.perf:
             if is_alloc:
-                _libbcc.bpf_close_perf_event_fd(fd)
-                _libbcc.bpf_detach_uprobe(ev)
+                libbcc().bpf_close_perf_event_fd(fd)
+                libbcc().bpf_detach_uprobe(ev)
             else:
                 keep_perf.append((fd, ev, is_alloc))
         att.links, att.perf = keep_links, keep_perf
 
     def detach_probes(self, pid: int, wait: bool = True) -> None:
         """Close a process's allocator probes, keep it a target (re-attach after an exec).
-        `wait=False` (the process has exited): session links are closed by a background thread,
-        as closing one waits for an RCU grace period (~35 ms per link here) that would otherwise
-        stall the event loop."""
+        `wait=False` (the process has exited): links are closed by background threads, as closing
+        one waits for an RCU grace period (~40 ms per link here) that would otherwise stall the
+        event loop."""
         att = self._attached.pop(pid, None)
         if att:
             for fd, _ in att.links:
@@ -328,15 +322,16 @@ class BpfProbes:
                 else:
                     self._close_later(fd)
             for fd, ev, _ in att.perf:
-                _libbcc.bpf_close_perf_event_fd(fd)
-                _libbcc.bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
+                libbcc().bpf_close_perf_event_fd(fd)
+                libbcc().bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
 
     def _close_later(self, fd: int) -> None:
-        if self._closer is None:
-            self._closing = queue.SimpleQueue()
-            self._closer = threading.Thread(target=_close_fds, args=(self._closing,), name="link-closer",
-                                            daemon=True)
-            self._closer.start()
+        # Several closers: concurrent closes share grace periods (60 links: 2.4 s by one thread,
+        # 0.3 s by 16), and one closer fell behind a storm of exits on a slower machine.
+        if len(self._closers) < _CLOSERS and self._closing.qsize() >= len(self._closers):
+            t = threading.Thread(target=_close_fds, args=(self._closing,), name="link-closer", daemon=True)
+            t.start()
+            self._closers.append(t)
         self._closing.put(fd)
 
     def detach(self, pid: int, wait: bool = True) -> None:
@@ -392,8 +387,7 @@ class BpfProbes:
         if self._faults_on:
             return
         try:
-            self.bpf.attach_perf_event(ev_type=PERF_TYPE_SOFTWARE, ev_config=PERF_COUNT_SW_PAGE_FAULTS,
-                                       fn_name=b"on_page_fault", sample_period=period, cpu=-1)
+            self.bpf.attach_perf_event("on_page_fault", PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS, period)
         except Exception as e:
             raise EnvironmentProblem(f"could not open the page-fault perf event ({e}): check "
                                      "/proc/sys/kernel/perf_event_paranoid and that perf events exist "
@@ -446,7 +440,7 @@ class BpfProbes:
 
     # events and counters -------------------------------------------------------------------
     def open_events(self, handle: Callable[[bytes], None]) -> None:
-        def _cb(_ctx, data, size):
+        def _cb(data, size):
             handle(ctypes.string_at(data, size))
             self._read += 1
             # libbpf keeps consuming while records arrive: under a burst faster than Python
@@ -456,7 +450,7 @@ class BpfProbes:
         self._cb = _cb
         self._poll_deadline = float("inf")
         self._read = 0
-        self.bpf["events"].open_ring_buffer(_cb)
+        self.bpf.open_ring_buffer("events", _cb)
 
     def poll(self, timeout_ms: int) -> None:
         """Read records, waiting up to `timeout_ms` when there are none. What is there is read
@@ -486,10 +480,14 @@ class BpfProbes:
     def close(self) -> None:
         for pid in list(self._attached) + list(self._gpu_links):
             self.detach(pid)
-        if self._closer is not None:
+        for _ in self._closers:
             self._closing.put(None)
-            self._closer.join()
-        self.bpf.cleanup()
+        for t in self._closers:
+            t.join()
+        self.bpf.close()
+
+
+_CLOSERS = 16
 
 
 def _close_fds(fds: queue.SimpleQueue) -> None:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import platform
 from pathlib import Path
 
+from . import bpf_syscall as sc
 from .errors import EnvironmentProblem
-from .uprobe_multi import _SYS_BPF
 
-_BPF_MAP_CREATE = 0
 _BPF_MAP_TYPE_ARRAY = 2
 
 
@@ -43,19 +41,12 @@ def check_headers() -> None:
 
 def check_bpf() -> None:
     """Create and close a one-entry BPF array: proves the syscall exists and is permitted."""
-    class Attr(ctypes.Structure):
-        _fields_ = [("map_type", ctypes.c_uint32), ("key_size", ctypes.c_uint32),
-                    ("value_size", ctypes.c_uint32), ("max_entries", ctypes.c_uint32),
-                    ("pad", ctypes.c_uint8 * 112)]
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    attr = Attr(_BPF_MAP_TYPE_ARRAY, 4, 4, 1)
-    fd = libc.syscall(_SYS_BPF, _BPF_MAP_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd >= 0:
-        os.close(fd)
+    try:
+        os.close(sc.bpf(sc.MAP_CREATE, sc.MapCreateAttr(map_type=_BPF_MAP_TYPE_ARRAY, key_size=4, value_size=4,
+                                                        max_entries=1)))
         return
-    err = ctypes.get_errno()
+    except OSError as e:
+        err = e.errno
     if err == errno.ENOSYS:
         raise EnvironmentProblem("this kernel has no BPF support (bpf() returned ENOSYS): "
                                  "use a kernel built with CONFIG_BPF_SYSCALL")

@@ -187,7 +187,8 @@ class Recorder:
         o = self.opts
         self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
                                             stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
-                                            vm_events_per_s=o.vm_events_per_s))
+                                            vm_events_per_s=o.vm_events_per_s,
+                                            cache_dir=_cache_dir(None, "bpf")))
         self.sample_rate = SampleRate(o.max_samples_per_s)
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
@@ -956,12 +957,13 @@ def _label(f) -> str:
 
 
 def _cache_dir(path: str | None, sub: str = "unwind"):
-    """Where unwind tables (and the probe cost) persist across runs: the given directory, else a
-    root-only default (tables describe the binaries, not the targets, so one cache serves every
+    """Where unwind tables, compiled BPF programs and the probe cost persist across runs: the
+    given directory, else `sub` of $ALLOCSAMPLER_CACHE_DIR or of a root-only default (all of
+    them describe the binaries and the kernel, not the targets, so one cache serves every
     recording)."""
     from pathlib import Path
 
-    d = Path(path) if path else Path("/var/cache/allocsampler", sub)
+    d = Path(path) if path else Path(os.environ.get("ALLOCSAMPLER_CACHE_DIR") or "/var/cache/allocsampler", sub)
     try:
         d.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError:

@@ -12,31 +12,11 @@ import ctypes
 import os
 import platform
 
-BPF_LINK_CREATE = 28
+from .bpf_syscall import LINK_CREATE, UprobeMultiLinkAttr, bpf
+
 BPF_TRACE_UPROBE_MULTI = 48
 BPF_TRACE_UPROBE_SESSION = 57
 BPF_F_UPROBE_MULTI_RETURN = 1
-_SYS_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-class _LinkCreateAttr(ctypes.Structure):
-    _fields_ = [
-        ("prog_fd", ctypes.c_uint32),
-        ("target_fd", ctypes.c_uint32),
-        ("attach_type", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("path", ctypes.c_uint64),
-        ("offsets", ctypes.c_uint64),
-        ("ref_ctr_offsets", ctypes.c_uint64),
-        ("cookies", ctypes.c_uint64),
-        ("cnt", ctypes.c_uint32),
-        ("multi_flags", ctypes.c_uint32),
-        ("pid", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint8 * 68),
-    ]
 
 
 def session_supported() -> bool:
@@ -59,7 +39,7 @@ def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid:
     offs = (ctypes.c_uint64 * n)(*offsets)
     cks = (ctypes.c_uint64 * n)(*cookies)
     refs = (ctypes.c_uint64 * n)(*ref_ctr_offsets) if ref_ctr_offsets else None
-    attr = _LinkCreateAttr(
+    attr = UprobeMultiLinkAttr(
         prog_fd=prog_fd,
         attach_type=BPF_TRACE_UPROBE_SESSION if session else BPF_TRACE_UPROBE_MULTI,
         path=ctypes.addressof(path_buf),
@@ -70,8 +50,7 @@ def attach(prog_fd: int, path: str, offsets: list[int], cookies: list[int], pid:
         multi_flags=BPF_F_UPROBE_MULTI_RETURN if retprobe else 0,
         pid=pid,
     )
-    fd = _libc.syscall(_SYS_BPF, BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"uprobe_multi link on {path}: {os.strerror(err)}")
-    return fd
+    try:
+        return bpf(LINK_CREATE, attr)
+    except OSError as e:
+        raise OSError(e.errno, f"uprobe_multi link on {path}: {e.strerror}") from None

@@ -151,11 +151,15 @@ class Recording:
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def wait_attached(self, timeout: float = 60) -> None:
+        """Until a target's `attach` row is on disk: its probes are in place (a `tier` row can
+        come first, before the probes of that tier)."""
+        from analysis.dataset import read_table
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
-            if any((self.out / "targets").glob("date=*/*.parquet")):
+            if any((self.out / "targets").glob("date=*/*.parquet")) and \
+                    (read_table(self.out, "targets")["event"] == "attach").any():
                 return
             time.sleep(0.1)
         raise AssertionError("recorder did not attach in time")

@@ -725,12 +725,15 @@ def test_storm_of_short_lived_processes(daemon, bins):
     with contextlib.suppress(AssertionError):      # exit rows reach the disk with the next interval
         wait_for(lambda: (r := rows())[0] == r[1], 10, "an exit row for every recorded storm process")
     seen, exited = rows()
+    t_closed = time.monotonic()
     with contextlib.suppress(AssertionError):      # links of exited processes close in the background
         wait_for(lambda: fd_kinds(daemon.pid) == fds0, 30, "every probe link closed")
+    t_closed = time.monotonic() - t_closed
     fds1 = fd_kinds(daemon.pid)
     rss1 = memory(daemon.pid)
     print(f"\n[storm] {len(seen)} of 200 recorded ({len(exited)} exits written), peak {peak} targets at once; "
-          f"probe fds {fds0} -> {fds1}; RSS {rss0[0] / MiB:.0f} -> {rss1[0] / MiB:.0f} MiB "
+          f"probe fds {fds0} -> {fds1} ({t_closed:.1f} s after the exit rows); "
+          f"RSS {rss0[0] / MiB:.0f} -> {rss1[0] / MiB:.0f} MiB "
           f"(less shared LLVM pages: {rss0[1] / MiB:.0f} -> {rss1[1] / MiB:.0f} MiB)")
     assert daemon.alive()
     # attaching takes a few ms and the links of exited processes close in the background (each

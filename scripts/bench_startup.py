@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Start-up of `allocsampler record -p PID`: time until the target is attached, the recorder's
+CPU time and RSS at that moment, with the compiled BPF programs cached (warm) and not (cold),
+interleaved in rounds.
+
+Both modes share warm unwind tables and probe cost: only sampler/bpf_object.py's cache differs.
+
+    sudo .venv/bin/python scripts/bench_startup.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def start(target: int, cache: Path, out: Path) -> dict[str, float]:
+    env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache)}
+    t0 = time.monotonic()
+    rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "-p", str(target), "-o", str(out),
+                            "-q", "-i", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
+    try:
+        while not any((out / "targets").glob("date=*/*.parquet")):
+            if rec.poll() is not None:
+                raise SystemExit(f"recorder exited: {rec.stderr.read()}")
+            if time.monotonic() - t0 > 120:
+                raise SystemExit("recorder did not attach within 120 s")
+            time.sleep(0.02)
+        wall = time.monotonic() - t0
+        stat = Path(f"/proc/{rec.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cpu = (int(stat[11]) + int(stat[12])) / TICK
+        rss = next(int(ln.split()[1]) for ln in Path(f"/proc/{rec.pid}/status").read_text().splitlines()
+                   if ln.startswith("VmRSS:")) / 1024
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.wait(60)
+    return {"wall": wall, "cpu": cpu, "rss": rss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    target = subprocess.Popen(["sleep", "100000"])
+    work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
+    try:
+        warm = work / "warm"
+        start(target.pid, warm, work / "prime")          # fills every cache once
+        results: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+        for r in range(args.rounds):
+            for mode in ("cold", "warm"):
+                cache = warm
+                if mode == "cold":
+                    cache = work / f"cold{r}"
+                    shutil.copytree(warm, cache, ignore=shutil.ignore_patterns("bpf"))
+                results[mode].append(start(target.pid, cache, work / f"{mode}{r}"))
+        print(f"| BPF programs | attached after (s) | recorder CPU (s) | recorder RSS (MiB) |  "
+              f"(median of {args.rounds}, min-max)")
+        print("|---|--:|--:|--:|")
+        for mode, runs in results.items():
+            cells = []
+            for k in ("wall", "cpu", "rss"):
+                v = [x[k] for x in runs]
+                fmt = "{:.0f}" if k == "rss" else "{:.2f}"
+                cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
+            print(f"| {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | " + " | ".join(cells)
+                  + " |")
+    finally:
+        target.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Compiled BPF programs kept across runs (sampler/bpf_object.py): a second start loads what the
+first compiled, with the same instructions, map layouts and working maps; a damaged entry is
+compiled again; map sizes are load-time settings, compile flags part of the key."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import subprocess
+import time
+
+import pytest
+
+from sampler import bpf_object, events
+from sampler.bpf_loader import BpfProbes, ProbeConfig
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory, bpf_ready):
+    """A private cache, filled by one compile (the suite's other tests use the host's)."""
+    d = tmp_path_factory.mktemp("bpf_cache")
+    t0 = time.monotonic()
+    p = BpfProbes(ProbeConfig(cache_dir=d))
+    compile_s = time.monotonic() - t0
+    assert p.compiled
+    spec = p.bpf.spec
+    p.close()
+    return d, spec, compile_s
+
+
+def test_second_start_loads_the_cached_programs(cache):
+    d, spec, compile_s = cache
+    [entry] = d.glob("*.json")
+    assert entry.stat().st_mode & 0o777 == 0o600
+    t0 = time.monotonic()
+    p = BpfProbes(ProbeConfig(cache_dir=d, live_max=4096, ringbuf_bytes=1 << 20))
+    load_s = time.monotonic() - t0
+    try:
+        assert not p.compiled
+        assert p.bpf.spec == spec
+        print(f"\n[bpf cache] compile and load {compile_s:.1f} s, cached load {load_s:.1f} s; "
+              f"{len(spec.progs)} programs, {len(spec.maps)} maps, {entry.stat().st_size >> 10} KiB")
+        # every map load of every program points at one of the object's maps
+        names = {m.name for m in spec.maps}
+        assert all(name in names for prog in spec.progs for _, name in prog.relocs)
+        assert sum(len(prog.relocs) for prog in spec.progs) > 100
+        # sizes are given at load, not compiled in
+        info = {m.name: m for m in spec.maps}
+        assert info["live"].max_entries == ProbeConfig().live_max
+        assert _max_entries(p.bpf["live"].fd) == 4096
+        assert _max_entries(p.bpf["events"].fd) == 1 << 20
+        # the maps work: hash get/set/delete/iterate, per-CPU values, KeyError when absent
+        tab = p.bpf["targets"]
+        p.add_target(4242)
+        p.set_sample_shift(4242, 3)
+        assert tab[ctypes.c_uint32(4242)].shift == 3
+        assert [k.value for k in tab] == [4242]
+        assert [v.shift for v in p.bpf["pid_hits"][ctypes.c_uint32(4242)]] == [3] * len(
+            p.bpf["pid_hits"].Leaf())
+        del tab[ctypes.c_uint32(4242)]
+        with pytest.raises(KeyError):
+            tab[ctypes.c_uint32(4242)]
+        with pytest.raises(KeyError):
+            del tab[ctypes.c_uint32(4242)]
+        assert p.bpf["weight_tab"][ctypes.c_int(0)].value > 0
+    finally:
+        p.close()
+
+
+def test_loaded_programs_run(cache):
+    """Programs loaded from the cache run and report through the ring buffer: the sched
+    tracepoint sees this process fork a child, the syscall tracepoints its mmap."""
+    d, _, _ = cache
+    p = BpfProbes(ProbeConfig(cache_dir=d))
+    try:
+        seen: list[events.Event] = []
+        p.open_events(lambda raw: seen.append(events.decode(raw)))
+        p.add_target(os.getpid())
+        child = subprocess.Popen(["true"])
+        child.wait()
+        m = mmap.mmap(-1, 1 << 20)
+        m.close()
+
+        def got(type_, op, **match) -> bool:
+            return any(e.type == type_ and e.op == op and all(getattr(e, k) == v for k, v in match.items())
+                       for e in seen)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (got(events.EvType.PROC, events.ProcOp.FORK, addr=child.pid)
+                                                   and got(events.EvType.VM, events.VmOp.MMAP, size=1 << 20)):
+            p.poll(100)
+        assert got(events.EvType.PROC, events.ProcOp.FORK, pid=os.getpid(), addr=child.pid), seen[:5]
+        assert got(events.EvType.VM, events.VmOp.MMAP, pid=os.getpid(), size=1 << 20), seen[:5]
+    finally:
+        p.close()
+
+
+def test_damaged_entry_is_compiled_again(cache, tmp_path, monkeypatch):
+    d, spec, _ = cache
+    [entry] = d.glob("*.json")
+    (tmp_path / entry.name).write_text(entry.read_text()[:1000])     # cut short, as by a crash
+    text, flags = _inputs(monkeypatch)
+    got, compiled = bpf_object.build(text, flags, tmp_path)
+    assert compiled and got == spec         # the compiler is deterministic, map fds are not stored
+    assert bpf_object.ObjectSpec.from_json((tmp_path / entry.name).read_text()) == got
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
+    """Cached programs run in the kernel: an entry (or a cache directory) that another user
+    could have written is compiled again instead of loaded, and nothing is stored there."""
+    d, spec, _ = cache
+    [entry] = d.glob("*.json")
+    text, flags = _inputs(monkeypatch)
+    compiles = []
+    monkeypatch.setattr(bpf_object, "compile_spec", lambda *a: compiles.append(a) or spec)
+    good = tmp_path / "good"
+    good.mkdir(mode=0o700)
+    (good / entry.name).write_text(entry.read_text())
+    os.chmod(good / entry.name, 0o600)
+    assert bpf_object.build(text, flags, good) == (spec, False)
+    os.chmod(good / entry.name, 0o666)
+    assert bpf_object.build(text, flags, good) == (spec, True) and len(compiles) == 1
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert bpf_object.build(text, flags, shared) == (spec, True) and len(compiles) == 2
+    assert not list(shared.iterdir())
+
+
+def test_flags_are_part_of_the_key_and_sizes_are_not(monkeypatch):
+    text, flags = _inputs(monkeypatch)
+    base = bpf_object.cache_key(text, flags)
+    assert bpf_object.cache_key(text, flags) == base
+    assert bpf_object.cache_key(text, [f.replace("524288", "65536") for f in flags]) != base
+    assert bpf_object.cache_key(text + "\n", flags) != base
+    assert not any("LIVE_MAX" in f or "RINGBUF" in f for f in flags)
+
+
+def test_verifier_refusal_names_the_program_and_the_reason():
+    insn = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0])       # r0 = 0, and no exit
+    spec = bpf_object.ObjectSpec("GPL", 0, (), (bpf_object.ProgSpec("no_exit", insn, ()),))
+    obj = bpf_object.BpfObject(spec)
+    try:
+        with pytest.raises(OSError, match="loading no_exit: .*(exit|jump)"):
+            obj.load_func("no_exit", bpf_object.PROG_KPROBE)
+    finally:
+        obj.close()
+
+
+def test_old_entries_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.setattr(bpf_object, "CACHE_ENTRIES", 3)
+    for i in range(5):
+        p = tmp_path / f"old{i}.json"
+        p.write_text("{}")
+        os.utime(p, (1000 + i, 1000 + i))
+    bpf_object._store(tmp_path / "new.json", "{}")
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["new.json", "old3.json", "old4.json"]
+
+
+def _inputs(monkeypatch) -> tuple[str, list[str]]:
+    """The source and flags BpfProbes compiles with its defaults."""
+    seen = {}
+    real = bpf_object.build
+
+    def spy(text, flags, cache_dir):
+        seen["args"] = text, flags
+        raise RuntimeError("stop")
+    monkeypatch.setattr(bpf_object, "build", spy)
+    with pytest.raises(Exception, match="stop"):
+        BpfProbes(ProbeConfig())
+    monkeypatch.setattr(bpf_object, "build", real)
+    return seen["args"]
+
+
+def _max_entries(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        return int(next(ln for ln in f if ln.startswith("max_entries:")).split()[1])
