@@ -107,8 +107,7 @@ class BpfProbes:
             raise EnvironmentProblem(
                 f"could not compile the BPF programs ({e}); check kernel headers under "
                 f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
-        if self.compiled:
-            _release_compiler_memory()
+        _release_compiler_memory()      # also when loaded: LLVM's static initializers touch ~40 MiB
         try:
             self.bpf = bpf_object.BpfObject(spec, {"live": cfg.live_max, "events": pages * page})
         except OSError as e:
@@ -499,8 +498,9 @@ MADV_PAGEOUT = 21
 
 
 def _release_compiler_memory() -> None:
-    """After the one compile of a recording, give back what clang/LLVM held: freed heap (malloc_trim)
-    and the compiler libraries' resident pages (~80 MiB of the recorder's RSS otherwise).
+    """After the compile (or the load from the cache) of a recording, give back what clang/LLVM held:
+    freed heap (malloc_trim) and the compiler libraries' resident pages (~80 MiB of the recorder's
+    RSS after a compile, ~40 MiB after merely loading libbcc, whose LLVM runs static initializers).
     MADV_PAGEOUT only reclaims (clean file pages are dropped, anything else would go to swap), so
     it never changes memory contents; LLVM pages come back from the page cache if bcc compiles
     again."""

@@ -161,7 +161,7 @@ def test_each_thread_gets_an_arena(workload_bin: Path) -> None:
 def test_thread_stacks(workload_bin: Path) -> None:
     with running(workload_bin, threads=4, mib=1) as w:
         sps = thread_stack_pointers(w.pid)
-        regions = classified(w.pid)
+        regions = classify(w.pid, read_smaps(w.pid), sps)      # the same reading of the threads
     assert len(sps) == 5
     stacks = {region_at(regions, sp) for sp in sps}
     assert len(stacks) == 5 and all(r.kind == "stack" for r in stacks)

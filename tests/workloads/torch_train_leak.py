@@ -29,12 +29,16 @@ def train_step(x, y):
 
 
 def train(seconds):
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    # steps on a fixed schedule (one per 60 ms, catching up after a stall): the leak grows at one
+    # pace in wall time even when the machine is slow for a while
+    start = time.monotonic()
+    steps = 0
+    while time.monotonic() < start + seconds:
         x, y = torch.randn(64, 256), torch.randn(64, 256)
         loss = train_step(x, y)  # L:step
         loss_history.append(loss)  # the bug: loss.item() would keep a float
-        time.sleep(0.05)
+        steps += 1
+        time.sleep(max(0.0, start + steps * 0.06 - time.monotonic()))
 
 
 print("ready", flush=True)
