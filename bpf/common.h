@@ -24,12 +24,10 @@
 /* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
  * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
 #define STACK_CHUNK 1024
-#ifndef LIVE_MAX
+/* Map sizes: these defaults are compiled; the loader gives the configured sizes when it creates
+ * the maps (sampler/bpf_object.py), so they are not compile flags. */
 #define LIVE_MAX 262144
-#endif
-#ifndef RINGBUF_PAGES
 #define RINGBUF_PAGES 2048
-#endif
 #ifndef VM_EVENTS_PER_S
 #define VM_EVENTS_PER_S 2000
 #endif

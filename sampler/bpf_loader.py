@@ -100,23 +100,7 @@ class BpfProbes:
         ]
         if _exit_has_group_dead():
             cflags.append("-DEXIT_HAS_GROUP_DEAD")
-        try:
-            with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
-                spec, self.compiled = bpf_object.build(text, cflags, cfg.cache_dir)
-        except Exception as e:
-            raise EnvironmentProblem(
-                f"could not compile the BPF programs ({e}); check kernel headers under "
-                f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
-        _release_compiler_memory()      # also when loaded: LLVM's static initializers touch ~40 MiB
-        try:
-            self.bpf = bpf_object.BpfObject(spec, {"live": cfg.live_max, "events": pages * page})
-        except OSError as e:
-            raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
-        tab = self.bpf["weight_tab"]
-        for i, v in enumerate(weights.weight_table()):
-            tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
-        self._targets = self.bpf["targets"]
-        self._live = self.bpf["live"]
+        sizes = {"live": cfg.live_max, "events": pages * page}
         self._attached: dict[int, _Attachment] = {}
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._usdt_ids: dict[bytes, int] = {}
@@ -124,22 +108,65 @@ class BpfProbes:
         self._seq = 0
         self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._closers: list[threading.Thread] = []
-        # Programs of the probe mode are loaded now (a kernel that refuses them fails here, with
-        # advice); the rest (perf-mode fallback, USDT, CUDA) when first attached: the verifier
-        # takes ~0.2-0.5 s for each large one.
         try:
-            self.bpf.attach_tracepoints()
-            if self.session:
-                self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
-                                                    uprobe_multi.BPF_TRACE_UPROBE_SESSION)
-                self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
-            else:
-                for name in {*_PERF_ENTRY.values(), "alloc_return"}:
-                    self.bpf.load_func(name, PROG_KPROBE)
+            self._load(text, cflags, sizes)
+        except OSError:
+            if self.compiled:
+                raise
+            # a cached spec this kernel refuses (a kernel rebuilt under the same name): compile once
+            bpf_object.forget(text, cflags, cfg.cache_dir)
+            self._load(text, cflags, sizes)
+
+    def _load(self, text: str, cflags: list[str], sizes: dict[str, int]) -> None:
+        """Compile (or take from the cache), create the maps, attach the tracepoints and load the
+        allocator programs. Raises EnvironmentProblem, or OSError when the kernel refuses a
+        program of a cached spec."""
+        try:
+            with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
+                spec, self.compiled = bpf_object.build(text, cflags, self.cfg.cache_dir)
+        except Exception as e:
+            raise EnvironmentProblem(
+                f"could not compile the BPF programs ({e}); check kernel headers under "
+                f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
+        _release_compiler_memory()      # also when loaded: LLVM's static initializers touch ~40 MiB
+        try:
+            self.bpf = bpf_object.BpfObject(spec, sizes)
         except OSError as e:
+            raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
+        try:
+            tab = self.bpf["weight_tab"]
+            for i, v in enumerate(weights.weight_table()):
+                tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
+            self._targets = self.bpf["targets"]
+            self._live = self.bpf["live"]
+            try:
+                self.bpf.attach_tracepoints()
+            except OSError as e:
+                if not self.compiled:
+                    raise
+                raise EnvironmentProblem(f"could not attach the syscall and sched tracepoints ({e}): "
+                                         "check that tracefs is mounted and this kernel has them") from None
+            # The allocator programs (and the perf-mode ones, session mode's fallback) are loaded
+            # now, so that a kernel refusing them fails here with advice; USDT and CUDA when first
+            # attached (the verifier takes ~0.2-0.5 s for each, and most processes need neither).
+            try:
+                if self.session:
+                    self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
+                                                        uprobe_multi.BPF_TRACE_UPROBE_SESSION)
+                    self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE,
+                                                       uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+                for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
+                                                      if not n.startswith(("free", "delete"))),
+                             "alloc_return"}:
+                    self.bpf.load_func(name, PROG_KPROBE)
+            except OSError as e:
+                if not self.compiled:
+                    raise
+                raise EnvironmentProblem(f"the kernel rejected a BPF program ({e}): this kernel may lack "
+                                         "uprobe_multi/session support; try --probe-mode perf") from None
+        except BaseException:
             self.bpf.close()
-            raise EnvironmentProblem(f"the kernel rejected a BPF program ({e}): this kernel may lack "
-                                     "uprobe_multi/session support; try --probe-mode perf") from None
+            raise
 
     # targets -------------------------------------------------------------------------------
     def add_target(self, pid: int, flags: int = TGT_SYSCALLS) -> None:

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import resource
+import stat
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ FORMAT = 1                       # of the stored spec; part of the key
 CACHE_ENTRIES = 32               # specs kept (newest used first)
 PROG_KPROBE, PROG_TRACEPOINT, PROG_PERF_EVENT = 2, 5, 7
 MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH = 5, 6, 10
-_LD_IMM64, _PSEUDO_MAP_FD = 0x18, 1
+_LD_IMM64, _PSEUDO_MAP_FD, _CALL = 0x18, 1, 0x85
 _TRACEPOINT_PREFIX = "tracepoint__"
 
 
@@ -93,9 +94,13 @@ def cache_key(text: str, cflags: list[str]) -> str:
         headers = f"{build}:{build.stat().st_mtime_ns}"
     except OSError:
         headers = str(build)
+    try:        # the kernel's build id: a rebuilt kernel of the same release is another kernel
+        notes = hashlib.sha256(Path("/sys/kernel/notes").read_bytes()).hexdigest()
+    except OSError:
+        notes = ""
     h = hashlib.sha256()
-    for part in (str(FORMAT), text, "\0".join(cflags), rel, os.uname().version, headers,
-                 getattr(bcc, "__version__", "?")):
+    for part in (str(FORMAT), text, "\0".join(cflags), rel, os.uname().version, os.uname().machine, notes,
+                 headers, getattr(bcc, "__version__", "?"), Path(__file__).read_text()):
         h.update(part.encode() + b"\0\1")
     return h.hexdigest()[:32]
 
@@ -138,6 +143,10 @@ def _map_loads(insns: bytearray, by_fd: dict[int, str]) -> Iterator[tuple[int, s
     """bcc's compiled code loads maps by the fd its module created: where, and which map."""
     for i in range(0, len(insns) // 8):
         code, regs = insns[8 * i], insns[8 * i + 1]
+        # anything else that refers to the module (map values, BTF ids, subprograms) would not
+        # survive the cache: refuse it here rather than load wrong code later
+        if (code == _LD_IMM64 and regs >> 4 not in (0, _PSEUDO_MAP_FD)) or (code == _CALL and regs >> 4 == 1):
+            raise RuntimeError(f"instruction {i} ({code:#x}, src {regs >> 4}) cannot be kept across loads")
         if code == _LD_IMM64 and regs >> 4 == _PSEUDO_MAP_FD:
             fd = int.from_bytes(insns[8 * i + 4:8 * i + 8], "little", signed=True)
             if fd not in by_fd:
@@ -149,16 +158,15 @@ def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectS
     """The compiled spec, from the cache when it holds one. Returns (spec, compiled now)."""
     key = cache_key(text, cflags)
     # programs from the cache run in the kernel: only from a directory and file nobody else can write
-    path = cache_dir / f"{key}.json" if cache_dir and _private(cache_dir) else None
+    path = cache_dir / f"{key}.json" if cache_dir and _private_dir(cache_dir) else None
     if path is not None:
         try:
-            if not _private(path):
-                raise ValueError(f"{path} is writable by others")
-            spec = ObjectSpec.from_json(path.read_text())
-            os.utime(path)          # newest used last to be pruned
+            spec = ObjectSpec.from_json(_read_private(path))
+            with contextlib.suppress(OSError):
+                os.utime(path)      # newest used last to be pruned (a read-only cache still serves)
             return spec, False
         except (OSError, ValueError, KeyError, TypeError):
-            pass                    # absent, or unreadable: compile again and replace it
+            pass                    # absent, unreadable or not private: compile again and replace it
     spec = compile_spec(text, cflags)
     if path is not None:
         with contextlib.suppress(OSError):
@@ -166,23 +174,50 @@ def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectS
     return spec, True
 
 
-def _private(path: Path) -> bool:
+def _private(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _private_dir(path: Path) -> bool:
     try:
-        st = path.stat()
+        st = os.stat(path, follow_symlinks=False)
     except OSError:
         return False
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return stat.S_ISDIR(st.st_mode) and _private(st)
+
+
+def _read_private(path: Path) -> str:
+    """The file's text, checked on the open file (no link followed, owned by us, not writable by
+    others). Raises OSError or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not _private(os.fstat(fd)):
+            raise ValueError(f"{path} is writable by others")
+        return f.read().decode()
+
+
+def forget(text: str, cflags: list[str], cache_dir: Path | None) -> None:
+    """Drop the cached spec of these inputs (the kernel refused it)."""
+    if cache_dir:
+        with contextlib.suppress(OSError):
+            (cache_dir / f"{cache_key(text, cflags)}.json").unlink()
 
 
 def _store(path: Path, text: str) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()            # left by a crashed run of a process with the same pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     old = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[CACHE_ENTRIES:]
     for p in old:
         with contextlib.suppress(OSError):
@@ -202,7 +237,7 @@ class BpfObject:
         self.spec = spec
         self._ncpus = len(get_possible_cpus())
         self._maps: dict[str, Map] = {}
-        self._progs: dict[str, int] = {}
+        self._progs: dict[tuple[str, int, int], int] = {}
         self._perf_fds: list[int] = []
         self._ringbuf = None
         self._ringbuf_cbs: list = []
@@ -211,21 +246,24 @@ class BpfObject:
         try:
             for m in spec.maps:
                 size = (sizes or {}).get(m.name, m.max_entries)
-                fd = sc.bpf(sc.MAP_CREATE, sc.MapCreateAttr(
-                    map_type=m.type, key_size=m.key_size, value_size=m.leaf_size, max_entries=size,
-                    map_flags=m.flags, map_name=m.name.encode()[:sc.OBJ_NAME_LEN - 1]))
+                try:
+                    fd = sc.bpf(sc.MAP_CREATE, sc.MapCreateAttr(
+                        map_type=m.type, key_size=m.key_size, value_size=m.leaf_size, max_entries=size,
+                        map_flags=m.flags, map_name=m.name.encode()[:sc.OBJ_NAME_LEN - 1]))
+                except OSError as e:
+                    raise OSError(e.errno, f"creating BPF map {m.name}: {e.strerror}") from None
                 self._fds.append(fd)
                 self._maps[m.name] = Map(m, fd, self._ncpus)
-        except OSError as e:
+        except BaseException:
             self.close()
-            raise OSError(e.errno, f"creating BPF map {m.name}: {e.strerror}") from None
+            raise
 
     def __getitem__(self, name: str) -> Map:
         return self._maps[name]
 
     def load_func(self, name: str, prog_type: int, attach_type: int = 0) -> int:
         """Load one program (once); returns its fd. Raises OSError with the verifier's last words."""
-        fd = self._progs.get(name)
+        fd = self._progs.get((name, prog_type, attach_type))
         if fd is not None:
             return fd
         p = self._prog_specs[name]
@@ -234,20 +272,23 @@ class BpfObject:
             insns[8 * i + 4:8 * i + 8] = self._maps[map_name].fd.to_bytes(4, "little", signed=True)
         buf = (ctypes.c_uint8 * len(insns)).from_buffer(insns)
         lic = ctypes.create_string_buffer(self.spec.license.encode())
+        short = name.removeprefix(_TRACEPOINT_PREFIX).split("__")[-1]     # what bpftool shows
         attr = sc.ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(buf),
                                license=ctypes.addressof(lic), kern_version=self.spec.kern_version,
-                               prog_name=name.encode()[:sc.OBJ_NAME_LEN - 1], expected_attach_type=attach_type)
+                               prog_name=short.encode()[:sc.OBJ_NAME_LEN - 1], expected_attach_type=attach_type)
         try:
             fd = sc.bpf(sc.PROG_LOAD, attr)
         except OSError as e:
+            # again with the verifier's log, for its last words (a transient failure may pass now)
             log = ctypes.create_string_buffer(1 << 20)
             attr.log_level, attr.log_size, attr.log_buf = 1, len(log), ctypes.addressof(log)
-            with contextlib.suppress(OSError):
-                sc.bpf(sc.PROG_LOAD, attr)
-            last = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-3:])
-            raise OSError(e.errno, f"loading {name}: {e.strerror}{': ' + last if last else ''}") from None
+            try:
+                fd = sc.bpf(sc.PROG_LOAD, attr)
+            except OSError:
+                last = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-3:])
+                raise OSError(e.errno, f"loading {name}: {e.strerror}{': ' + last if last else ''}") from None
         self._fds.append(fd)
-        self._progs[name] = fd
+        self._progs[(name, prog_type, attach_type)] = fd
         return fd
 
     def attach_tracepoints(self) -> None:
@@ -269,12 +310,16 @@ class BpfObject:
         from bcc.utils import get_online_cpus
 
         lib, prog = libbcc(), self.load_func(name, PROG_PERF_EVENT)
+        fds = []
         for cpu in get_online_cpus():
             fd = lib.bpf_attach_perf_event(prog, ev_type, ev_config, sample_period, 0, -1, cpu, -1)
             if fd < 0:
                 err = ctypes.get_errno() or 22
+                for opened in fds:          # all CPUs or none
+                    lib.bpf_close_perf_event_fd(opened)
                 raise OSError(err, f"perf event on CPU {cpu}: {os.strerror(err)}")
-            self._perf_fds.append(fd)
+            fds.append(fd)
+        self._perf_fds += fds
 
     def open_ring_buffer(self, name: str, callback: Callable[[int, int], int]) -> None:
         """callback(data address, size) -> 0 to go on, < 0 to stop consuming for now."""
@@ -292,10 +337,14 @@ class BpfObject:
 
     def ring_buffer_poll(self, timeout_ms: int) -> None:
         from bcc.libbcc import lib
+        if self._ringbuf is None:
+            raise RuntimeError("no ring buffer is open")      # libbpf would dereference NULL
         lib.bpf_poll_ringbuf(self._ringbuf, timeout_ms)
 
     def ring_buffer_consume(self) -> None:
         from bcc.libbcc import lib
+        if self._ringbuf is None:
+            raise RuntimeError("no ring buffer is open")
         lib.bpf_consume_ringbuf(self._ringbuf)
 
     def close(self) -> None:
@@ -332,8 +381,14 @@ class Map:
         else:
             self.Leaf, self._exact = leaf, True
         self._key_size = spec.key_size
+        self._value_bytes = (spec.leaf_size + 7) // 8 * 8 * ncpus if self.percpu else spec.leaf_size
 
     def _op(self, cmd: int, key, value=None, flags: int = 0) -> None:
+        # the kernel reads and writes exactly the map's sizes through these pointers
+        if key is not None and ctypes.sizeof(key) < self._key_size:
+            raise TypeError(f"map {self.name}: key of {ctypes.sizeof(key)} bytes, the map's are {self._key_size}")
+        if value is not None and cmd != sc.MAP_GET_NEXT_KEY and ctypes.sizeof(value) < self._value_bytes:
+            raise TypeError(f"map {self.name}: value of {ctypes.sizeof(value)} bytes, needs {self._value_bytes}")
         attr = sc.ElemAttr(map_fd=self.fd, key=ctypes.addressof(key) if key is not None else 0,
                            value=ctypes.addressof(value) if value is not None else 0, flags=flags)
         try:

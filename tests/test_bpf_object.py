@@ -5,6 +5,7 @@ compiled again; map sizes are load-time settings, compile flags part of the key.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import os
 import subprocess
@@ -14,6 +15,8 @@ import pytest
 
 from sampler import bpf_object, events
 from sampler.bpf_loader import BpfProbes, ProbeConfig
+
+pytestmark = pytest.mark.bpf
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,11 @@ def test_loaded_programs_run(cache):
 def test_damaged_entry_is_compiled_again(cache, tmp_path, monkeypatch):
     d, spec, _ = cache
     [entry] = d.glob("*.json")
-    (tmp_path / entry.name).write_text(entry.read_text()[:1000])     # cut short, as by a crash
+    damaged = tmp_path / entry.name
+    damaged.write_text(entry.read_text()[:1000])     # cut short, as by a crash
+    os.chmod(damaged, 0o600)                         # private: refused for its content only
+    with pytest.raises(ValueError):
+        bpf_object.ObjectSpec.from_json(damaged.read_text())
     text, flags = _inputs(monkeypatch)
     got, compiled = bpf_object.build(text, flags, tmp_path)
     assert compiled and got == spec         # the compiler is deterministic, map fds are not stored
@@ -128,6 +135,25 @@ def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     assert not list(shared.iterdir())
 
 
+def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path, monkeypatch):
+    """An entry that loads no more (here: a program without its exit) is dropped and compiled
+    once; the recorder starts anyway and the entry is good again."""
+    _, spec, _ = cache
+    text, flags = _inputs(monkeypatch)
+    bad = dataclasses.replace(spec, progs=tuple(
+        dataclasses.replace(p, insns=bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), relocs=())
+        if p.name == "alloc_session" else p for p in spec.progs))
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    bpf_object._store(d / f"{bpf_object.cache_key(text, flags)}.json", bad.to_json())
+    p = BpfProbes(ProbeConfig(cache_dir=d, mode="session"))
+    try:
+        assert p.compiled and p.bpf.spec == spec
+    finally:
+        p.close()
+    assert bpf_object.build(text, flags, d) == (spec, False)
+
+
 def test_flags_are_part_of_the_key_and_sizes_are_not(monkeypatch):
     text, flags = _inputs(monkeypatch)
     base = bpf_object.cache_key(text, flags)
@@ -137,7 +163,7 @@ def test_flags_are_part_of_the_key_and_sizes_are_not(monkeypatch):
     assert not any("LIVE_MAX" in f or "RINGBUF" in f for f in flags)
 
 
-def test_verifier_refusal_names_the_program_and_the_reason():
+def test_verifier_refusal_names_the_program_and_the_reason(bpf_ready):
     insn = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0])       # r0 = 0, and no exit
     spec = bpf_object.ObjectSpec("GPL", 0, (), (bpf_object.ProgSpec("no_exit", insn, ()),))
     obj = bpf_object.BpfObject(spec)
