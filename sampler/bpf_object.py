@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import json
 import os
@@ -159,19 +160,43 @@ def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectS
     key = cache_key(text, cflags)
     # programs from the cache run in the kernel: only from a directory and file nobody else can write
     path = cache_dir / f"{key}.json" if cache_dir and _private_dir(cache_dir) else None
-    if path is not None:
-        try:
-            spec = ObjectSpec.from_json(_read_private(path))
-            with contextlib.suppress(OSError):
-                os.utime(path)      # newest used last to be pruned (a read-only cache still serves)
+    if path is None:
+        return compile_spec(text, cflags), True
+    spec = _cached(path)
+    if spec is not None:
+        return spec, False
+    with _compile_lock(path.parent):    # recorders starting together compile once, not each
+        spec = _cached(path)
+        if spec is not None:
             return spec, False
-        except (OSError, ValueError, KeyError, TypeError):
-            pass                    # absent, unreadable or not private: compile again and replace it
-    spec = compile_spec(text, cflags)
-    if path is not None:
+        spec = compile_spec(text, cflags)
         with contextlib.suppress(OSError):
             _store(path, spec.to_json())
     return spec, True
+
+
+def _cached(path: Path) -> ObjectSpec | None:
+    try:
+        spec = ObjectSpec.from_json(_read_private(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None                 # absent, unreadable or not private: compiled again and replaced
+    with contextlib.suppress(OSError):
+        os.utime(path)              # newest used last to be pruned (a read-only cache still serves)
+    return spec
+
+
+@contextlib.contextmanager
+def _compile_lock(directory: Path) -> Iterator[None]:
+    try:
+        fd = os.open(directory / ".compile.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield                       # a read-only cache: compile without it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _private(st: os.stat_result) -> bool:

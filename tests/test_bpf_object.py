@@ -10,6 +10,7 @@ import mmap
 import os
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -152,6 +153,24 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path, mon
     finally:
         p.close()
     assert bpf_object.build(text, flags, d) == (spec, False)
+
+
+def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
+    _, spec, _ = cache
+    text, flags = _inputs(monkeypatch)
+    compiles = []
+
+    def slow_compile(*_args):
+        compiles.append(1)
+        time.sleep(0.5)
+        return spec
+    monkeypatch.setattr(bpf_object, "compile_spec", slow_compile)
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    with ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda _: bpf_object.build(text, flags, d), range(3)))
+    assert len(compiles) == 1 and sorted(compiled for _, compiled in got) == [False, False, True]
+    assert all(s == spec for s, _ in got)
 
 
 def test_flags_are_part_of_the_key_and_sizes_are_not(monkeypatch):
