@@ -39,6 +39,13 @@ USDT_SPECS = 1024
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
+_REFUSED = {
+    "maps": "could not write the BPF maps ({})",
+    "tracepoints": "could not attach the syscall and sched tracepoints ({}): check that tracefs is mounted "
+                   "and this kernel has them",
+    "programs": "the kernel rejected a BPF program ({}): this kernel may lack uprobe_multi/session support; "
+                "try --probe-mode perf",
+}
 
 
 @dataclass(frozen=True)
@@ -80,26 +87,32 @@ def _quiet_stderr():
         os.close(devnull)
 
 
+def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
+    """The C text and compile flags of the BPF object (what bpf_object caches by)."""
+    # One translation unit: bcc rewrites map operations only in the main file, not in
+    # included headers, so common.h is pasted in rather than #included.
+    text = "\n".join(bpf_sources.source(s) for s in ("common.h", *SOURCES))
+    # map sizes are given at load (bpf_object), so they are not compile flags
+    cflags = [
+        f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
+        f"-DSTACK_BYTES={cfg.stack_bytes}",
+        f"-DPY_MAX={cfg.py_max}",
+        f"-DVM_EVENTS_PER_S={cfg.vm_events_per_s}",
+        "-Wno-unused-function",
+    ]
+    if _exit_has_group_dead():
+        cflags.append("-DEXIT_HAS_GROUP_DEAD")
+    return text, cflags
+
+
 class BpfProbes:
     def __init__(self, cfg: ProbeConfig):
         self.cfg = cfg
         self.session = cfg.mode == "session" or (cfg.mode == "auto" and uprobe_multi.session_supported())
-        # One translation unit: bcc rewrites map operations only in the main file, not in
-        # included headers, so common.h is pasted in rather than #included.
-        text = "\n".join(bpf_sources.source(s) for s in ("common.h", *SOURCES))
+        text, cflags = program_source(cfg)
         page = os.sysconf("SC_PAGE_SIZE")
         pages = max(1, cfg.ringbuf_bytes // page)
         pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
-        # map sizes are given at load (bpf_object), so they are not compile flags
-        cflags = [
-            f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
-            f"-DSTACK_BYTES={cfg.stack_bytes}",
-            f"-DPY_MAX={cfg.py_max}",
-            f"-DVM_EVENTS_PER_S={cfg.vm_events_per_s}",
-            "-Wno-unused-function",
-        ]
-        if _exit_has_group_dead():
-            cflags.append("-DEXIT_HAS_GROUP_DEAD")
         sizes = {"live": cfg.live_max, "events": pages * page}
         self._attached: dict[int, _Attachment] = {}
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
@@ -111,9 +124,8 @@ class BpfProbes:
         try:
             self._load(text, cflags, sizes)
         except OSError:
-            if self.compiled:
-                raise
-            # a cached spec this kernel refuses (a kernel rebuilt under the same name): compile once
+            # only from a cached spec this kernel refuses (a kernel rebuilt under the same name):
+            # compile once more
             bpf_object.forget(text, cflags, cfg.cache_dir)
             self._load(text, cflags, sizes)
 
@@ -133,37 +145,32 @@ class BpfProbes:
             self.bpf = bpf_object.BpfObject(spec, sizes)
         except OSError as e:
             raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
+        # The allocator programs (and the perf-mode ones, session mode's fallback) are loaded now,
+        # so that a kernel refusing them fails here with advice; USDT and CUDA when first attached
+        # (the verifier takes ~0.2-0.5 s for each, and most processes need neither).
+        stage = "maps"
         try:
             tab = self.bpf["weight_tab"]
             for i, v in enumerate(weights.weight_table()):
                 tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
             self._targets = self.bpf["targets"]
             self._live = self.bpf["live"]
-            try:
-                self.bpf.attach_tracepoints()
-            except OSError as e:
-                if not self.compiled:
-                    raise
-                raise EnvironmentProblem(f"could not attach the syscall and sched tracepoints ({e}): "
-                                         "check that tracefs is mounted and this kernel has them") from None
-            # The allocator programs (and the perf-mode ones, session mode's fallback) are loaded
-            # now, so that a kernel refusing them fails here with advice; USDT and CUDA when first
-            # attached (the verifier takes ~0.2-0.5 s for each, and most processes need neither).
-            try:
-                if self.session:
-                    self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
-                                                        uprobe_multi.BPF_TRACE_UPROBE_SESSION)
-                    self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE,
-                                                       uprobe_multi.BPF_TRACE_UPROBE_MULTI)
-                for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
-                                                      if not n.startswith(("free", "delete"))),
-                             "alloc_return"}:
-                    self.bpf.load_func(name, PROG_KPROBE)
-            except OSError as e:
-                if not self.compiled:
-                    raise
-                raise EnvironmentProblem(f"the kernel rejected a BPF program ({e}): this kernel may lack "
-                                         "uprobe_multi/session support; try --probe-mode perf") from None
+            stage = "tracepoints"
+            self.bpf.attach_tracepoints()
+            stage = "programs"
+            if self.session:
+                self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
+                                                    uprobe_multi.BPF_TRACE_UPROBE_SESSION)
+                self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
+                                                  if not n.startswith(("free", "delete"))),
+                         "alloc_return"}:
+                self.bpf.load_func(name, PROG_KPROBE)
+        except OSError as e:
+            self.bpf.close()
+            if not self.compiled:
+                raise               # a cached spec: __init__ compiles once more
+            raise EnvironmentProblem(_REFUSED[stage].format(e)) from None
         except BaseException:
             self.bpf.close()
             raise

@@ -348,9 +348,8 @@ class BpfObject:
 
     def open_ring_buffer(self, name: str, callback: Callable[[int, int], int]) -> None:
         """callback(data address, size) -> 0 to go on, < 0 to stop consuming for now."""
-        from bcc.libbcc import _RINGBUF_CB_TYPE, lib
-
-        cb = _RINGBUF_CB_TYPE(lambda _ctx, data, size: callback(data, size))
+        lib = libbcc()
+        cb = _RINGBUF_CB(lambda _ctx, data, size: callback(data, size))
         self._ringbuf_cbs.append(cb)         # referenced while libbpf may call it
         fd = self._maps[name].fd
         if self._ringbuf is None:
@@ -361,22 +360,19 @@ class BpfObject:
             raise OSError(22, f"could not add ring buffer {name}")
 
     def ring_buffer_poll(self, timeout_ms: int) -> None:
-        from bcc.libbcc import lib
         if self._ringbuf is None:
             raise RuntimeError("no ring buffer is open")      # libbpf would dereference NULL
-        lib.bpf_poll_ringbuf(self._ringbuf, timeout_ms)
+        libbcc().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
 
     def ring_buffer_consume(self) -> None:
-        from bcc.libbcc import lib
         if self._ringbuf is None:
             raise RuntimeError("no ring buffer is open")
-        lib.bpf_consume_ringbuf(self._ringbuf)
+        libbcc().bpf_consume_ringbuf(self._ringbuf)
 
     def close(self) -> None:
         lib = libbcc()
         if self._ringbuf is not None:
-            from bcc.libbcc import lib as bcc_lib
-            bcc_lib.bpf_free_ringbuf(self._ringbuf)
+            lib.bpf_free_ringbuf(self._ringbuf)
             self._ringbuf = None
         for fd in self._perf_fds:
             lib.bpf_close_perf_event_fd(fd)
@@ -400,11 +396,10 @@ class Map:
         leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
         self.percpu = spec.type in (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
         if self.percpu:
-            self.sLeaf = leaf
-            self.Leaf = leaf * ncpus     # the kernel's layout when a value is a multiple of 8 bytes
-            self._exact = ctypes.sizeof(leaf) % 8 == 0
+            # the kernel's layout when a value is a multiple of 8 bytes; others are refused by _op
+            self.sLeaf, self.Leaf = leaf, leaf * ncpus
         else:
-            self.Leaf, self._exact = leaf, True
+            self.Leaf = leaf
         self._key_size = spec.key_size
         self._value_bytes = (spec.leaf_size + 7) // 8 * 8 * ncpus if self.percpu else spec.leaf_size
 
@@ -424,15 +419,11 @@ class Map:
             raise OSError(e.errno, f"map {self.name}: {e.strerror}") from None
 
     def __getitem__(self, key):
-        if not self._exact:
-            raise TypeError(f"per-CPU map {self.name}: value size not a multiple of 8")
         leaf = self.Leaf()
         self._op(sc.MAP_LOOKUP_ELEM, key, leaf)
         return leaf
 
     def __setitem__(self, key, leaf) -> None:
-        if not self._exact:
-            raise TypeError(f"per-CPU map {self.name}: value size not a multiple of 8")
         self._op(sc.MAP_UPDATE_ELEM, key, leaf)
 
     def __delitem__(self, key) -> None:
@@ -457,6 +448,7 @@ class Map:
 
 
 _libbcc = None
+_RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 
 
 def libbcc():
@@ -496,7 +488,13 @@ def libbcc():
                 ("bpf_table_key_size_id", c_id, [c_p, c_id]),
                 ("bpf_table_leaf_size_id", c_id, [c_p, c_id]),
                 ("bpf_table_key_desc", c_s, [c_p, c_s]),
-                ("bpf_table_leaf_desc", c_s, [c_p, c_s])):
+                ("bpf_table_leaf_desc", c_s, [c_p, c_s]),
+                # libbpf's ring buffer, as bcc builds it in
+                ("bpf_new_ringbuf", c_p, [c_int, _RINGBUF_CB, c_p]),
+                ("bpf_add_ringbuf", c_int, [c_p, c_int, _RINGBUF_CB, c_p]),
+                ("bpf_poll_ringbuf", c_int, [c_p, c_int]),
+                ("bpf_consume_ringbuf", c_int, [c_p]),
+                ("bpf_free_ringbuf", None, [c_p])):
             f = getattr(lib, fn)
             f.restype, f.argtypes = res, args
         _libbcc = lib

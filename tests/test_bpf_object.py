@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from sampler import bpf_object, events
-from sampler.bpf_loader import BpfProbes, ProbeConfig
+from sampler.bpf_loader import BpfProbes, ProbeConfig, program_source
 
 pytestmark = pytest.mark.bpf
 
@@ -99,7 +99,7 @@ def test_loaded_programs_run(cache):
         p.close()
 
 
-def test_damaged_entry_is_compiled_again(cache, tmp_path, monkeypatch):
+def test_damaged_entry_is_compiled_again(cache, tmp_path):
     d, spec, _ = cache
     [entry] = d.glob("*.json")
     damaged = tmp_path / entry.name
@@ -107,7 +107,7 @@ def test_damaged_entry_is_compiled_again(cache, tmp_path, monkeypatch):
     os.chmod(damaged, 0o600)                         # private: refused for its content only
     with pytest.raises(ValueError):
         bpf_object.ObjectSpec.from_json(damaged.read_text())
-    text, flags = _inputs(monkeypatch)
+    text, flags = program_source(ProbeConfig())
     got, compiled = bpf_object.build(text, flags, tmp_path)
     assert compiled and got == spec         # the compiler is deterministic, map fds are not stored
     assert bpf_object.ObjectSpec.from_json((tmp_path / entry.name).read_text()) == got
@@ -119,7 +119,7 @@ def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     could have written is compiled again instead of loaded, and nothing is stored there."""
     d, spec, _ = cache
     [entry] = d.glob("*.json")
-    text, flags = _inputs(monkeypatch)
+    text, flags = program_source(ProbeConfig())
     compiles = []
     monkeypatch.setattr(bpf_object, "compile_spec", lambda *a: compiles.append(a) or spec)
     good = tmp_path / "good"
@@ -136,11 +136,11 @@ def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     assert not list(shared.iterdir())
 
 
-def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path, monkeypatch):
+def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
     """An entry that loads no more (here: a program without its exit) is dropped and compiled
     once; the recorder starts anyway and the entry is good again."""
     _, spec, _ = cache
-    text, flags = _inputs(monkeypatch)
+    text, flags = program_source(ProbeConfig())
     bad = dataclasses.replace(spec, progs=tuple(
         dataclasses.replace(p, insns=bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), relocs=())
         if p.name == "alloc_session" else p for p in spec.progs))
@@ -157,7 +157,7 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path, mon
 
 def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
     _, spec, _ = cache
-    text, flags = _inputs(monkeypatch)
+    text, flags = program_source(ProbeConfig())
     compiles = []
 
     def slow_compile(*_args):
@@ -173,8 +173,8 @@ def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
     assert all(s == spec for s, _ in got)
 
 
-def test_flags_are_part_of_the_key_and_sizes_are_not(monkeypatch):
-    text, flags = _inputs(monkeypatch)
+def test_flags_are_part_of_the_key_and_sizes_are_not():
+    text, flags = program_source(ProbeConfig())
     base = bpf_object.cache_key(text, flags)
     assert bpf_object.cache_key(text, flags) == base
     assert bpf_object.cache_key(text, [f.replace("524288", "65536") for f in flags]) != base
@@ -201,21 +201,6 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
         os.utime(p, (1000 + i, 1000 + i))
     bpf_object._store(tmp_path / "new.json", "{}")
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["new.json", "old3.json", "old4.json"]
-
-
-def _inputs(monkeypatch) -> tuple[str, list[str]]:
-    """The source and flags BpfProbes compiles with its defaults."""
-    seen = {}
-    real = bpf_object.build
-
-    def spy(text, flags, cache_dir):
-        seen["args"] = text, flags
-        raise RuntimeError("stop")
-    monkeypatch.setattr(bpf_object, "build", spy)
-    with pytest.raises(Exception, match="stop"):
-        BpfProbes(ProbeConfig())
-    monkeypatch.setattr(bpf_object, "build", real)
-    return seen["args"]
 
 
 def _max_entries(fd: int) -> int:
