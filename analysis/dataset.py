@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from sampler.schema import TABLES
+from sampler.dataset.schema import TABLES
 
 
 def read_table(root: str | Path, name: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:

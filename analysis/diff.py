@@ -17,9 +17,9 @@ from typing import Any
 
 import pandas as pd
 
-from .dataset import read_table
-from .pprof import stack_frames
-from .units import fmt_bytes
+from analysis.dataset import read_table
+from analysis.export.pprof import stack_frames
+from analysis.units import fmt_bytes
 
 DIFF_SCHEMA = 1
 Z = 3.0                                    # standard errors a change of an estimate must exceed

@@ -39,7 +39,7 @@ Variants (tiers):
   attach-governed  allocsampler record --pid PID --out DIR: the default CPU budget of the governor
                    (it may duty-cycle the allocation probes); n/a without --cpu-budget
   preload          the workload starts with the preload shim (env from
-                   sampler.preload.preload_env(--sample-mean): LD_PRELOAD + ALLOCSAMPLER_SAMPLE_MEAN)
+                   sampler.inprocess.preload.preload_env(--sample-mean): LD_PRELOAD + ALLOCSAMPLER_SAMPLE_MEAN)
                    and is recorded with allocsampler record --pid PID --out DIR, which attaches to
                    the shim's USDT probes otel_memory:alloc/free only
   preload-idle     the shim preloaded, no recorder: the shim's own cost
@@ -716,7 +716,7 @@ class Bench:
             if str(REPO) not in sys.path:
                 sys.path.insert(0, str(REPO))
             try:
-                from sampler import preload as pl
+                from sampler.inprocess import preload as pl
             except Exception as e:  # noqa: BLE001 - any failure makes the variant n/a
                 return f"sampler.preload is not importable ({type(e).__name__}: {_short(e)})"
             for fn in ("preload_env", "shim_path"):
@@ -728,7 +728,7 @@ class Bench:
             except Exception as e:  # noqa: BLE001
                 return f"sampler.preload failed: {type(e).__name__}: {_short(e)}"
             if not shim.is_file():
-                return f"sampler.preload.shim_path() = {shim}: no such file"
+                return f"sampler.inprocess.preload.shim_path() = {shim}: no such file"
             if shim.name not in env.get("LD_PRELOAD", ""):
                 return f"preload_env() does not put {shim.name} in LD_PRELOAD"
             self.shim, self.preload_env = shim.resolve(), env
@@ -1413,7 +1413,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.rounds < 1 or a.warmup < 0:
         p.error("--rounds must be >= 1 and --warmup >= 0")
     exe = a.allocsampler or REPO / ".venv" / "bin" / "allocsampler"
-    a.allocsampler_cmd = [str(exe)] if Path(exe).exists() else [sys.executable, "-m", "sampler.cli"]
+    a.allocsampler_cmd = [str(exe)] if Path(exe).exists() else [sys.executable, "-m", "sampler.cli.main"]
     venv_py = REPO / ".venv" / "bin" / "python"
     a.torch_python = a.torch_python or (str(venv_py) if venv_py.exists() else sys.executable)
     return a

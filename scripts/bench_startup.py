@@ -3,7 +3,7 @@
 CPU time and RSS at that moment, with the compiled BPF programs cached (warm) and not (cold),
 interleaved in rounds.
 
-Both modes share warm unwind tables and probe cost: only sampler/bpf_object.py's cache differs.
+Both modes share warm unwind tables and probe cost: only sampler/bpf/objcache.py's cache differs.
 
     sudo .venv/bin/python scripts/bench_startup.py --rounds 5
 """
@@ -28,7 +28,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 def start(target: int, cache: Path, out: Path) -> dict[str, float]:
     env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache)}
     t0 = time.monotonic()
-    rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "-p", str(target), "-o", str(out),
+    rec = subprocess.Popen([sys.executable, "-m", "sampler.cli.main", "record", "-p", str(target), "-o", str(out),
                             "-q", "-i", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:

@@ -33,7 +33,7 @@ apt_install() {
 
 # bcc (Python bindings + tools, memleak-bpfcc is our benchmark peer), a compiler for test workloads.
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
-# <sys/sdt.h>: the preload shim's USDT probes (preload/allocsampler_preload.c); g++ for its C++ test.
+# <sys/sdt.h>: the preload shim's USDT probes (sampler/inprocess/preload.c); g++ for its C++ test.
 apt_install systemtap-sdt-dev g++
 # Python headers: the readable-stacks tests build a C extension (tests/workloads/leakext.c).
 apt_install python3-dev
@@ -96,5 +96,5 @@ if [ ! -e "$stamp" ] || ! "$venv/bin/python" -c 'import sampler' 2>/dev/null; th
     touch "$stamp"
 fi
 # The LD_PRELOAD sampling shim (build/liballocsampler_preload.so); rebuilt only when its source changed.
-"$venv/bin/python" -m sampler.preload >/dev/null || die "building the preload shim failed: see the message above"
+"$venv/bin/python" -m sampler.inprocess.preload >/dev/null || die "building the preload shim failed: see the message above"
 log "ready: $venv/bin/allocsampler"

@@ -29,7 +29,7 @@ def compile_c(src: Path, out: Path, *flags: str) -> Path:
 @pytest.fixture(scope="session")
 def bpf_ready():
     """Fails (never skips) the BPF tests when the machine cannot record."""
-    from sampler import preflight
+    from sampler.bpf import preflight
     from sampler.errors import AllocsamplerError
     try:
         preflight.check_all()
@@ -135,7 +135,7 @@ def gated():
 
 
 def allocsampler_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sampler.cli", *args]
+    return [sys.executable, "-m", "sampler.cli.main", *args]
 
 
 class Recording:

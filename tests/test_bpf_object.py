@@ -1,4 +1,4 @@
-"""Compiled BPF programs kept across runs (sampler/bpf_object.py): a second start loads what the
+"""Compiled BPF programs kept across runs (sampler/objcache.py): a second start loads what the
 first compiled, with the same instructions, map layouts and working maps; a damaged entry is
 compiled again; map sizes are load-time settings, compile flags part of the key."""
 
@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sampler import bpf_object, events
-from sampler.bpf_loader import BpfProbes, ProbeConfig, program_source
+from sampler.bpf import objcache
+from sampler.bpf import events
+from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
 pytestmark = pytest.mark.bpf
 
@@ -106,11 +107,11 @@ def test_damaged_entry_is_compiled_again(cache, tmp_path):
     damaged.write_text(entry.read_text()[:1000])     # cut short, as by a crash
     os.chmod(damaged, 0o600)                         # private: refused for its content only
     with pytest.raises(ValueError):
-        bpf_object.ObjectSpec.from_json(damaged.read_text())
+        objcache.ObjectSpec.from_json(damaged.read_text())
     text, flags = program_source(ProbeConfig())
-    got, compiled = bpf_object.build(text, flags, tmp_path)
+    got, compiled = objcache.build(text, flags, tmp_path)
     assert compiled and got == spec         # the compiler is deterministic, map fds are not stored
-    assert bpf_object.ObjectSpec.from_json((tmp_path / entry.name).read_text()) == got
+    assert objcache.ObjectSpec.from_json((tmp_path / entry.name).read_text()) == got
     assert not list(tmp_path.glob("*.tmp*"))
 
 
@@ -121,18 +122,18 @@ def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     [entry] = d.glob("*.json")
     text, flags = program_source(ProbeConfig())
     compiles = []
-    monkeypatch.setattr(bpf_object, "compile_spec", lambda *a: compiles.append(a) or spec)
+    monkeypatch.setattr(objcache, "compile_spec", lambda *a: compiles.append(a) or spec)
     good = tmp_path / "good"
     good.mkdir(mode=0o700)
     (good / entry.name).write_text(entry.read_text())
     os.chmod(good / entry.name, 0o600)
-    assert bpf_object.build(text, flags, good) == (spec, False)
+    assert objcache.build(text, flags, good) == (spec, False)
     os.chmod(good / entry.name, 0o666)
-    assert bpf_object.build(text, flags, good) == (spec, True) and len(compiles) == 1
+    assert objcache.build(text, flags, good) == (spec, True) and len(compiles) == 1
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
-    assert bpf_object.build(text, flags, shared) == (spec, True) and len(compiles) == 2
+    assert objcache.build(text, flags, shared) == (spec, True) and len(compiles) == 2
     assert not list(shared.iterdir())
 
 
@@ -146,13 +147,13 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
         if p.name == "alloc_session" else p for p in spec.progs))
     d = tmp_path / "cache"
     d.mkdir(mode=0o700)
-    bpf_object._store(d / f"{bpf_object.cache_key(text, flags)}.json", bad.to_json())
+    objcache._store(d / f"{objcache.cache_key(text, flags)}.json", bad.to_json())
     p = BpfProbes(ProbeConfig(cache_dir=d, mode="session"))
     try:
         assert p.compiled and p.bpf.spec == spec
     finally:
         p.close()
-    assert bpf_object.build(text, flags, d) == (spec, False)
+    assert objcache.build(text, flags, d) == (spec, False)
 
 
 def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
@@ -164,42 +165,42 @@ def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
         compiles.append(1)
         time.sleep(0.5)
         return spec
-    monkeypatch.setattr(bpf_object, "compile_spec", slow_compile)
+    monkeypatch.setattr(objcache, "compile_spec", slow_compile)
     d = tmp_path / "cache"
     d.mkdir(mode=0o700)
     with ThreadPoolExecutor(3) as ex:
-        got = list(ex.map(lambda _: bpf_object.build(text, flags, d), range(3)))
+        got = list(ex.map(lambda _: objcache.build(text, flags, d), range(3)))
     assert len(compiles) == 1 and sorted(compiled for _, compiled in got) == [False, False, True]
     assert all(s == spec for s, _ in got)
 
 
 def test_flags_are_part_of_the_key_and_sizes_are_not():
     text, flags = program_source(ProbeConfig())
-    base = bpf_object.cache_key(text, flags)
-    assert bpf_object.cache_key(text, flags) == base
-    assert bpf_object.cache_key(text, [f.replace("524288", "65536") for f in flags]) != base
-    assert bpf_object.cache_key(text + "\n", flags) != base
+    base = objcache.cache_key(text, flags)
+    assert objcache.cache_key(text, flags) == base
+    assert objcache.cache_key(text, [f.replace("524288", "65536") for f in flags]) != base
+    assert objcache.cache_key(text + "\n", flags) != base
     assert not any("LIVE_MAX" in f or "RINGBUF" in f for f in flags)
 
 
 def test_verifier_refusal_names_the_program_and_the_reason(bpf_ready):
     insn = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0])       # r0 = 0, and no exit
-    spec = bpf_object.ObjectSpec("GPL", 0, (), (bpf_object.ProgSpec("no_exit", insn, ()),))
-    obj = bpf_object.BpfObject(spec)
+    spec = objcache.ObjectSpec("GPL", 0, (), (objcache.ProgSpec("no_exit", insn, ()),))
+    obj = objcache.BpfObject(spec)
     try:
         with pytest.raises(OSError, match="loading no_exit: .*(exit|jump)"):
-            obj.load_func("no_exit", bpf_object.PROG_KPROBE)
+            obj.load_func("no_exit", objcache.PROG_KPROBE)
     finally:
         obj.close()
 
 
 def test_old_entries_are_pruned(tmp_path, monkeypatch):
-    monkeypatch.setattr(bpf_object, "CACHE_ENTRIES", 3)
+    monkeypatch.setattr(objcache, "CACHE_ENTRIES", 3)
     for i in range(5):
         p = tmp_path / f"old{i}.json"
         p.write_text("{}")
         os.utime(p, (1000 + i, 1000 + i))
-    bpf_object._store(tmp_path / "new.json", "{}")
+    objcache._store(tmp_path / "new.json", "{}")
     assert sorted(p.name for p in tmp_path.glob("*.json")) == ["new.json", "old3.json", "old4.json"]
 
 

@@ -1,4 +1,4 @@
-"""The daemon's configuration (sampler/config.py): the shipped example, defaults, one-line errors
+"""The daemon's configuration (sampler/service/config.py): the shipped example, defaults, one-line errors
 naming the key and what is allowed, and target selection."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from sampler import config
-from sampler.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, ProcView, Target
+from sampler.service import config
+from sampler.service.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, ProcView, Target
 from sampler.errors import UsageError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "packaging" / "config.example.toml"

@@ -385,9 +385,9 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
     """Discovery's bookkeeping against a fake /proc and a fake recorder: a pid reused while the
     exit went unseen is finalized and the new process evaluated; an exec that changes the name
     detaches; kernel threads, zombies and the daemon's own children are left alone."""
-    from sampler import config
-    from sampler.daemon import Discovery
-    from sampler.targets import ProcessInfo
+    from sampler.service import config
+    from sampler.service.daemon import Discovery
+    from sampler.proc.process import ProcessInfo
 
     proc = tmp_path / "proc"
 
@@ -780,7 +780,7 @@ def test_kill9_then_restart_cleans_up_and_keeps_a_tiny_budget(daemon, tmpfs):
     """kill -9 mid-run: every file reads, at most about one interval is lost; the next start
     removes temporaries and compaction work areas, resumes writing in a new recording, and a
     1 MiB budget is enforced at once and kept."""
-    from sampler import retention
+    from sampler.dataset import retention
 
     data = daemon.data
     rec_id = daemon.status()["recording_id"]

@@ -11,8 +11,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from sampler.dataset_writer import DatasetWriter
-from sampler.schema import SCHEMA_VERSION, TABLES
+from sampler.dataset.writer import DatasetWriter
+from sampler.dataset.schema import SCHEMA_VERSION, TABLES
 
 pytestmark = pytest.mark.bpf
 
@@ -52,7 +52,7 @@ def test_plain_pandas_and_pyarrow_read_a_recording(workload, record):
     assert {"mmap", "munmap"} & set(vm["op"].astype(str))
     assert vm["stack_id"].notna().any()
     # the weight that BPF computed for each sampled mmap is the formula's (table interpolation)
-    from sampler.weights import unbiased_weight
+    from sampler.control.weights import unbiased_weight
     sampled = vm[vm["sampled_weight"].notna() & (vm["op"] == "mmap")]
     assert len(sampled) > 0
     for length, weight in zip(sampled["length"], sampled["sampled_weight"], strict=True):

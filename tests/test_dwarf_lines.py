@@ -14,8 +14,8 @@ from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 from conftest import WORKLOADS, compile_c
 from elftools.elf.elffile import ELFFile
 
-from sampler.dwarf_lines import SHF_COMPRESSED, LineTables, SourceFrame
-from sampler.elf import ElfImage
+from sampler.binary.dwarf_lines import SHF_COMPRESSED, LineTables, SourceFrame
+from sampler.binary.elf import ElfImage
 
 SRC = WORKLOADS / "inline_chain.c"
 

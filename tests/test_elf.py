@@ -12,8 +12,8 @@ from pathlib import Path
 import capstone
 import pytest
 
-from sampler import elf
-from sampler.elf import ElfFormatError, ElfImage
+from sampler.binary import elf
+from sampler.binary.elf import ElfFormatError, ElfImage
 
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
 

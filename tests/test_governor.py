@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sampler.governor import DUTY, FULL, RSS, Governor
+from sampler.control.governor import DUTY, FULL, RSS, Governor
 
 
 def simulate(g: Governor, seconds: float, alloc_rate, free_rate, step: float = 0.05):

@@ -15,16 +15,16 @@ import pytest
 
 from analysis import analyze
 from analysis.dataset import read_table
-from analysis.report_html import render_html
-from sampler import cuda
-from sampler.dataset_writer import DatasetWriter
-from sampler.elf import ElfImage
+from analysis.report.html import render_html
+from sampler.gpu import cuda
+from sampler.dataset.writer import DatasetWriter
+from sampler.binary.elf import ElfImage
 from sampler.errors import UsageError
-from sampler.events import Event, EvType
-from sampler.nvml import Nvml
-from sampler.outstanding import ProcessTable
-from sampler.schema import GPU, PROCESSES, RECORDINGS
-from sampler.torch_snapshot import import_snapshot
+from sampler.bpf.events import Event, EvType
+from sampler.gpu.nvml import Nvml
+from sampler.record.outstanding import ProcessTable
+from sampler.dataset.schema import GPU, PROCESSES, RECORDINGS
+from sampler.dataset.torch_import import import_snapshot
 
 WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20
@@ -248,7 +248,7 @@ def _write_gpu_dataset(root: Path, *, n: int = 12) -> None:
                       "gpu_pinned_bytes": 0.0})
         gpu.append({**base, "ts": ts, "device": 0, "uuid": "GPU-0", "name": "H100", "total_bytes": 80 << 30,
                     "used_bytes": int(reserved) + (2 << 30), "reserved_bytes": 512 * MiB, "processes": 1})
-    from sampler.schema import OUTSTANDING, STACKS
+    from sampler.dataset.schema import OUTSTANDING, STACKS
     w.write(OUTSTANDING, out)
     w.write(PROCESSES, procs)
     w.write(GPU, gpu)
@@ -377,7 +377,7 @@ def test_torch_snapshot_without_trace_and_hostile_pickles(tmp_path):
 
 
 def test_command_line(tmp_path, capsys):
-    from sampler.cli import build_parser, main
+    from sampler.cli.main import build_parser, main
     assert build_parser().parse_args(["record", "--no-gpu", "--pid", "1"]).gpu is False
     assert build_parser().parse_args(["record", "--pid", "1"]).gpu is True
     assert build_parser().parse_args(["analyze", "d", "--source", "cuda-driver"]).source == ["cuda-driver"]

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from analysis.dataset import Dataset
-from analysis.growth import classify, classify_series, detect_growth
-from sampler.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS
+from analysis.detect.growth import classify, classify_series, detect_growth
+from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS
 
 T = 512 << 10
 MiB = 1 << 20

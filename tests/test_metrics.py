@@ -14,11 +14,11 @@ import urllib.request
 
 import pytest
 
-from sampler.config import Config
-from sampler.cuda import GpuTracer, _GpuTarget
-from sampler.daemon import Daemon
+from sampler.service.config import Config
+from sampler.gpu.cuda import GpuTracer, _GpuTarget
+from sampler.service.daemon import Daemon
 from sampler.errors import EnvironmentProblem
-from sampler.metrics import (
+from sampler.service.metrics import (
     CONTENT_TYPE,
     DeviceMetrics,
     Estimate,
@@ -28,9 +28,9 @@ from sampler.metrics import (
     RecorderHealth,
     render,
 )
-from sampler.nvml import DeviceMemory, NvmlSample
-from sampler.outstanding import ProcessTable
-from sampler.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
+from sampler.gpu.nvml import DeviceMemory, NvmlSample
+from sampler.record.outstanding import ProcessTable
+from sampler.dataset.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

@@ -314,7 +314,7 @@ def test_collapsed_stacks(leaky, tmp_path):
 def test_builder_python_and_native_frames(profile_pb2, tmp_path):
     """Python frames become a function with file and line and no mapping; native ones a mapping
     with path and build-id at their ELF address (also above 2^63, stored as a negative int64)."""
-    from analysis.pprof import build_profile
+    from analysis.export.pprof import build_profile
     frames = {7: [
         {"function": "malloc_site", "module": "libx.so", "path": "/opt/libx.so", "offset": 0x1234,
          "build_id": "abcd", "file": "x.c", "line": 42, "kind": "native"},

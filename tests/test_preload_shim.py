@@ -1,4 +1,4 @@
-"""The preload tier's LD_PRELOAD shim (preload/allocsampler_preload.c): build, ELF contract, behaviour
+"""The preload tier's LD_PRELOAD shim (sampler/inprocess/preload.c): build, ELF contract, behaviour
 of the interposed functions under heavy sampling, the accuracy of its sampling, and its sample-rate
 cap (ALLOCSAMPLER_MAX_SAMPLES_PER_S). No BPF needed."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import compile_c
 
-from sampler import preload
+from sampler.inprocess import preload
 from sampler.errors import EnvironmentProblem, UsageError
-from sampler.weights import inclusion_probability, unbiased_weight
+from sampler.control.weights import inclusion_probability, unbiased_weight
 
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 
@@ -156,7 +156,7 @@ def test_preload_env_prepends_and_sets_the_mean(shim):
 
 
 def test_module_entry_point_prints_the_path(shim):
-    r = subprocess.run([sys.executable, "-m", "sampler.preload"], capture_output=True, text=True, check=True,
+    r = subprocess.run([sys.executable, "-m", "sampler.inprocess.preload"], capture_output=True, text=True, check=True,
                        cwd=Path(preload.__file__).resolve().parent.parent)
     assert r.stdout.strip() == str(shim)
 

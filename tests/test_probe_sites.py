@@ -14,7 +14,7 @@ from capstone import x86_const as x86
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 
-from sampler.probe_sites import ProbeSite, branch_targets_outside, choose_site, forwards_to
+from sampler.probes.sites import ProbeSite, branch_targets_outside, choose_site, forwards_to
 
 LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6")
 # The exact offsets below are those of Debian 12's glibc; other builds lay the code out differently.

@@ -13,8 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sampler.procmetrics import sample_process
-from sampler.smaps import (
+from sampler.proc.memory import sample_process
+from sampler.proc.smaps import (
     HEAP_MAX_SIZE,
     Region,
     classify,

@@ -1,4 +1,4 @@
-"""Python frames of real interpreters: sampler.pyruntime (layout, threads, walk) and sampler.pycode.
+"""Python frames of real interpreters: sampler.pyruntime (layout, threads, walk) and sampler.python.codeobj.
 
 Every installed CPython 3.10-3.13 runs tests/workloads/py_nested.py, whose two threads print their
 own stack (traceback.extract_stack) and block in os.read; the frames read from outside must be
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sampler.pycode import CodeReader, decode_linetable_310, decode_linetable_311
-from sampler.pyruntime import NO_FIELD, PyUnsupported, detect
+from sampler.python.codeobj import CodeReader, decode_linetable_310, decode_linetable_311
+from sampler.python.runtime import NO_FIELD, PyUnsupported, detect
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "py_nested.py"
 DEBIAN_PYTHON = "/usr/bin/python3.11"

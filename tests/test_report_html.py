@@ -17,11 +17,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import flamegraph
+from analysis.report import flamegraph
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding
-from analysis.html_charts import byte_ticks, time_ticks
-from analysis.report_html import format_detail, render_html, trim_frames
+from analysis.report.charts import byte_ticks, time_ticks
+from analysis.report.html import format_detail, render_html, trim_frames
 
 CHROMIUM = "/usr/bin/chromium"
 KiB = 1024

@@ -22,9 +22,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from analysis.dataset import latest_outstanding, load, read_table
-from sampler import retention as R
-from sampler.dataset_writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
-from sampler.schema import FRAMES, OUTSTANDING, PROCESSES, RECORDINGS, STACKS, TABLES
+from sampler.dataset import retention as R
+from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
+from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, RECORDINGS, STACKS, TABLES
 
 REPO = Path(__file__).resolve().parent.parent
 UTC = dt.timezone.utc
@@ -271,7 +271,7 @@ def test_every_step_of_a_compaction_is_atomic_for_readers(tmp_path, monkeypatch)
 
 CHILD_COMPACT = """
 import os, signal, sys
-from sampler import retention as R
+from sampler.dataset import retention as R
 root, point, nth, older, now = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
 R.ROW_GROUP_ROWS = int(sys.argv[6])
 hits = 0
@@ -359,8 +359,8 @@ def test_kill_9_at_random_times_during_compaction(tmp_path):
 CHILD_WRITE = """
 import sys
 import numpy as np, pyarrow as pa
-from sampler.dataset_writer import DatasetWriter
-from sampler.schema import OUTSTANDING
+from sampler.dataset.writer import DatasetWriter
+from sampler.dataset.schema import OUTSTANDING
 n = 1_000_000
 rng = np.random.default_rng(0)
 cols = {c.name: pa.nulls(n, c.type) for c in OUTSTANDING.columns}

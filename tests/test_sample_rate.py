@@ -1,10 +1,10 @@
-"""The per-process sampling mean (sampler/sample_rate.py) and the reconciliation of sampled
+"""The per-process sampling mean (sampler/control/sample_rate.py) and the reconciliation of sampled
 mappings with /proc/PID/maps (ProcessTable.keep_mapped): plain logic, no BPF."""
 
 from __future__ import annotations
 
-from sampler.outstanding import FAULT, MMAP, ProcessTable
-from sampler.sample_rate import SHIFT_MAX, SampleRate
+from sampler.record.outstanding import FAULT, MMAP, ProcessTable
+from sampler.control.sample_rate import SHIFT_MAX, SampleRate
 
 
 def feed(sr: SampleRate, pid: int, rate: float, seconds: float, t: float, n: int,

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from sampler.elf import ElfImage
-from sampler.procmaps import find_mapping, open_path, read_maps
-from sampler.symbolize import Frame, Symbolizer, demangle, module_key
+from sampler.binary.elf import ElfImage
+from sampler.proc.maps import find_mapping, open_path, read_maps
+from sampler.stacks.symbolize import Frame, Symbolizer, demangle, module_key
 
 PROG_SRC = r"""
 #include <dlfcn.h>

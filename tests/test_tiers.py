@@ -88,7 +88,7 @@ def test_rss_tier_attributes_resident_growth_to_the_stack_that_keeps_it(tiers_ex
 
 def test_rss_tier_for_a_cgroup_adopts_its_processes(tiers_exe, gated, record, tmp_path):
     """--cgroup selects processes by cgroup (v2) as they fault, without naming pids."""
-    from sampler.recorder import cgroup2_root
+    from sampler.record.recorder import cgroup2_root
 
     root = Path(cgroup2_root())
     cg = root / f"allocsampler-test-{os.getpid()}"
@@ -164,7 +164,7 @@ def test_preload_tier_matches_the_attach_tier_and_the_truth(tiers_exe, gated, re
     """The same workload, once under allocator uprobes and once with the shim preloaded (found
     by its otel_memory USDT probes, no uprobe on malloc): both estimates match the workload's
     ground truth and each other within sampling error, and both stacks start at the caller."""
-    from sampler.preload import preload_env
+    from sampler.inprocess.preload import preload_env
 
     argv = [str(tiers_exe), "sizes", "60000"]
     results = {}

@@ -12,12 +12,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from sampler import weights
-from sampler.cli import _size
-from sampler.dataset_writer import DatasetWriter
-from sampler.events import HEADER, STACK_HEAD, EvType, decode
-from sampler.outstanding import MALLOC, MMAP, ProcessTable
-from sampler.schema import OUTSTANDING, TABLES
+from sampler.control import weights
+from sampler.cli.main import _size
+from sampler.dataset.writer import DatasetWriter
+from sampler.bpf.events import HEADER, STACK_HEAD, EvType, decode
+from sampler.record.outstanding import MALLOC, MMAP, ProcessTable
+from sampler.dataset.schema import OUTSTANDING, TABLES
 
 T = 512 << 10
 
@@ -31,7 +31,7 @@ def test_weight_formula():
 
 
 def _bpf_weight(size: int, mean: int, tab: list[int]) -> int:
-    """bpf/common.h sample_bytes(), integer for integer."""
+    """sampler/bpf/common.h sample_bytes(), integer for integer."""
     if size >= weights.WTAB_MAX_X * mean:
         return size
     xq = (size << 22) // mean
@@ -108,7 +108,7 @@ def test_mmap_partial_unmaps():
 def test_fault_pages_are_released_by_madvise_and_moved_by_mremap():
     """Fault pages are their own ranges: madvise(DONTNEED) releases them and keeps an mmap region
     sampled over the same addresses; mremap moves them; munmap removes both."""
-    from sampler.outstanding import FAULT
+    from sampler.record.outstanding import FAULT
     t = ProcessTable()
     base, page, period = 0x20000000, 4096, 61
     t.map(base, 1 << 20, weights.unbiased_weight(1 << 20, T), 1, 0)               # the mapping
@@ -166,8 +166,8 @@ def test_schema_doc_is_generated_from_the_schema():
 
 
 def test_vm_classifier_names_a_glibc_heap_lifecycle():
-    from sampler.events import VmOp
-    from sampler.vm_events import HEAP_MAX, VmClassifier
+    from sampler.bpf.events import VmOp
+    from sampler.record.vm_events import HEAP_MAX, VmClassifier
     c = VmClassifier()
     r = 0x7F0003FFF000                                    # unaligned 128 MiB reservation
     aligned = 0x7F0004000000

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 from conftest import WORKLOADS, compile_c
 
-from sampler import cfi, elf
-from sampler.elf import ElfImage
-from sampler.procmaps import find_mapping, open_path, read_maps
-from sampler.unwind import Regs, Unwinder, UnwindResult
+from sampler.stacks import cfi
+from sampler.binary import elf
+from sampler.binary.elf import ElfImage
+from sampler.proc.maps import find_mapping, open_path, read_maps
+from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
 STOPS = {"entry", "no_cfi", "stack_end", "max_frames", "bad_frame"}
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from sampler import usdt
-from sampler.preload import shim_path
+from sampler.probes import usdt
+from sampler.inprocess.preload import shim_path
 
 
 @pytest.mark.parametrize("text, want", [

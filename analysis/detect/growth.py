@@ -1,0 +1,372 @@
+"""Persistent growth: which stacks keep growing, and is RSS growth explained by them.
+
+Each (process, source, stack) gives a series of outstanding-bytes estimates y_t with standard
+errors s_t (from the sampling weights). The classification uses three pieces of evidence:
+
+1. Growth beyond sampling noise: the level at the end minus the level at the start (medians over
+   the first and last tenth of the window) against the noise of a change: the sampled blocks
+   born or freed in between (alloc_samples + free_samples) times the per-sample variance term.
+   A leak's change is made of new samples only; a busy bounded cache churns many samples at a
+   constant level, so its changes are correctly judged noisy. Needs z >= 3.
+2. A monotone trend: Mann-Kendall p < 0.01 once there are >= 8 points (robust, rank-based; it
+   ignores the size of sampling spikes). Shorter series must simply never drop by more than
+   2 standard errors, so a leak of a few MB/s is flagged within 3-4 snapshots (~30 s).
+3. Sustained to the end: the growth over the last third of the window has z >= 3 against the
+   same change noise and a slope of at least half the window's average. Grew-then-flat is a
+   plateau (a bounded cache such as deque(maxlen=N)), never a leak.
+Drops by more than max(3 s, 20% of the running maximum) mark batching: two or more make a
+sawtooth, which is reported as a leak only when its troughs rise significantly.
+
+Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 points first.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from analysis.dataset import Dataset
+from analysis.findings import Finding
+from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
+from analysis.units import fmt_bytes, fmt_hours
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Trend:
+    classification: str        # leak | plateau | sawtooth | noise | insufficient
+    pattern: str               # linear | sawtooth
+    rate: float                # bytes per second over the sustained part (leak), else overall slope
+    growth: float              # bytes over the window
+    z: float                   # growth / its sampling error
+    tail_z: float
+    mk_p: float
+    drops: int
+    confidence: float
+
+
+def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | None = None,
+             live: np.ndarray | None = None, *, z_min: float = 3.0, tail_z_min: float = 3.0,
+             alpha: float = 0.01, max_points: int = 200) -> Trend:
+    """Classify one series: t seconds, y outstanding bytes, s their stderr; churn = sampled
+    allocations + frees of the stack since the previous point, live = live samples.
+
+    The change of the estimate between two snapshots is a Horvitz-Thompson sum over the sampled
+    blocks born or freed in between, so its variance is (their count) x (the per-sample variance
+    term): the noise of a *change*, which the snapshots' own stderrs overstate for a leak (shared
+    samples) and cannot see for a busy cache (turnover at a constant level). Without churn counts
+    the conservative sqrt(s_a^2 + s_b^2) is used."""
+    if len(t) < 3 or t[-1] <= t[0]:
+        return Trend("insufficient", "linear", 0.0, 0.0, 0.0, 0.0, 1.0, 0, 0.0)
+    t, y, s = (np.asarray(a, float) for a in (t, y, s))
+    cum = np.cumsum(churn) if churn is not None else None
+    var1 = 0.0
+    if cum is not None and live is not None and np.sum(live) > 0:
+        var1 = float(np.sum(s ** 2) / np.sum(live))
+    if len(t) > max_points:
+        if cum is not None:     # churn up to the end of each bin, aligned with the binned points
+            cum = cum[np.append(bin_starts(t, max_points)[1:], len(t)) - 1]
+        t, y, s = bin_series(t, y, s, max_points)
+    n = len(t)
+
+    def sigma(a: int | np.ndarray, b: int | np.ndarray) -> np.ndarray:
+        if var1 > 0:
+            return np.sqrt(var1 * np.maximum(cum[b] - cum[a], 1.0))
+        return np.hypot(s[a], s[b])
+
+    idx = np.arange(n)
+    pair = sigma(idx[:-1], idx[1:])
+    step = np.diff(y)
+    running_max = np.maximum.accumulate(y)[:-1]
+    drop = -step > np.maximum(3 * pair, 0.2 * running_max)
+    drops = int(drop.sum())
+
+    if drops >= 2:
+        # troughs: the first point and every point right after a drop
+        tr_idx = np.concatenate(([0], np.nonzero(drop)[0] + 1))
+        beta = theil_sen(t[tr_idx], y[tr_idx]) if len(tr_idx) >= 3 else 0.0
+        growth = beta * (t[tr_idx[-1]] - t[0])
+        z = growth / max(float(sigma(0, tr_idx[-1])), 1.0)
+        if len(tr_idx) >= 3 and z >= z_min:
+            return Trend("leak", "sawtooth", beta, growth, z, z, 1.0, drops, _confidence(z, z, None))
+        return Trend("sawtooth", "sawtooth", beta, growth, z, 0.0, 1.0, drops, 0.0)
+
+    beta = theil_sen(t, y)
+    # growth: level at the end minus level at the start (medians over a tenth of the window each),
+    # so that grew-then-flat still counts as growth before the tail test
+    span = (t[-1] - t[0]) / 10
+    head, end = np.nonzero(t <= t[0] + span)[0], np.nonzero(t >= t[-1] - span)[0]
+    growth = float(np.median(y[end]) - np.median(y[head]))
+    z = growth / max(float(sigma(head[len(head) // 2], end[len(end) // 2])), 1.0)
+    _, mk_p = mann_kendall(y)
+    # short series: no drop beyond noise instead of a rank test that needs more points
+    trending = mk_p < alpha if n >= 8 else bool((step >= -2 * pair).all()) and y[-1] > y[0]
+    if not (z >= z_min and trending):
+        return Trend("noise", "linear", beta, growth, z, 0.0, mk_p, drops, 0.0)
+
+    tail = np.nonzero(t >= t[-1] - (t[-1] - t[0]) / 3)[0]
+    if len(tail) < 3:
+        tail = idx[-3:]
+    tail_beta = theil_sen(t[tail], y[tail])
+    tail_z = tail_beta * (t[tail[-1]] - t[tail[0]]) / max(float(sigma(tail[0], tail[-1])), 1.0)
+    # sustained: significant on its own, at least half the average pace of the window, and spread
+    # over the tail rather than one step (a single large block allocated once is not a leak)
+    tail_steps = np.diff(y[tail])
+    tail_growth = y[tail[-1]] - y[tail[0]]
+    one_step = False
+    if len(tail_steps) and tail_growth > 0:
+        k = int(np.argmax(tail_steps))
+        # one step holds most of the tail's growth, and came faster than the tail's average pace
+        # (a step that only spans a late, long interval is the same pace, not one block)
+        pace = tail_growth / (t[tail[-1]] - t[tail[0]])
+        one_step = (tail_steps[k] > (0.5 if len(tail_steps) >= 5 else 0.8) * tail_growth
+                    and tail_steps[k] / (t[tail[k + 1]] - t[tail[k]]) > 1.5 * pace)
+    if tail_z < tail_z_min or tail_beta < 0.5 * growth / (t[-1] - t[0]) or one_step:
+        return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
+    # the rate: over the whole window, or over its last half when growth started late
+    half = t >= t[-1] - (t[-1] - t[0]) / 2
+    rate = max(beta, theil_sen(t[half], y[half])) if half.sum() >= 3 else beta
+    if rate <= 0:
+        return Trend("plateau", "linear", beta, growth, z, tail_z, mk_p, drops, 0.0)
+    return Trend("leak", "linear", rate, growth, z, tail_z, mk_p, drops,
+                 _confidence(z, tail_z, mk_p if n >= 8 else None))
+
+
+def _confidence(z: float, tail_z: float, mk_p: float | None) -> float:
+    p = max(normal_sf(z), normal_sf(tail_z), mk_p or 0.0)
+    return min(0.999, max(0.0, 1.0 - p))
+
+
+def _seconds(ts: pd.Series) -> np.ndarray:
+    return (ts - ts.iloc[0]).dt.total_seconds().to_numpy()
+
+
+def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
+    """One row per (recording, pid, source, stack) whose outstanding reached `min_bytes`: its
+    classification and numbers. A stack absent from a snapshot has nothing outstanding (0).
+
+    A day of 10 s snapshots of 50 processes is millions of rows: rows are grouped by process
+    with one argsort, and each process's slice is sorted into series with index arithmetic, so
+    temporary arrays stay the size of one process."""
+    out = ds.outstanding
+    if out.empty:
+        return pd.DataFrame(columns=["recording_id", "pid", "source", "stack_id", "classification"])
+    rec = out["recording_id"].astype("category")
+    src = out["source"].astype("category")
+    comm = out["comm"].astype("category")
+    proc = rec.cat.codes.to_numpy().astype(np.int64) << 32 | out["pid"].to_numpy().astype(np.int64)
+    by_proc = np.argsort(proc, kind="stable")
+    edges = np.flatnonzero(np.diff(proc[by_proc])) + 1
+    cols = {name: out[name].to_numpy() for name in ("outstanding_bytes", "outstanding_stderr_bytes",
+                                                    "live_samples", "alloc_samples", "free_samples", "stack_id")}
+    ts_all = out["ts"].dt.as_unit("us")
+    rows = []
+    for idx in np.split(by_proc, edges):
+        p = int(proc[idx[0]])
+        ts = ts_all.iloc[idx].astype("int64").to_numpy()                 # microseconds
+        grid = np.unique(ts)                                              # every snapshot of the process
+        skey, stack = src.cat.codes.to_numpy()[idx], cols["stack_id"][idx]
+        order = np.lexsort((ts, stack, skey))
+        ts, skey, stack = ts[order], skey[order], stack[order]
+        y_all = cols["outstanding_bytes"][idx][order].astype(float)
+        s_all = cols["outstanding_stderr_bytes"][idx][order].astype(float)
+        live_all = cols["live_samples"][idx][order].astype(float)
+        churn_all = (cols["alloc_samples"][idx][order] + cols["free_samples"][idx][order]).astype(float)
+        new = np.ones(len(order), bool)
+        new[1:] = (skey[1:] != skey[:-1]) | (stack[1:] != stack[:-1])
+        starts = np.flatnonzero(new)
+        ends = np.append(starts[1:], len(order))
+        peak = np.maximum.reduceat(y_all, starts)
+        last_comm = str(comm.iloc[idx[-1]])
+        t = (grid - grid[0]) / 1e6
+        for a, b in zip(starts[peak >= min_bytes], ends[peak >= min_bytes], strict=True):
+            at = np.searchsorted(grid, ts[a:b])
+            y, sd, live, churn = (np.zeros(len(grid)) for _ in range(4))
+            y[at], sd[at], live[at], churn[at] = y_all[a:b], s_all[a:b], live_all[a:b], churn_all[a:b]
+            tr = classify(t, y, sd, churn, live)
+            seen = live_all[a:b] > 0
+            first = grid[at[seen][0]] if seen.any() else grid[0]
+            rows.append({
+                "recording_id": rec.cat.categories[p >> 32], "pid": p & 0xFFFFFFFF, "comm": last_comm,
+                "source": src.cat.categories[skey[a]], "stack_id": int(stack[a]),
+                "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
+                "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
+                "confidence": tr.confidence, "outstanding_bytes": float(y[-1]),
+                "outstanding_stderr_bytes": float(sd[-1]),
+                "first_seen": pd.Timestamp(int(first), unit="us", tz="UTC"),
+                "last_seen": pd.Timestamp(int(grid[-1]), unit="us", tz="UTC"),
+                "window_s": float(t[-1]), "points": len(grid),
+            })
+    return pd.DataFrame(rows)
+
+
+def _process_trend(ds: Dataset, rec: str, pid: int) -> dict:
+    p = ds.processes
+    p = p[(p["recording_id"] == rec) & (p["pid"] == pid)].sort_values("ts")
+    if len(p) < 2:
+        return {}
+    t, rss, _ = _binned(p)
+    last = p.iloc[-1]
+    return {"rss": float(last["rss"]), "limit": _limit(last["memory_limit"]), "rss_slope": theil_sen(t, rss)}
+
+
+def _limit(v) -> float:
+    """The memory limit, 0 when unknown (null in merged or older datasets)."""
+    return float(v) if pd.notna(v) and v > 0 else 0.0
+
+
+def _binned(p: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RSS of a process over time, binned to at most 200 points (the tests are O(n^2))."""
+    t = _seconds(p["ts"])
+    rss = p["rss"].to_numpy(float)
+    return bin_series(t, rss, np.zeros_like(rss), 200)
+
+
+def time_to_oom_hours(rss: float, limit: float, rss_slope: float, leak_rate: float) -> tuple[float | None, str]:
+    """Hours until RSS reaches the limit: from the RSS trend when RSS grows, else assuming the
+    leak adds to RSS at its own rate."""
+    if limit <= 0 or rss >= limit:
+        return (0.0, "rss_at_limit") if limit > 0 else (None, "")
+    if rss_slope > 0:
+        return (limit - rss) / rss_slope / 3600, "rss_trend"
+    if leak_rate > 0:
+        return (limit - rss) / leak_rate / 3600, "leak_rate"
+    return None, ""
+
+
+def frames_json(ds: Dataset, stack_id: int) -> list[dict]:
+    def val(v):
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
+             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind)}
+            for r in ds.frames_of(stack_id).itertuples()]
+
+
+def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
+    """persistent_growth findings (leaks), and unexplained_growth when RSS grows beyond what the
+    sampled allocations account for."""
+    from analysis.detect.gpu import GPU_SOURCES  # GPU sources are gpu_growth findings (analysis/detect/gpu.py)
+
+    series = classify_series(ds) if series is None else series
+    findings: list[Finding] = []
+    trends: dict[tuple, dict] = {}
+    leaks = series[(series["classification"] == "leak") & ~series["source"].astype(str).isin(GPU_SOURCES)] \
+        if len(series) else series
+    for r in leaks.itertuples() if len(leaks) else ():
+        pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
+        rate_h = r.rate_bytes_per_s * 3600
+        ttoom, basis = time_to_oom_hours(pt.get("rss", 0), pt.get("limit", 0), pt.get("rss_slope", 0),
+                                         r.rate_bytes_per_s)
+        frames = frames_json(ds, r.stack_id)
+        site = _site(frames)
+        limit = pt.get("limit", 0)
+        severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
+        text = (f"{site} holds {fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)} "
+                f"({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the window"
+                + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
+        if ttoom is not None:
+            text += f"; the process reaches its {fmt_bytes(limit)} limit in {fmt_hours(ttoom)}"
+        findings.append(Finding(
+            "persistent_growth", r.pid, r.comm, severity, r.confidence, text + ".",
+            {"source": r.source, "stack_id": int(r.stack_id), "frames": frames,
+             "growth_bytes_per_hour": rate_h, "outstanding_bytes": r.outstanding_bytes,
+             "outstanding_stderr_bytes": r.outstanding_stderr_bytes, "first_seen": r.first_seen,
+             "last_seen": r.last_seen, "time_to_oom_hours": ttoom, "time_to_oom_basis": basis or None,
+             "memory_limit_bytes": limit or None, "pattern": r.pattern, "classification": "leak",
+             "z": r.z, "recording_id": r.recording_id}))
+    findings += _unexplained(ds, series)
+    return findings
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost named frame, and the innermost Python frame above it (the line a Python
+    user recognises), e.g. `alloc_cpu (libc10.so) from train_step (train.py:41)`."""
+    named = next((f for f in frames if f["function"]), None)
+    if named is None:
+        return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
+    site = _where(named)
+    py = [f for f in frames if f.get("kind") == "python"]
+    mine = next((f for f in py if not _LIBRARY_CODE.search(str(f.get("file") or ""))), py[0] if py else None)
+    return site if mine is None or mine is named else f"{site} from {_where(mine)}"
+
+
+# Python code of the interpreter and of installed packages: the user's own frame is the
+# innermost one outside these (torch's `relu` is where, `train_step` is why).
+_LIBRARY_CODE = re.compile(r"/lib/python3[^/]*/|/(site|dist)-packages/|^<frozen ")
+
+
+def _where(f: dict) -> str:
+    if f.get("kind") == "python" and f.get("line"):
+        return f"{f['function']} ({f['module']}:{f['line']})"
+    return f"{f['function']} ({f['module']})"
+
+
+def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
+    """RSS growth that the sampled stacks do not account for."""
+    findings = []
+    p = ds.processes
+    if p.empty or ds.sources:      # with a source filter the sampled side is incomplete: no verdict
+        return findings
+    sampled_growth = _sampled_growth(ds)
+    for (rec, pid), g in p.groupby(["recording_id", "pid"], observed=True):
+        g = g.sort_values("ts")
+        if len(g) < 4:
+            continue
+        t, rss, _ = _binned(g)
+        slope = theil_sen(t, rss)
+        growth = slope * (t[-1] - t[0])
+        _, mk_p = mann_kendall(rss)
+        if growth < max(16 * MiB, 0.05 * rss[0]) or (len(g) >= 8 and mk_p >= 0.01):
+            continue
+        sampled = sampled_growth.get((rec, pid), 0.0)
+        unexplained = growth - sampled
+        if unexplained < 0.5 * growth:
+            continue
+        first, last = g.iloc[0], g.iloc[-1]
+        regions = {k: float(last[k] - first[k]) for k in ("heap_rss", "arena_rss", "anon_rss", "file_rss", "stack_rss")}
+        where = max(regions, key=regions.get)
+        hint = {"heap_rss": "the brk heap grew without sampled live blocks to match: see arena_bloat / malloc_trim",
+                "arena_rss": "glibc arenas grew without sampled live blocks to match: see arena_bloat",
+                "anon_rss": "anonymous memory outside sampled allocations: mmap by other code paths "
+                            "(Python obmalloc arenas, custom allocators, GPU driver mappings)",
+                "file_rss": "file-backed memory (mapped files, shared libraries, page cache of mmaps)",
+                "stack_rss": "thread stacks (more threads, or deep recursion)"}[where]
+        limit = _limit(last["memory_limit"])
+        ttoom, basis = time_to_oom_hours(float(last["rss"]), limit, slope, 0.0)
+        rate_h = slope * 3600
+        findings.append(Finding(
+            "unexplained_growth", pid, str(last["comm"]),
+            min(100.0, 100.0 * rate_h * 24 / limit) * 0.8 if limit else 30.0, 1.0 - (mk_p if len(g) >= 8 else 0.0),
+            f"RSS grew {fmt_bytes(growth)} ({fmt_bytes(rate_h)}/h) but sampled allocations explain only "
+            f"{fmt_bytes(max(0.0, sampled))}: growth is outside sampled allocations, mostly {where[:-4]} - {hint}.",
+            {"rss_growth_bytes": growth, "rss_growth_bytes_per_hour": rate_h, "explained_bytes": max(0.0, sampled),
+             "unexplained_bytes": unexplained, "region_growth_bytes": regions, "time_to_oom_hours": ttoom,
+             "time_to_oom_basis": basis or None, "memory_limit_bytes": limit or None,
+             "first_seen": first["ts"], "last_seen": last["ts"], "recording_id": rec}))
+    return findings
+
+
+def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
+    """Per process: growth of sampled outstanding bytes over the window, malloc plus the mmap made
+    outside the allocator (glibc's own large-chunk mmaps are already counted under malloc); for a
+    process in the always-on tier, the memory its sampled page faults brought in."""
+    o = ds.outstanding
+    if o.empty:
+        return {}
+    f = ds.frames
+    top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
+    via_libc = o["stack_id"].isin(set(top)).to_numpy()
+    src = o["source"].astype(str).to_numpy()
+    out: dict[tuple[str, int], float] = {}
+    for use in ((src == "malloc") | ((src == "mmap") & ~via_libc), src == "fault"):
+        cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
+        per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
+        ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
+        out.update({(str(r), int(p)): float(v["last"] - v["first"]) for (r, p), v in ends.iterrows()})
+    return out

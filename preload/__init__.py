@@ -1,1 +1,0 @@
-"""C source of the LD_PRELOAD sampling shim, shipped as package data."""

@@ -1,0 +1,441 @@
+/* Shared definitions of the allocsampler BPF programs (bcc dialect).
+ *
+ * Compile-time parameters (set by sampler/bpf/loader.py with -D):
+ *   SAMPLE_MEAN   mean bytes between samples (Poisson process over requested bytes)
+ *   STACK_BYTES   user stack bytes copied per sampled event (multiple of STACK_CHUNK)
+ *   PY_MAX        Python frames captured per sampled event
+ *   LIVE_MAX      capacity of the sampled-live-address table
+ *   RINGBUF_PAGES ring buffer size in pages
+ *   VM_EVENTS_PER_S unsampled syscall events sent per process per VM window (0: all)
+ *
+ * The event layout here is mirrored by sampler/bpf/events.py: change both together.
+ */
+#include <uapi/linux/ptrace.h>
+
+#ifndef SAMPLE_MEAN
+#define SAMPLE_MEAN (512 * 1024)
+#endif
+#ifndef STACK_BYTES
+#define STACK_BYTES 16384
+#endif
+#ifndef PY_MAX
+#define PY_MAX 96
+#endif
+/* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
+ * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
+#define STACK_CHUNK 1024
+/* Map sizes: these defaults are compiled; the loader gives the configured sizes when it creates
+ * the maps (sampler/bpf/objcache.py), so they are not compile flags. */
+#define LIVE_MAX 262144
+#define RINGBUF_PAGES 2048
+#ifndef VM_EVENTS_PER_S
+#define VM_EVENTS_PER_S 2000
+#endif
+/* The VM event budget's window: 2^30 ns (~1.07 s). */
+#define VM_WINDOW_SHIFT 30
+/* A process's sampling mean is SAMPLE_MEAN * 2^shift, shift in [SHIFT_MIN, SHIFT_MAX], set from
+ * user space (sampler/control/sample_rate.py). The per-CPU countdown counts in 1/2^SHIFT_MAX bytes of
+ * SAMPLE_MEAN, so that every shift divides exactly. */
+#define SHIFT_MIN (-6)
+#define SHIFT_MAX 10
+
+/* Weight table: h(x) = x / (1 - exp(-x)) at x = i / WTAB_STEPS, Q20 fixed point; filled from
+ * sampler/control/weights.py before any probe is attached. Beyond WTAB_MAX_X the weight is the size. */
+#define WTAB_STEPS 64
+#define WTAB_MAX_X 24
+#define WTAB_N (WTAB_STEPS * WTAB_MAX_X + 1)
+
+enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4, EV_CUDA = 5 };
+/* SRC_CUDA/SRC_CUDA_DRIVER: a CUDA runtime/driver call (EV_CUDA, sampler/bpf/cuda.bpf.c); SRC_TORCH: a
+ * sampled tensor of PyTorch's caching allocator (pytorch:malloc USDT, tagged address). */
+enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3, SRC_CUDA = 4, SRC_CUDA_DRIVER = 5, SRC_TORCH = 6 };
+/* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
+ * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
+ * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
+enum ev_flags {
+    EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16,
+    EVF_SITE_MODULE = 32,
+};
+/* `targets` values: what is recorded for a process besides its allocator probes. */
+enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
+
+/* Allocator functions; values are shared with sampler/probes/allocators.py (Fn). */
+enum fn_id {
+    FN_MALLOC = 1, FN_CALLOC, FN_REALLOC, FN_REALLOCARRAY, FN_POSIX_MEMALIGN, FN_ALIGNED_ALLOC,
+    FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
+    FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (sampler/bpf/usdt.bpf.c) */
+    FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (sampler/bpf/usdt.bpf.c) */
+};
+/* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
+ * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
+ * Those calls are left to the inner probe, so that their bytes are counted once. */
+#define FNF_DELEGATES 0x100
+
+/* Memory-mapping syscalls. */
+enum vm_op { VM_MMAP = 1, VM_MUNMAP, VM_MREMAP, VM_BRK, VM_MADVISE, VM_MPROTECT };
+enum proc_op { PROC_FORK = 1, PROC_EXEC, PROC_EXIT };
+
+/* Counters (per CPU, summed in user space). Hit counters are indexed by fn_id / 32 + vm_op. */
+enum counter {
+    C_LOST_EVENTS = 0,   /* ring buffer full */
+    C_LIVE_FULL,         /* sampled allocation not tracked: live table full */
+    C_PENDING_FULL,      /* per-thread pending table full */
+    C_SAMPLED,
+    C_STACK_ERR,         /* no stack captured (registers unreadable, scratch busy) */
+    C_PY_MISS,           /* Python target, thread state unknown */
+    C_FAULTS,            /* sampled page faults of targets */
+    C_CUDA_CALLS,        /* CUDA runtime/driver calls of targets (sampler/bpf/cuda.bpf.c) */
+    C_VM_SUPPRESSED,     /* unsampled syscall events not sent: the process was over its budget */
+    C_HITS = 16,         /* + fn_id: allocator probe hits */
+    C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
+    C_N = 64,
+};
+
+struct ev_hdr {
+    u8 type;
+    u8 source;
+    u16 op;          /* fn_id, vm_op or proc_op */
+    u32 pid;
+    u32 tid;
+    u16 pad;
+    u16 flags;
+    u64 ts;
+    u64 addr;        /* ALLOC/FREE: block; VM: syscall address argument; PROC: child pid */
+    u64 size;        /* requested bytes (VM: length) */
+    u64 weight;      /* unbiased weight in bytes, sampled events only */
+    u64 arg;         /* VM: prot | flags << 32, advice, or new length */
+    u64 ret;         /* VM: syscall return value */
+};
+
+/* A sampled event with its stack: user registers, the Python frames of the thread (npy pairs of
+ * u64: code object | entry byte << 56, instruction word), then stack_len bytes copied from sp.
+ * Only the used part of `data` is sent. */
+struct ev_stack {
+    struct ev_hdr h;
+    u64 ip;
+    u64 sp;
+    u64 bp;
+    u64 ra_slot;     /* when nonzero: the stack word at ra_slot holds a uretprobe trampoline */
+    u64 ra;          /* address instead of this original return address (an event inside a
+                      * sampled allocation call, whose return probe is pending) */
+    u16 stack_len;
+    u16 npy;
+    u32 pad;
+    /* + 2 chunks of slack: the verifier's bounds on `off + n` in copy_stack are loose */
+    u8 data[PY_MAX * 16 + STACK_BYTES + 2 * STACK_CHUNK];
+};
+
+struct live_key {
+    u32 pid;
+    u32 pad;
+    u64 addr;
+};
+
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+BPF_PERCPU_ARRAY(counters, u64, C_N);
+BPF_PERCPU_ARRAY(countdown, s64, 1);
+BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
+/* Sampled blocks that are still live, per process. A free of any other address emits nothing. */
+BPF_HASH(live, struct live_key, u64, LIVE_MAX);
+/* Processes being recorded; syscall tracepoints fire host-wide and check it. */
+struct target {
+    u32 flags;       /* target_flags */
+    s32 shift;       /* of the sampling mean (also in pid_hits, read where that is looked up) */
+};
+BPF_HASH(targets, u32, struct target, 4096);
+/* Per process and CPU: allocator probe hits (the governor's cost estimate). Entries are created
+ * by user space for attach-tier targets; the probes only add to them. `shift` is the process's
+ * sampling-mean shift, copied to every CPU by user space: the allocation probes read it from
+ * the entry they already look up, with no second lookup on their path. */
+struct pid_hits {
+    u64 alloc;
+    u64 free;
+    s32 shift;
+    u32 pad;
+};
+BPF_PERCPU_HASH(pid_hits, u32, struct pid_hits, 4096);
+
+/* CPython targets: per-process layout of the frame chain (sampler/python/runtime.py PyLayout), and
+ * each thread's PyThreadState, filled from user space (the interpreter's "current thread"
+ * pointer is NULL whenever the GIL is released, as in every torch op). */
+struct py_layout {
+    u32 version;
+    u16 tstate_frame;
+    u16 cframe_frame;    /* 0xffff: no _PyCFrame indirection */
+    u16 frame_code;
+    u16 frame_back;
+    u16 frame_instr;
+    u16 frame_entry;     /* 0xffff: none */
+};
+BPF_HASH(pyprocs, u32, struct py_layout, 4096);
+BPF_HASH(pythreads, u32, u64, 65536);
+/* Per process: stack bytes worth copying, learnt in user space from how deep its walks go (a
+ * smaller record per sample); absent: STACK_BYTES. */
+BPF_HASH(stack_hint, u32, u32, 4096);
+
+/* Per-CPU scratch for stack records (too big for the BPF stack), with a busy flag: a program
+ * preempted on this CPU must not have its record overwritten by the next one. */
+BPF_PERCPU_ARRAY(stack_scratch, struct ev_stack, 1);
+BPF_PERCPU_ARRAY(scratch_busy, u64, 1);
+
+/* Per-process accounting: drops, samples drawn and the VM event budget's window. Touched on
+ * sampled and syscall paths only, never by an unsampled allocation. */
+struct drops {
+    u64 lost_events;
+    u64 live_full;
+    u64 vm_suppressed;   /* unsampled syscall events not sent (over budget) */
+    u64 sampled;         /* samples drawn (the sample-rate cap's measure, sampler/control/sample_rate.py) */
+    u64 vm_window;       /* ktime >> VM_WINDOW_SHIFT of the current window */
+    u64 vm_sent;         /* unsampled syscall events sent in it */
+};
+BPF_HASH(drops, u32, struct drops, 4096);
+
+static __always_inline void count(u32 idx, u64 n)
+{
+    u64 *c = counters.lookup(&idx);
+    if (c)
+        *c += n;
+}
+
+/* Returns the process's sampling-mean shift. */
+static __always_inline s32 count_hit(u32 pid, bool is_free)
+{
+    struct pid_hits *h = pid_hits.lookup(&pid);
+    if (!h)
+        return 0;
+    if (is_free)
+        h->free++;
+    else
+        h->alloc++;
+    return h->shift;
+}
+
+static __always_inline void count_drop(u32 pid, u32 what)
+{
+    count(what, 1);
+    struct drops zero = {};
+    struct drops *d = drops.lookup_or_try_init(&pid, &zero);
+    if (!d)
+        return;
+    if (what == C_LIVE_FULL)
+        __sync_fetch_and_add(&d->live_full, 1);
+    else
+        __sync_fetch_and_add(&d->lost_events, 1);
+}
+
+/* An Exp(SAMPLE_MEAN) draw in 1/2^SHIFT_MAX bytes: -ln(U) * mean with U uniform in (0, 1], computed as
+ * ln2 * (32 - log2(r)) for a 32-bit random r, log2 in Q16 by repeated squaring. */
+static __always_inline s64 draw_countdown(void)
+{
+    u64 r = bpf_get_prandom_u32() | 1;
+    u64 x = r;
+    u32 k = 0;
+    if (x >= (1ULL << 16)) { x >>= 16; k += 16; }
+    if (x >= (1ULL << 8)) { x >>= 8; k += 8; }
+    if (x >= (1ULL << 4)) { x >>= 4; k += 4; }
+    if (x >= (1ULL << 2)) { x >>= 2; k += 2; }
+    if (x >= (1ULL << 1)) { k += 1; }
+    u64 m = r << (31 - k);          /* mantissa in [1, 2), Q31 */
+    u64 frac = 0;
+    /* branch-free: 2^16 paths through an unrolled branchy loop exhaust the verifier */
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        m = (m * m) >> 31;
+        u64 b = m >> 32;
+        m >>= b;
+        frac |= b << (15 - i);
+    }
+    u64 nlog2 = ((u64)(32 - k) << 16) - frac;    /* -log2(U), Q16 */
+    s64 c = (s64)((((u64)SAMPLE_MEAN * nlog2) >> 16) * 45426 >> 16);   /* x ln2 (Q16) */
+    return c > 0 ? c << SHIFT_MAX : 1;       /* in 1/2^SHIFT_MAX bytes (see sample_bytes) */
+}
+
+static __always_inline void count_sampled(u32 pid)
+{
+    count(C_SAMPLED, 1);
+    struct drops zero = {};
+    struct drops *d = drops.lookup_or_try_init(&pid, &zero);
+    if (d)
+        __sync_fetch_and_add(&d->sampled, 1);
+}
+
+/* Poisson sampling over requested bytes, decided at allocation entry. Returns the unbiased
+ * weight (size / (1 - exp(-size/mean)) bytes) of a sampled allocation, 0 if not sampled, with
+ * mean = SAMPLE_MEAN * 2^shift, the process's own mean.
+ * The countdown is per CPU and shared by all processes: an allocation consumes size / 2^shift
+ * of it (in 1/2^SHIFT_MAX bytes, exact). Because the exponential is memoryless, every allocation,
+ * whichever process or CPU it runs on and whatever the means were before, is sampled
+ * independently with probability 1 - exp(-size/mean): weights stay unbiased when a mean changes. */
+static __always_inline u64 sample_bytes(u32 pid, u64 size, s32 shift)
+{
+    u32 zero = 0;
+    s64 *cd = countdown.lookup(&zero);
+    if (!cd || size == 0)
+        return 0;
+    if (shift < SHIFT_MIN)
+        shift = SHIFT_MIN;
+    if (shift > SHIFT_MAX)
+        shift = SHIFT_MAX;
+    u64 mean = shift >= 0 ? (u64)SAMPLE_MEAN << shift : (u64)SAMPLE_MEAN >> -shift;
+    if (size >= (u64)WTAB_MAX_X * mean) {      /* sampled for sure (p > 1 - 4e-11) */
+        *cd = draw_countdown();
+        count_sampled(pid);
+        return size;
+    }
+    s64 c = *cd;
+    if (c == 0)
+        c = draw_countdown();
+    /* size * 2^(SHIFT_MAX - shift), exact; no overflow: size < 24 * mean */
+    c -= (s64)((size << (SHIFT_MAX - SHIFT_MIN)) >> (shift - SHIFT_MIN));
+    if (c > 0) {
+        *cd = c;
+        return 0;
+    }
+    *cd = draw_countdown();
+    count_sampled(pid);
+
+    u64 xq = (size << 22) / mean;             /* x = size/mean in units of 1/64, Q16 */
+    u32 i = xq >> 16;
+    u32 j = i + 1;
+    if (i >= WTAB_N - 1)
+        return size;
+    u64 *h0 = weight_tab.lookup(&i);
+    u64 *h1 = weight_tab.lookup(&j);
+    if (!h0 || !h1)
+        return size;
+    u64 h = *h0 + (((*h1 - *h0) * (xq & 0xffff)) >> 16);    /* h is increasing */
+    return (mean * h) >> 20;
+}
+
+/* Every header field is written (ring buffer memory is not zeroed; no padding exists). */
+static __always_inline void init_hdr(struct ev_hdr *e, u8 type, u8 source, u16 op, u32 pid, u32 tid)
+{
+    e->type = type;
+    e->source = source;
+    e->op = op;
+    e->pid = pid;
+    e->tid = tid;
+    e->pad = 0;
+    e->flags = 0;
+    e->ts = bpf_ktime_get_ns();
+    e->addr = 0;
+    e->size = 0;
+    e->weight = 0;
+    e->arg = 0;
+    e->ret = 0;
+}
+
+static __always_inline struct ev_stack *scratch_acquire(void)
+{
+    u32 zero = 0;
+    u64 *busy = scratch_busy.lookup(&zero);
+    if (!busy || __sync_fetch_and_add(busy, 1)) {
+        if (busy)
+            __sync_fetch_and_add(busy, -1);
+        return 0;
+    }
+    return stack_scratch.lookup(&zero);
+}
+
+static __always_inline void scratch_release(void)
+{
+    u32 zero = 0;
+    u64 *busy = scratch_busy.lookup(&zero);
+    if (busy)
+        __sync_fetch_and_add(busy, -1);
+}
+
+/* The thread's Python frames, innermost first, into e->data; returns their number. */
+static __always_inline u32 capture_python(struct ev_stack *e, u32 pid, u32 tid)
+{
+    struct py_layout *lp = pyprocs.lookup(&pid);
+    if (!lp)
+        return 0;
+    struct py_layout L = *lp;
+    u64 *tsp = pythreads.lookup(&tid);
+    if (!tsp) {
+        e->h.flags |= EVF_PY_MISS;
+        count(C_PY_MISS, 1);
+        return 0;
+    }
+    u64 f = 0;
+    if (bpf_probe_read_user(&f, sizeof(f), (void *)(*tsp + L.tstate_frame)))
+        return 0;
+    if (L.cframe_frame != 0xffff && f && bpf_probe_read_user(&f, sizeof(f), (void *)(f + L.cframe_frame)))
+        return 0;
+    u32 n = 0;
+    for (u32 i = 0; i < PY_MAX; i++) {
+        if (!f)
+            return n;
+        u64 *slot = (u64 *)(e->data + i * 16);
+        u64 code = 0, instr = 0;
+        u8 entry = 0;
+        bpf_probe_read_user(&code, sizeof(code), (void *)(f + L.frame_code));
+        bpf_probe_read_user(&instr, sizeof(instr), (void *)(f + L.frame_instr));
+        if (L.frame_entry != 0xffff)
+            bpf_probe_read_user(&entry, 1, (void *)(f + L.frame_entry));
+        slot[0] = code | (u64)entry << 56;
+        slot[1] = instr;
+        n = i + 1;
+        if (bpf_probe_read_user(&f, sizeof(f), (void *)(f + L.frame_back)))
+            return n;
+    }
+    if (f)
+        e->h.flags |= EVF_PY_TRUNC;
+    return n;
+}
+
+/* Up to STACK_BYTES of the user stack from sp, stopping at the end of the stack mapping (or at
+ * a page that is not resident). Returns the bytes copied, at e->data + off. */
+static __always_inline u32 copy_stack(struct ev_stack *e, u32 off, u64 sp)
+{
+    if (off > PY_MAX * 16)
+        return 0;
+    u32 pid = e->h.pid;
+    u32 *hint = stack_hint.lookup(&pid);
+    u32 limit = hint ? *hint : STACK_BYTES;
+    u32 first = STACK_CHUNK - (sp & (STACK_CHUNK - 1));
+    if (bpf_probe_read_user(e->data + off, first, (void *)sp))
+        return 0;
+    u32 n = first;
+#pragma unroll
+    for (int i = 0; i < STACK_BYTES / STACK_CHUNK - 1; i++) {
+        if (n >= limit)
+            break;
+        if (bpf_probe_read_user(e->data + off + n, STACK_CHUNK, (void *)(sp + n)))
+            break;
+        n += STACK_CHUNK;
+    }
+    return n;
+}
+
+/* Fill the stack part of a scratch record; returns the record's length. The header is set. */
+static __always_inline u32 capture_user(struct ev_stack *e, u64 ip, u64 sp, u64 bp)
+{
+    e->ip = ip;
+    e->sp = sp;
+    e->bp = bp;
+    u32 npy = capture_python(e, e->h.pid, e->h.tid);
+    if (npy > PY_MAX)
+        npy = PY_MAX;
+    u32 n = copy_stack(e, npy * 16, sp);
+    if (!n) {
+        e->h.flags |= EVF_STACK_ERR;
+        count(C_STACK_ERR, 1);
+    }
+    e->npy = npy;
+    e->stack_len = n;
+    e->pad = 0;
+    u32 len = offsetof(struct ev_stack, data) + npy * 16 + n;
+    return len > sizeof(*e) ? sizeof(*e) : len;
+}
+
+/* The user registers of the current task (at a syscall tracepoint). */
+static __always_inline void user_regs(u64 *ip, u64 *sp, u64 *bp)
+{
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs(
+        (struct task_struct *)bpf_get_current_task_btf());
+    bpf_probe_read_kernel(ip, sizeof(*ip), &regs->ip);
+    bpf_probe_read_kernel(sp, sizeof(*sp), &regs->sp);
+    bpf_probe_read_kernel(bp, sizeof(*bp), &regs->bp);
+}

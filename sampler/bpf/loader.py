@@ -1,0 +1,567 @@
+"""Loading the BPF programs (compiled by bcc, kept by sampler/bpf/objcache.py) and attaching them
+to targets.
+
+One BPF object holds all programs (bpf/*.c) so that they share the sampled-live table, the
+countdown and the ring buffer. Syscall and sched tracepoints are attached once, host-wide,
+and filter on the `targets` map; allocator uprobes are attached per target process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import sampler.bpf as bpf_sources
+
+from sampler.bpf import objcache
+from sampler.bpf import uprobe_multi
+from sampler.probes import usdt
+from sampler.control import weights
+from sampler.probes.allocators import AllocatorLib, Fn
+from sampler.bpf.objcache import PROG_KPROBE, libbcc
+from sampler.errors import EnvironmentProblem
+from sampler.control.sample_rate import SHIFT_MAX, SHIFT_MIN
+
+SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
+(C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS,
+ C_VM_SUPPRESSED) = range(9)
+C_HITS, C_VM_HITS, C_N = 16, 48, 64
+FN_USDT_ALLOC, FN_USDT_FREE = 13, 14        # sampler/bpf/common.h enum fn_id
+TGT_SYSCALLS, TGT_FAULTS = 1, 2             # sampler/bpf/common.h enum target_flags
+USDT_ALLOC, USDT_FREE = 1, 2                # sampler/bpf/usdt.bpf.c enum usdt_kind (torch kinds: sampler/gpu/cuda.py)
+USDT_SPECS = 1024
+PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
+
+_PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
+_REFUSED = {
+    "maps": "could not write the BPF maps ({})",
+    "tracepoints": "could not attach the syscall and sched tracepoints ({}): check that tracefs is mounted "
+                   "and this kernel has them",
+    "programs": "the kernel rejected a BPF program ({}): this kernel may lack uprobe_multi/session support; "
+                "try --probe-mode perf",
+}
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    sample_mean: int = 512 * 1024
+    stack_bytes: int = 16 << 10   # user stack copied per sampled event (multiple of 1 KiB)
+    py_max: int = 96              # Python frames captured per sampled event
+    live_max: int = 262144
+    ringbuf_bytes: int = 32 << 20   # a burst of sampled stacks (1-16 KiB each) must fit
+    mode: str = "auto"            # auto | session | perf
+    vm_events_per_s: int = 2000   # unsampled syscall records per process and ~1 s window (0: all)
+    cache_dir: Path | None = None  # compiled programs kept across runs (sampler/bpf/objcache.py)
+
+
+@dataclass
+class _Attachment:
+    links: list[tuple[int, bool]] = field(default_factory=list)        # link fd, allocation probes
+    perf: list[tuple[int, bytes, bool]] = field(default_factory=list)  # perf fd, event name, allocation
+
+
+_EINVAL_HINT = ("the kernel refused the uprobe (EINVAL): most likely another tool holds a uprobe at "
+                "the same place with a different ref_ctr_offset, as bcc <= 0.30 Python tools such "
+                "as memleak-bpfcc do (iovisor/bcc#5236, 'ref_ctr_offset mismatch' in dmesg); stop "
+                "that tool and record again")
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the C libraries' stderr (fd 2) for a moment."""
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
+    """The C text and compile flags of the BPF object (what bpf_object caches by)."""
+    # One translation unit: bcc rewrites map operations only in the main file, not in
+    # included headers, so common.h is pasted in rather than #included.
+    text = "\n".join(bpf_sources.source(s) for s in ("common.h", *SOURCES))
+    # map sizes are given at load (bpf_object), so they are not compile flags
+    cflags = [
+        f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
+        f"-DSTACK_BYTES={cfg.stack_bytes}",
+        f"-DPY_MAX={cfg.py_max}",
+        f"-DVM_EVENTS_PER_S={cfg.vm_events_per_s}",
+        "-Wno-unused-function",
+    ]
+    if _exit_has_group_dead():
+        cflags.append("-DEXIT_HAS_GROUP_DEAD")
+    return text, cflags
+
+
+class BpfProbes:
+    def __init__(self, cfg: ProbeConfig):
+        self.cfg = cfg
+        self.session = cfg.mode == "session" or (cfg.mode == "auto" and uprobe_multi.session_supported())
+        text, cflags = program_source(cfg)
+        page = os.sysconf("SC_PAGE_SIZE")
+        pages = max(1, cfg.ringbuf_bytes // page)
+        pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
+        sizes = {"live": cfg.live_max, "events": pages * page}
+        self._attached: dict[int, _Attachment] = {}
+        self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
+        self._usdt_ids: dict[bytes, int] = {}
+        self._faults_on = False
+        self._seq = 0
+        self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._closers: list[threading.Thread] = []
+        try:
+            self._load(text, cflags, sizes)
+        except OSError:
+            # only from a cached spec this kernel refuses (a kernel rebuilt under the same name):
+            # compile once more
+            objcache.forget(text, cflags, cfg.cache_dir)
+            self._load(text, cflags, sizes)
+
+    def _load(self, text: str, cflags: list[str], sizes: dict[str, int]) -> None:
+        """Compile (or take from the cache), create the maps, attach the tracepoints and load the
+        allocator programs. Raises EnvironmentProblem, or OSError when the kernel refuses a
+        program of a cached spec."""
+        try:
+            with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
+                spec, self.compiled = objcache.build(text, cflags, self.cfg.cache_dir)
+        except Exception as e:
+            raise EnvironmentProblem(
+                f"could not compile the BPF programs ({e}); check kernel headers under "
+                f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
+        _release_compiler_memory()      # also when loaded: LLVM's static initializers touch ~40 MiB
+        try:
+            self.bpf = objcache.BpfObject(spec, sizes)
+        except OSError as e:
+            raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
+        # The allocator programs (and the perf-mode ones, session mode's fallback) are loaded now,
+        # so that a kernel refusing them fails here with advice; USDT and CUDA when first attached
+        # (the verifier takes ~0.2-0.5 s for each, and most processes need neither).
+        stage = "maps"
+        try:
+            tab = self.bpf["weight_tab"]
+            for i, v in enumerate(weights.weight_table()):
+                tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
+            self._targets = self.bpf["targets"]
+            self._live = self.bpf["live"]
+            stage = "tracepoints"
+            self.bpf.attach_tracepoints()
+            stage = "programs"
+            if self.session:
+                self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
+                                                    uprobe_multi.BPF_TRACE_UPROBE_SESSION)
+                self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
+                                                  if not n.startswith(("free", "delete"))),
+                         "alloc_return"}:
+                self.bpf.load_func(name, PROG_KPROBE)
+        except OSError as e:
+            self.bpf.close()
+            if not self.compiled:
+                raise               # a cached spec: __init__ compiles once more
+            raise EnvironmentProblem(_REFUSED[stage].format(e)) from None
+        except BaseException:
+            self.bpf.close()
+            raise
+
+    # targets -------------------------------------------------------------------------------
+    def add_target(self, pid: int, flags: int = TGT_SYSCALLS) -> None:
+        """Trace a process's syscalls (and with TGT_FAULTS its sampled page faults)."""
+        key = ctypes.c_uint32(pid)
+        try:
+            v = self._targets[key]
+        except KeyError:
+            v = self._targets.Leaf()
+        v.flags = flags
+        self._targets[key] = v
+
+    def set_sample_shift(self, pid: int, shift: int) -> None:
+        """A process's sampling mean becomes SAMPLE_MEAN * 2^shift, for every source: written to
+        `targets` (syscalls, tensors) and to each CPU's `pid_hits` entry (allocator probes)."""
+        shift = max(SHIFT_MIN, min(SHIFT_MAX, shift))
+        key = ctypes.c_uint32(pid)
+        with contextlib.suppress(KeyError):
+            v = self._targets[key]
+            v.shift = shift
+            self._targets[key] = v
+        self._ensure_hits(pid)
+        tab = self.bpf["pid_hits"]
+        with contextlib.suppress(KeyError):
+            # read-modify-write of every CPU's entry: hits counted in between are lost, a few
+            # out of the governor's per-second rates
+            vs = tab[key]
+            for v in vs:
+                v.shift = shift
+            tab[key] = vs
+
+    def attach(self, pid: int, lib: AllocatorLib, allocs_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+        """Attach the allocator probes of one library for one process (`allocs_only`: only the
+        allocation functions, the governor resuming after a pause).
+
+        Returns (mode per probed function: 'session' or 'perf', reason per function that could
+        not be probed). A session link covers all functions at once; when the kernel refuses it,
+        each function is tried alone, then as a classic uprobe. Raises OSError when the process
+        is gone."""
+        att = self._attached.setdefault(pid, _Attachment())
+        self._ensure_hits(pid)
+        modes: dict[str, str] = {}
+        failed: dict[str, str] = {}
+        rest = [p for p in lib.points if not (allocs_only and p.fn.frees)]
+        if self.session:
+            rest = []
+            for prog_fd, points, session in ((self._alloc_fd, lib.allocs, True),
+                                             (self._free_fd, [] if allocs_only else lib.frees, False)):
+                groups = [points, *([p] for p in points)] if len(points) > 1 else [points]
+                for group in groups if points else ():
+                    try:
+                        att.links.append((uprobe_multi.attach(
+                            prog_fd, lib.attach_path, [p.file_offset for p in group],
+                            [p.cookie for p in group], pid, session=session), session))
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:
+                            raise
+                        if len(group) == 1:
+                            rest.append(group[0])
+                        continue
+                    modes.update((p.name, "session") for p in group)
+                    if group is points:
+                        break       # all in one link: no per-function retries
+        for p in rest:
+            try:
+                self._attach_perf(att, pid, lib, p)
+                modes[p.name] = "perf"
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                failed[p.name] = _EINVAL_HINT
+        return modes, failed
+
+    def _attach_perf(self, att: _Attachment, pid: int, lib: AllocatorLib, p) -> None:
+        """Classic uprobe (+ uretprobe for allocation functions) through libbcc, passing
+        ref_ctr_offset = 0 explicitly: bcc 0.26's Python binding omits that argument and the
+        kernel then sees stack garbage (iovisor/bcc#5236)."""
+        name = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
+        probes = [(name, 0, p.file_offset)]
+        if not p.fn.frees:
+            probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
+        for prog, kind, offset in probes:
+            prog_fd = self.bpf.load_func(prog, PROG_KPROBE)
+            ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
+            self._seq += 1
+            with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
+                fd = libbcc().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
+            if fd < 0:
+                err = ctypes.get_errno() or errno.EINVAL
+                raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
+            att.perf.append((fd, ev, not p.fn.frees))
+
+    def _multi_prog(self, name: str) -> int:
+        """usdt_memory (the otel_memory and pytorch probes, told apart by usdt_spec.kind) or
+        cuda_call, loaded for uprobe_multi links."""
+        return self.bpf.load_func(name, PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+
+    def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
+        """Attach the preload tier's program to a file's otel_memory probe sites for one process
+        (sampler/probes/usdt.py UsdtProbe). Raises OSError (the process is gone, or the kernel refuses)."""
+        att = self._attached.setdefault(pid, _Attachment())
+        cookies = [self._usdt_spec(p) for p in probes]
+        refs = [p.semaphore for p in probes]
+        fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes],
+                                 cookies, pid, session=False, ref_ctr_offsets=refs if any(refs) else None)
+        att.links.append((fd, False))
+
+    def attach_cuda(self, pid: int, attach_path: str, offsets: list[int], cookies: list[int]) -> None:
+        """Trace CUDA calls of one library for one process (sampler/gpu/cuda.py): one link at the
+        functions' entries, one at their returns. Raises OSError."""
+        links = self._gpu_links.setdefault(pid, [])
+        prog = self._multi_prog("cuda_call")
+        entry = uprobe_multi.attach(prog, attach_path, offsets, cookies, pid, session=False)
+        try:
+            links.append(uprobe_multi.attach(prog, attach_path, offsets, cookies, pid,
+                                             session=False, retprobe=True))
+        except OSError:
+            os.close(entry)
+            raise
+        links.append(entry)
+
+    def attach_torch(self, pid: int, attach_path: str, probes) -> None:
+        """PyTorch's pytorch:malloc/free USDT sites of one file for one process (their semaphore
+        is raised while attached). Raises OSError."""
+        from sampler.gpu.cuda import torch_spec
+        cookies = [self._usdt_spec(p, *torch_spec(p)) for p in probes]
+        refs = [p.semaphore for p in probes]
+        self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
+            self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
+            ref_ctr_offsets=refs if any(refs) else None))
+
+    def detach_gpu(self, pid: int) -> None:
+        for fd in self._gpu_links.pop(pid, ()):
+            os.close(fd)
+
+    def _usdt_spec(self, probe, args=None, kind: int | None = None) -> int:
+        """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
+        kind = kind or (USDT_ALLOC if probe.name == "alloc" else USDT_FREE)
+        value = usdt.pack_spec(probe.args if args is None else args, kind)
+        idx = self._usdt_ids.get(value)
+        if idx is None:
+            if len(self._usdt_ids) >= USDT_SPECS:
+                raise OSError(errno.ENOSPC, "too many distinct USDT argument layouts")
+            idx = self._usdt_ids[value] = len(self._usdt_ids)
+            tab = self.bpf["usdt_specs"]
+            tab[ctypes.c_int(idx)] = tab.Leaf.from_buffer_copy(value)
+        return idx
+
+    def pause_allocs(self, pid: int) -> None:
+        """Detach a process's allocation probes, keep its free probes (the governor's off phase:
+        frees of blocks sampled before must still be seen)."""
+        att = self._attached.get(pid)
+        if att is None:
+            return
+        keep_links, keep_perf = [], []
+        for fd, is_alloc in att.links:
+            if is_alloc:
+                os.close(fd)
+            else:
+                keep_links.append((fd, is_alloc))
+        for fd, ev, is_alloc in att.perf:
+            if is_alloc:
+                libbcc().bpf_close_perf_event_fd(fd)
+                libbcc().bpf_detach_uprobe(ev)
+            else:
+                keep_perf.append((fd, ev, is_alloc))
+        att.links, att.perf = keep_links, keep_perf
+
+    def detach_probes(self, pid: int, wait: bool = True) -> None:
+        """Close a process's allocator probes, keep it a target (re-attach after an exec).
+        `wait=False` (the process has exited): links are closed by background threads, as closing
+        one waits for an RCU grace period (~40 ms per link here) that would otherwise stall the
+        event loop."""
+        att = self._attached.pop(pid, None)
+        if att:
+            for fd, _ in att.links:
+                if wait:
+                    os.close(fd)
+                else:
+                    self._close_later(fd)
+            for fd, ev, _ in att.perf:
+                libbcc().bpf_close_perf_event_fd(fd)
+                libbcc().bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
+
+    def _close_later(self, fd: int) -> None:
+        # Several closers: concurrent closes share grace periods (60 links: 2.4 s by one thread,
+        # 0.3 s by 16), and one closer fell behind a storm of exits on a slower machine.
+        if len(self._closers) < _CLOSERS and self._closing.qsize() >= len(self._closers):
+            t = threading.Thread(target=_close_fds, args=(self._closing,), name="link-closer", daemon=True)
+            t.start()
+            self._closers.append(t)
+        self._closing.put(fd)
+
+    def detach(self, pid: int, wait: bool = True) -> None:
+        """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes)."""
+        self.detach_probes(pid, wait)
+        self.detach_gpu(pid)
+        # drops too: its entries are created by BPF and would fill the map over a long run
+        for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
+            with contextlib.suppress(KeyError):
+                del tab[ctypes.c_uint32(pid)]
+        self.forget_mappings(pid)
+
+    def forget_mappings(self, pid: int) -> None:
+        """Drop a process's sampled mappings from `vm_live` (it exited or exec'd); walks the
+        table, which holds only sampled mappings (few)."""
+        tab = self.bpf["vm_live"]
+        for k in [k for k in tab if k.pid == pid]:
+            with contextlib.suppress(KeyError):
+                del tab[k]
+
+    # governor ------------------------------------------------------------------------------
+    def _ensure_hits(self, pid: int) -> None:
+        tab = self.bpf["pid_hits"]
+        key = ctypes.c_uint32(pid)
+        try:
+            tab[key]
+        except KeyError:
+            vs = tab.Leaf()             # zero on every CPU, with the process's shift
+            try:
+                shift = self._targets[key].shift
+            except KeyError:
+                shift = 0
+            for v in vs:
+                v.shift = shift
+            tab[key] = vs
+
+    def hits(self) -> dict[int, tuple[int, int]]:
+        """pid -> (allocation probe hits, free probe hits) so far, summed over CPUs."""
+        return {k.value: (sum(v.alloc for v in vs), sum(v.free for v in vs))
+                for k, vs in self.bpf["pid_hits"].items()}
+
+    # page faults -----------------------------------------------------------------------------
+    def enable_faults(self, period: int, select_all: bool = False, cgroup_ids=()) -> None:
+        """Start sampling user page faults on every CPU (once), one in `period`. Processes are
+        those added with TGT_FAULTS, or all, or those in the given cgroups (v2 ids)."""
+        cfg = self.bpf["fault_cfg"]
+        mode = 1 if select_all else 2 if cgroup_ids else 0
+        cfg[ctypes.c_int(0)] = ctypes.c_uint64(mode)
+        cfg[ctypes.c_int(1)] = ctypes.c_uint64(os.getpid())
+        cgs = self.bpf["fault_cgroups"]
+        for cg in cgroup_ids:
+            cgs[ctypes.c_uint64(cg)] = ctypes.c_uint32(1)
+        if self._faults_on:
+            return
+        try:
+            self.bpf.attach_perf_event("on_page_fault", PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS, period)
+        except Exception as e:
+            raise EnvironmentProblem(f"could not open the page-fault perf event ({e}): check "
+                                     "/proc/sys/kernel/perf_event_paranoid and that perf events exist "
+                                     "in this kernel (CONFIG_PERF_EVENTS)") from None
+        self._faults_on = True
+
+    # CPython targets ------------------------------------------------------------------------
+    def set_python(self, pid: int, layout: bytes | None) -> None:
+        """The frame-chain layout of a CPython process (sampler/pyruntime.PyLayout), or None."""
+        tab = self.bpf["pyprocs"]
+        if layout is None:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(pid)]
+        else:
+            tab[tab.Key(pid)] = tab.Leaf.from_buffer_copy(layout)
+
+    def set_python_threads(self, add: dict[int, int], remove=()) -> None:
+        """Thread id -> PyThreadState address, for the BPF Python walk."""
+        tab = self.bpf["pythreads"]
+        for tid in remove:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(tid)]
+        for tid, tstate in add.items():
+            tab[tab.Key(tid)] = tab.Leaf(tstate)
+
+    def set_stack_hint(self, pid: int, nbytes: int | None) -> None:
+        """Stack bytes to copy per sample of `pid` (None: the configured maximum)."""
+        tab = self.bpf["stack_hint"]
+        if nbytes is None:
+            with contextlib.suppress(KeyError):
+                del tab[tab.Key(pid)]
+        else:
+            tab[tab.Key(pid)] = tab.Leaf(nbytes)
+
+    def forget_live(self, pid: int, addrs) -> None:
+        """Drop sampled-live entries of a process that exited or exec'd."""
+        key = self._live.Key()
+        key.pid = pid
+        for a in addrs:
+            key.addr = a
+            with contextlib.suppress(KeyError):
+                del self._live[key]
+
+    def forget_pid(self, pid: int) -> None:
+        """Drop every sampled-live entry of a process whose events were never read (the probe
+        cost calibration's child); walks the table."""
+        for k in [k for k in self._live if k.pid == pid]:
+            with contextlib.suppress(KeyError):
+                del self._live[k]
+
+    # events and counters -------------------------------------------------------------------
+    def open_events(self, handle: Callable[[bytes], None]) -> None:
+        def _cb(data, size):
+            handle(ctypes.string_at(data, size))
+            self._read += 1
+            # libbpf keeps consuming while records arrive: under a burst faster than Python
+            # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
+            # this record is consumed, the rest waits for the next poll.
+            return -1 if time.monotonic() > self._poll_deadline else 0
+        self._cb = _cb
+        self._poll_deadline = float("inf")
+        self._read = 0
+        self.bpf.open_ring_buffer("events", _cb)
+
+    def poll(self, timeout_ms: int) -> None:
+        """Read records, waiting up to `timeout_ms` when there are none. What is there is read
+        first without waiting: the kernel wakes a reader only when a record is committed while
+        the reader has caught up, so records left behind by a bail-out would never wake epoll."""
+        self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
+        self._read = 0
+        self.bpf.ring_buffer_consume()
+        if not self._read:
+            self.bpf.ring_buffer_poll(timeout_ms)
+
+    def drain(self, budget_s: float = 1.0) -> None:
+        """Read what is in the ring buffer now (bounded in time, like poll)."""
+        self._poll_deadline = time.monotonic() + budget_s
+        self.bpf.ring_buffer_consume()
+
+    def counters(self) -> list[int]:
+        tab = self.bpf["counters"]
+        return [sum(tab[ctypes.c_int(i)]) for i in range(C_N)]
+
+    def drops(self) -> dict[int, tuple[int, int, int, int]]:
+        """pid -> (lost events, samples not tracked because the live table was full, unsampled
+        syscall events not sent because the process was over its budget, samples drawn)."""
+        return {k.value: (v.lost_events, v.live_full, v.vm_suppressed, v.sampled)
+                for k, v in self.bpf["drops"].items()}
+
+    def close(self) -> None:
+        for pid in list(self._attached) + list(self._gpu_links):
+            self.detach(pid)
+        for _ in self._closers:
+            self._closing.put(None)
+        for t in self._closers:
+            t.join()
+        self.bpf.close()
+
+
+_CLOSERS = 16
+
+
+def _close_fds(fds: queue.SimpleQueue) -> None:
+    while (fd := fds.get()) is not None:
+        os.close(fd)              # releases the GIL while the kernel waits
+
+
+MADV_PAGEOUT = 21
+
+
+def _release_compiler_memory() -> None:
+    """After the compile (or the load from the cache) of a recording, give back what clang/LLVM held:
+    freed heap (malloc_trim) and the compiler libraries' resident pages (~80 MiB of the recorder's
+    RSS after a compile, ~40 MiB after merely loading libbcc, whose LLVM runs static initializers).
+    MADV_PAGEOUT only reclaims (clean file pages are dropped, anything else would go to swap), so
+    it never changes memory contents; LLVM pages come back from the page cache if bcc compiles
+    again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    with contextlib.suppress(AttributeError):
+        libc.malloc_trim(0)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 6 or not os.path.basename(parts[5]).startswith(("libLLVM", "libclang")):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        libc.madvise(lo, hi - lo, MADV_PAGEOUT)      # errors (old kernels: EINVAL) are harmless
+
+
+def _exit_has_group_dead() -> bool:
+    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        try:
+            return "group_dead" in Path(base, "events/sched/sched_process_exit/format").read_text()
+        except OSError:
+            continue
+    return False

@@ -1,0 +1,501 @@
+"""BPF programs compiled once per host and loaded without the compiler.
+
+bcc compiles C with clang/LLVM at every start: ~9 CPU-s and ~80 MiB of LLVM pages for our
+programs. The result depends only on the source, the compile flags, the kernel (headers and
+tracepoint formats) and bcc, so it is kept: an `ObjectSpec` (each program's instructions, with
+the places that refer to a map, and each map's definition and key/value layout) is stored per
+hash of those inputs under the cache directory and loaded through the bpf() syscall
+(`BpfObject`). A cache miss compiles through libbcc's module API, stores the spec and loads it
+the same way, so one loading path serves both.
+
+Map sizes are not compiled in: the `sizes` given to BpfObject replace the compiled
+max_entries (the live table, the ring buffer), so configurations that differ only there share
+one compiled object.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import resource
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sampler.bpf import syscall as sc
+
+FORMAT = 1                       # of the stored spec; part of the key
+CACHE_ENTRIES = 32               # specs kept (newest used first)
+PROG_KPROBE, PROG_TRACEPOINT, PROG_PERF_EVENT = 2, 5, 7
+MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH = 5, 6, 10
+_LD_IMM64, _PSEUDO_MAP_FD, _CALL = 0x18, 1, 0x85
+_TRACEPOINT_PREFIX = "tracepoint__"
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    name: str
+    type: int
+    key_size: int
+    leaf_size: int
+    max_entries: int
+    flags: int
+    key_desc: str
+    leaf_desc: str
+
+
+@dataclass(frozen=True)
+class ProgSpec:
+    name: str
+    insns: bytes
+    relocs: tuple[tuple[int, str], ...]     # (instruction index, map name) of map fd loads
+
+
+@dataclass(frozen=True)
+class ObjectSpec:
+    license: str
+    kern_version: int
+    maps: tuple[MapSpec, ...]
+    progs: tuple[ProgSpec, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "license": self.license, "kern_version": self.kern_version,
+                           "maps": [asdict(m) for m in self.maps],
+                           "progs": [{"name": p.name, "insns": base64.b64encode(p.insns).decode(),
+                                      "relocs": p.relocs} for p in self.progs]})
+
+    @classmethod
+    def from_json(cls, text: str) -> ObjectSpec:
+        d = json.loads(text)
+        if d.get("format") != FORMAT:
+            raise ValueError(f"spec format {d.get('format')}")
+        return cls(d["license"], d["kern_version"], tuple(MapSpec(**m) for m in d["maps"]),
+                   tuple(ProgSpec(p["name"], base64.b64decode(p["insns"]), tuple(map(tuple, p["relocs"])))
+                         for p in d["progs"]))
+
+
+# -- compiling (cache misses) ---------------------------------------------------------------------
+
+def cache_key(text: str, cflags: list[str]) -> str:
+    """What the compiled result depends on: source, flags, the kernel build and its headers
+    (structures, tracepoint formats), bcc."""
+    import bcc
+
+    rel = os.uname().release
+    build = Path(f"/lib/modules/{rel}/build")
+    with contextlib.suppress(OSError):
+        build = build.resolve()
+    try:
+        headers = f"{build}:{build.stat().st_mtime_ns}"
+    except OSError:
+        headers = str(build)
+    try:        # the kernel's build id: a rebuilt kernel of the same release is another kernel
+        notes = hashlib.sha256(Path("/sys/kernel/notes").read_bytes()).hexdigest()
+    except OSError:
+        notes = ""
+    h = hashlib.sha256()
+    for part in (str(FORMAT), text, "\0".join(cflags), rel, os.uname().version, os.uname().machine, notes,
+                 headers, getattr(bcc, "__version__", "?"), Path(__file__).read_text()):
+        h.update(part.encode() + b"\0\1")
+    return h.hexdigest()[:32]
+
+
+def compile_spec(text: str, cflags: list[str]) -> ObjectSpec:
+    """Compile with bcc (clang/LLVM) and take the result out of its module. Raises RuntimeError
+    with the compiler's complaint on stderr."""
+    lib = libbcc()
+    flags = (ctypes.c_char_p * len(cflags))(*(f.encode() for f in cflags))
+    module = lib.bpf_module_create_c_from_string(text.encode(), 0, flags, len(cflags), True, None)
+    if not module:
+        raise RuntimeError("bcc could not compile the BPF programs")
+    try:
+        maps, by_fd = [], {}
+        for i in range(lib.bpf_num_tables(module)):
+            name = lib.bpf_table_name(module, i)
+            tid = lib.bpf_table_id(module, name)
+            maps.append(MapSpec(
+                name.decode(), lib.bpf_table_type_id(module, tid), lib.bpf_table_key_size_id(module, tid),
+                lib.bpf_table_leaf_size_id(module, tid), lib.bpf_table_max_entries_id(module, tid),
+                lib.bpf_table_flags_id(module, tid), lib.bpf_table_key_desc(module, name).decode(),
+                lib.bpf_table_leaf_desc(module, name).decode()))
+            by_fd[lib.bpf_table_fd(module, name)] = name.decode()
+        progs = []
+        for i in range(lib.bpf_num_functions(module)):
+            name = lib.bpf_function_name(module, i)
+            insns = bytearray(ctypes.string_at(lib.bpf_function_start(module, name),
+                                               lib.bpf_function_size(module, name)))
+            relocs = tuple(_map_loads(insns, by_fd))
+            for i, _ in relocs:         # the module's fds mean nothing later: stored as 0
+                insns[8 * i + 4:8 * i + 8] = bytes(4)
+            progs.append(ProgSpec(name.decode(), bytes(insns), relocs))
+        return ObjectSpec(lib.bpf_module_license(module).decode(), lib.bpf_module_kern_version(module),
+                          tuple(maps), tuple(progs))
+    finally:
+        lib.bpf_module_destroy(module)
+
+
+def _map_loads(insns: bytearray, by_fd: dict[int, str]) -> Iterator[tuple[int, str]]:
+    """bcc's compiled code loads maps by the fd its module created: where, and which map."""
+    for i in range(0, len(insns) // 8):
+        code, regs = insns[8 * i], insns[8 * i + 1]
+        # anything else that refers to the module (map values, BTF ids, subprograms) would not
+        # survive the cache: refuse it here rather than load wrong code later
+        if (code == _LD_IMM64 and regs >> 4 not in (0, _PSEUDO_MAP_FD)) or (code == _CALL and regs >> 4 == 1):
+            raise RuntimeError(f"instruction {i} ({code:#x}, src {regs >> 4}) cannot be kept across loads")
+        if code == _LD_IMM64 and regs >> 4 == _PSEUDO_MAP_FD:
+            fd = int.from_bytes(insns[8 * i + 4:8 * i + 8], "little", signed=True)
+            if fd not in by_fd:
+                raise RuntimeError(f"instruction {i} loads map fd {fd}, which is not one of the module's")
+            yield i, by_fd[fd]
+
+
+def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectSpec, bool]:
+    """The compiled spec, from the cache when it holds one. Returns (spec, compiled now)."""
+    key = cache_key(text, cflags)
+    # programs from the cache run in the kernel: only from a directory and file nobody else can write
+    path = cache_dir / f"{key}.json" if cache_dir and _private_dir(cache_dir) else None
+    if path is None:
+        return compile_spec(text, cflags), True
+    spec = _cached(path)
+    if spec is not None:
+        return spec, False
+    with _compile_lock(path.parent):    # recorders starting together compile once, not each
+        spec = _cached(path)
+        if spec is not None:
+            return spec, False
+        spec = compile_spec(text, cflags)
+        with contextlib.suppress(OSError):
+            _store(path, spec.to_json())
+    return spec, True
+
+
+def _cached(path: Path) -> ObjectSpec | None:
+    try:
+        spec = ObjectSpec.from_json(_read_private(path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None                 # absent, unreadable or not private: compiled again and replaced
+    with contextlib.suppress(OSError):
+        os.utime(path)              # newest used last to be pruned (a read-only cache still serves)
+    return spec
+
+
+@contextlib.contextmanager
+def _compile_lock(directory: Path) -> Iterator[None]:
+    try:
+        fd = os.open(directory / ".compile.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        yield                       # a read-only cache: compile without it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _private(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _private_dir(path: Path) -> bool:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _private(st)
+
+
+def _read_private(path: Path) -> str:
+    """The file's text, checked on the open file (no link followed, owned by us, not writable by
+    others). Raises OSError or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        if not _private(os.fstat(fd)):
+            raise ValueError(f"{path} is writable by others")
+        return f.read().decode()
+
+
+def forget(text: str, cflags: list[str], cache_dir: Path | None) -> None:
+    """Drop the cached spec of these inputs (the kernel refused it)."""
+    if cache_dir:
+        with contextlib.suppress(OSError):
+            (cache_dir / f"{cache_key(text, cflags)}.json").unlink()
+
+
+def _store(path: Path, text: str) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()            # left by a crashed run of a process with the same pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    old = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[CACHE_ENTRIES:]
+    for p in old:
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+class BpfObject:
+    """Maps created and programs loaded from a spec. `sizes`: map name -> max_entries."""
+
+    def __init__(self, spec: ObjectSpec, sizes: dict[str, int] | None = None):
+        from bcc.utils import get_possible_cpus
+
+        with contextlib.suppress(ValueError, OSError):     # kernels before memcg accounting
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        self.spec = spec
+        self._ncpus = len(get_possible_cpus())
+        self._maps: dict[str, Map] = {}
+        self._progs: dict[tuple[str, int, int], int] = {}
+        self._perf_fds: list[int] = []
+        self._ringbuf = None
+        self._ringbuf_cbs: list = []
+        self._fds: list[int] = []
+        self._prog_specs = {p.name: p for p in spec.progs}
+        try:
+            for m in spec.maps:
+                size = (sizes or {}).get(m.name, m.max_entries)
+                try:
+                    fd = sc.bpf(sc.MAP_CREATE, sc.MapCreateAttr(
+                        map_type=m.type, key_size=m.key_size, value_size=m.leaf_size, max_entries=size,
+                        map_flags=m.flags, map_name=m.name.encode()[:sc.OBJ_NAME_LEN - 1]))
+                except OSError as e:
+                    raise OSError(e.errno, f"creating BPF map {m.name}: {e.strerror}") from None
+                self._fds.append(fd)
+                self._maps[m.name] = Map(m, fd, self._ncpus)
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str) -> Map:
+        return self._maps[name]
+
+    def load_func(self, name: str, prog_type: int, attach_type: int = 0) -> int:
+        """Load one program (once); returns its fd. Raises OSError with the verifier's last words."""
+        fd = self._progs.get((name, prog_type, attach_type))
+        if fd is not None:
+            return fd
+        p = self._prog_specs[name]
+        insns = bytearray(p.insns)
+        for i, map_name in p.relocs:
+            insns[8 * i + 4:8 * i + 8] = self._maps[map_name].fd.to_bytes(4, "little", signed=True)
+        buf = (ctypes.c_uint8 * len(insns)).from_buffer(insns)
+        lic = ctypes.create_string_buffer(self.spec.license.encode())
+        short = name.removeprefix(_TRACEPOINT_PREFIX).split("__")[-1]     # what bpftool shows
+        attr = sc.ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(buf),
+                               license=ctypes.addressof(lic), kern_version=self.spec.kern_version,
+                               prog_name=short.encode()[:sc.OBJ_NAME_LEN - 1], expected_attach_type=attach_type)
+        try:
+            fd = sc.bpf(sc.PROG_LOAD, attr)
+        except OSError as e:
+            # again with the verifier's log, for its last words (a transient failure may pass now)
+            log = ctypes.create_string_buffer(1 << 20)
+            attr.log_level, attr.log_size, attr.log_buf = 1, len(log), ctypes.addressof(log)
+            try:
+                fd = sc.bpf(sc.PROG_LOAD, attr)
+            except OSError:
+                last = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-3:])
+                raise OSError(e.errno, f"loading {name}: {e.strerror}{': ' + last if last else ''}") from None
+        self._fds.append(fd)
+        self._progs[(name, prog_type, attach_type)] = fd
+        return fd
+
+    def attach_tracepoints(self) -> None:
+        """Load and attach every `TRACEPOINT_PROBE(category, event)` program (named
+        tracepoint__category__event), as bcc does when it loads a module."""
+        lib = libbcc()
+        for p in self.spec.progs:
+            if p.name.startswith(_TRACEPOINT_PREFIX):
+                category, event = p.name[len(_TRACEPOINT_PREFIX):].split("__", 1)
+                fd = lib.bpf_attach_tracepoint(self.load_func(p.name, PROG_TRACEPOINT),
+                                               category.encode(), event.encode())
+                if fd < 0:
+                    err = ctypes.get_errno() or 22
+                    raise OSError(err, f"attaching tracepoint {category}:{event}: {os.strerror(err)}")
+                self._perf_fds.append(fd)
+
+    def attach_perf_event(self, name: str, ev_type: int, ev_config: int, sample_period: int) -> None:
+        """Run a PERF_EVENT program on a software/hardware event on every online CPU."""
+        from bcc.utils import get_online_cpus
+
+        lib, prog = libbcc(), self.load_func(name, PROG_PERF_EVENT)
+        fds = []
+        for cpu in get_online_cpus():
+            fd = lib.bpf_attach_perf_event(prog, ev_type, ev_config, sample_period, 0, -1, cpu, -1)
+            if fd < 0:
+                err = ctypes.get_errno() or 22
+                for opened in fds:          # all CPUs or none
+                    lib.bpf_close_perf_event_fd(opened)
+                raise OSError(err, f"perf event on CPU {cpu}: {os.strerror(err)}")
+            fds.append(fd)
+        self._perf_fds += fds
+
+    def open_ring_buffer(self, name: str, callback: Callable[[int, int], int]) -> None:
+        """callback(data address, size) -> 0 to go on, < 0 to stop consuming for now."""
+        lib = libbcc()
+        cb = _RINGBUF_CB(lambda _ctx, data, size: callback(data, size))
+        self._ringbuf_cbs.append(cb)         # referenced while libbpf may call it
+        fd = self._maps[name].fd
+        if self._ringbuf is None:
+            self._ringbuf = lib.bpf_new_ringbuf(fd, cb, None)
+            if not self._ringbuf:
+                raise OSError(22, f"could not open ring buffer {name}")
+        elif lib.bpf_add_ringbuf(self._ringbuf, fd, cb, None) < 0:
+            raise OSError(22, f"could not add ring buffer {name}")
+
+    def ring_buffer_poll(self, timeout_ms: int) -> None:
+        if self._ringbuf is None:
+            raise RuntimeError("no ring buffer is open")      # libbpf would dereference NULL
+        libbcc().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
+
+    def ring_buffer_consume(self) -> None:
+        if self._ringbuf is None:
+            raise RuntimeError("no ring buffer is open")
+        libbcc().bpf_consume_ringbuf(self._ringbuf)
+
+    def close(self) -> None:
+        lib = libbcc()
+        if self._ringbuf is not None:
+            lib.bpf_free_ringbuf(self._ringbuf)
+            self._ringbuf = None
+        for fd in self._perf_fds:
+            lib.bpf_close_perf_event_fd(fd)
+        self._perf_fds = []
+        for fd in self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds, self._progs, self._maps = [], {}, {}
+
+
+class Map:
+    """A map by fd, with bcc's table interface as far as we use it: Key and Leaf types (per-CPU
+    maps: Leaf is one value per possible CPU, sLeaf one value), item get/set/delete (KeyError
+    when absent), iteration over keys, items()."""
+
+    def __init__(self, spec: MapSpec, fd: int, ncpus: int):
+        from bcc import BPF
+
+        self.name, self.fd = spec.name, fd
+        self.Key = BPF._decode_table_type(json.loads(spec.key_desc))
+        leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
+        self.percpu = spec.type in (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
+        if self.percpu:
+            # the kernel's layout when a value is a multiple of 8 bytes; others are refused by _op
+            self.sLeaf, self.Leaf = leaf, leaf * ncpus
+        else:
+            self.Leaf = leaf
+        self._key_size = spec.key_size
+        self._value_bytes = (spec.leaf_size + 7) // 8 * 8 * ncpus if self.percpu else spec.leaf_size
+
+    def _op(self, cmd: int, key, value=None, flags: int = 0) -> None:
+        # the kernel reads and writes exactly the map's sizes through these pointers
+        if key is not None and ctypes.sizeof(key) < self._key_size:
+            raise TypeError(f"map {self.name}: key of {ctypes.sizeof(key)} bytes, the map's are {self._key_size}")
+        if value is not None and cmd != sc.MAP_GET_NEXT_KEY and ctypes.sizeof(value) < self._value_bytes:
+            raise TypeError(f"map {self.name}: value of {ctypes.sizeof(value)} bytes, needs {self._value_bytes}")
+        attr = sc.ElemAttr(map_fd=self.fd, key=ctypes.addressof(key) if key is not None else 0,
+                           value=ctypes.addressof(value) if value is not None else 0, flags=flags)
+        try:
+            sc.bpf(cmd, attr)
+        except OSError as e:
+            if e.errno == 2:        # ENOENT
+                raise KeyError(key) from None
+            raise OSError(e.errno, f"map {self.name}: {e.strerror}") from None
+
+    def __getitem__(self, key):
+        leaf = self.Leaf()
+        self._op(sc.MAP_LOOKUP_ELEM, key, leaf)
+        return leaf
+
+    def __setitem__(self, key, leaf) -> None:
+        self._op(sc.MAP_UPDATE_ELEM, key, leaf)
+
+    def __delitem__(self, key) -> None:
+        self._op(sc.MAP_DELETE_ELEM, key)
+
+    def __iter__(self) -> Iterator:
+        key, nxt = None, self.Key()
+        while True:
+            try:
+                self._op(sc.MAP_GET_NEXT_KEY, key, nxt)
+            except KeyError:
+                return
+            key, nxt = nxt, self.Key()
+            yield key
+
+    def items(self) -> list[tuple]:
+        out = []
+        for k in list(self):
+            with contextlib.suppress(KeyError):     # deleted by BPF meanwhile
+                out.append((k, self[k]))
+        return out
+
+
+_libbcc = None
+_RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+
+def libbcc():
+    """A private handle on libbcc, so that our argtypes do not change bcc's own."""
+    global _libbcc
+    if _libbcc is None:
+        lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
+        lib.bpf_attach_uprobe.restype = ctypes.c_int
+        lib.bpf_attach_uprobe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
+                                          ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32]
+        lib.bpf_detach_uprobe.argtypes = [ctypes.c_char_p]
+        lib.bpf_close_perf_event_fd.argtypes = [ctypes.c_int]
+        lib.bpf_attach_tracepoint.restype = ctypes.c_int
+        lib.bpf_attach_tracepoint.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
+        lib.bpf_attach_perf_event.restype = ctypes.c_int
+        lib.bpf_attach_perf_event.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64,
+                                              ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        # the compiled module (bcc_common.h)
+        c_p, c_s, c_id, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+        for fn, res, args in (
+                ("bpf_module_create_c_from_string", c_p,
+                 [c_s, ctypes.c_uint, ctypes.POINTER(c_s), c_int, ctypes.c_bool, c_s]),
+                ("bpf_module_destroy", None, [c_p]),
+                ("bpf_module_license", c_s, [c_p]),
+                ("bpf_module_kern_version", ctypes.c_uint, [c_p]),
+                ("bpf_num_functions", c_id, [c_p]),
+                ("bpf_function_name", c_s, [c_p, c_id]),
+                ("bpf_function_start", c_p, [c_p, c_s]),
+                ("bpf_function_size", c_id, [c_p, c_s]),
+                ("bpf_num_tables", c_id, [c_p]),
+                ("bpf_table_name", c_s, [c_p, c_id]),
+                ("bpf_table_id", c_id, [c_p, c_s]),
+                ("bpf_table_fd", c_int, [c_p, c_s]),
+                ("bpf_table_type_id", c_int, [c_p, c_id]),
+                ("bpf_table_max_entries_id", c_id, [c_p, c_id]),
+                ("bpf_table_flags_id", c_int, [c_p, c_id]),
+                ("bpf_table_key_size_id", c_id, [c_p, c_id]),
+                ("bpf_table_leaf_size_id", c_id, [c_p, c_id]),
+                ("bpf_table_key_desc", c_s, [c_p, c_s]),
+                ("bpf_table_leaf_desc", c_s, [c_p, c_s]),
+                # libbpf's ring buffer, as bcc builds it in
+                ("bpf_new_ringbuf", c_p, [c_int, _RINGBUF_CB, c_p]),
+                ("bpf_add_ringbuf", c_int, [c_p, c_int, _RINGBUF_CB, c_p]),
+                ("bpf_poll_ringbuf", c_int, [c_p, c_int]),
+                ("bpf_consume_ringbuf", c_int, [c_p]),
+                ("bpf_free_ringbuf", None, [c_p])):
+            f = getattr(lib, fn)
+            f.restype, f.argtypes = res, args
+        _libbcc = lib
+    return _libbcc

@@ -1,0 +1,7 @@
+"""`python -m sampler.cli`: the same as the `allocsampler` command."""
+
+import sys
+
+from sampler.cli.main import main
+
+sys.exit(main())

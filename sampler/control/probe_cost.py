@@ -1,0 +1,146 @@
+"""What one allocator probe hit costs the target on this host, measured at start-up.
+
+A child interpreter runs a malloc/free loop through ctypes, alternately without and with our
+allocator probes attached (the same programs, sites and mode the targets get); the extra time
+divided by the probe hits is the cost per hit. It depends on the kernel, its mitigations, the
+libc (which instruction each probe site has) and the probe mode, so it is cached per boot,
+kernel, libc build-id and mode.
+
+Every target has its own probe links, filtered to its pid, and the kernel runs every link of a
+probed address at each hit: a hit in one target also pays for the links of the other targets
+on the same library (~35 ns each here, measured by scripts/bench_targets.py). That share is
+calibrated too, with EXTRA_LINKS links of an idle process added, and the governor adds it per
+co-attached target.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from sampler.probes.allocators import find_allocators
+
+PAIRS = 40_000
+ROUNDS = 3
+EXTRA_LINKS = 8
+# Fallbacks when calibration cannot run: the attach tier's measured costs here (uprobe-costs.md,
+# scripts/bench_targets.py).
+DEFAULT_NS = 1500.0
+DEFAULT_LINK_NS = 35.0
+
+_CHILD = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+m, f, n = libc.malloc, libc.free, int(sys.argv[1])
+print("ready", flush=True)
+for line in sys.stdin:
+    t = time.perf_counter()
+    for _ in range(n):
+        f(m(64))
+    print(time.perf_counter() - t, flush=True)
+"""
+
+
+def _key(probes, lib) -> str:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"2|{os.uname().release}|{boot}|{lib.build_id}|{'session' if probes.session else 'perf'}"
+
+
+def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
+    """(ns per probe hit, ns per hit and other link on the address, how they were obtained).
+    Never raises: falls back to the defaults."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(PAIRS)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    idle = None
+    try:
+        if child.stdout.readline().strip() != "ready":
+            return DEFAULT_NS, DEFAULT_LINK_NS, "default (calibration child failed)"
+        libs, _ = find_allocators(child.pid)
+        libc = next((lib for lib in libs if lib.family == "glibc"), None)
+        if libc is None:
+            return DEFAULT_NS, DEFAULT_LINK_NS, "default (no glibc to calibrate on)"
+        cache = cache_dir / "probe-cost.json" if cache_dir else None
+        key = _key(probes, libc)
+        known = _load(cache)
+        if isinstance(known.get(key), list):
+            ns, link_ns = known[key]
+            return float(ns), float(link_ns), "calibrated earlier this boot"
+
+        def run() -> float:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            return float(child.stdout.readline())
+
+        def probed_run() -> tuple[float, int]:
+            h0 = sum(probes.hits().get(child.pid, (0, 0)))
+            t = run()
+            return t, sum(probes.hits().get(child.pid, (0, 0))) - h0
+
+        # links of another process on the same functions: it never runs them (it sleeps)
+        idle = subprocess.Popen(["sleep", "600"])
+        run()                                                  # warm-up
+        per_hit, per_link = [], []
+        for _ in range(ROUNDS):
+            plain = run()
+            probes.attach(child.pid, libc)
+            alone, hits = probed_run()
+            for _ in range(EXTRA_LINKS):
+                probes.attach(idle.pid, libc)
+            shared, hits2 = probed_run()
+            probes.detach_probes(idle.pid)
+            probes.detach_probes(child.pid)
+            if hits > 0 and hits2 > 0:
+                per_hit.append((alone - plain) * 1e9 / hits)
+                per_link.append((shared / hits2 - alone / hits) * 1e9 / EXTRA_LINKS)
+        if not per_hit:
+            return DEFAULT_NS, DEFAULT_LINK_NS, "default (no probe hits while calibrating)"
+        ns = max(100.0, statistics.median(per_hit))
+        link_ns = max(0.0, statistics.median(per_link))
+        if cache is not None:
+            known[key] = [round(ns, 1), round(link_ns, 1)]
+            _store(cache, known)
+        return ns, link_ns, f"calibrated ({ROUNDS} x {PAIRS} malloc/free pairs)"
+    except (OSError, ValueError) as e:
+        return DEFAULT_NS, DEFAULT_LINK_NS, f"default (calibration failed: {e})"
+    finally:
+        if idle is not None:
+            probes.detach(idle.pid)
+            idle.kill()
+            idle.wait()
+        probes.detach(child.pid)
+        child.stdin.close()
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        probes.forget_pid(child.pid)
+
+
+def _load(path: Path | None) -> dict:
+    if path is None:
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+

@@ -1,0 +1,138 @@
+"""The preload tier: build and locate the LD_PRELOAD sampling shim (sampler/inprocess/preload.c).
+
+A process started with the shim in LD_PRELOAD samples its own allocations (a per-thread byte
+countdown, Poisson with mean ALLOCSAMPLER_SAMPLE_MEAN) and reaches a probe site only for sampled
+calls: USDT `otel_memory:alloc(ptr, size, weighted_bytes)` and `otel_memory:free(ptr)`, the
+OpenTelemetry eBPF profiler memory contract. Weights agree with `sampler.control.weights.unbiased_weight`.
+Above ALLOCSAMPLER_MAX_SAMPLES_PER_S samples/s (default 2000, 0: no cap) the shim raises its mean
+by powers of two, and lowers it again when the rate falls; each sample is weighted with the mean its
+gap was drawn with, so estimates stay unbiased.
+
+    python -m sampler.inprocess.preload     # builds the shim if needed and prints its path
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from sampler.errors import EnvironmentProblem, UsageError
+
+SOURCE = Path(__file__).resolve().parent / "preload.c"
+LIB_NAME = "liballocsampler_preload.so"
+ENV_SAMPLE_MEAN = "ALLOCSAMPLER_SAMPLE_MEAN"
+DEFAULT_SAMPLE_MEAN = 512 * 1024
+MAX_SAMPLE_MEAN = 1 << 40          # the shim treats larger values as invalid (default)
+ENV_MAX_SAMPLES_PER_S = "ALLOCSAMPLER_MAX_SAMPLES_PER_S"
+DEFAULT_MAX_SAMPLES_PER_S = 2000   # 0: no cap
+MAX_MAX_SAMPLES_PER_S = 10 ** 9    # the shim treats larger values as invalid (default)
+
+# Exported: the interposed functions and the allocsampler_preload_* symbols (-fvisibility=hidden).
+# Default -fasynchronous-unwind-tables stays: the recorder unwinds through the shim with CFI.
+CFLAGS = [
+    "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec",
+    "-fno-builtin", "-fasynchronous-unwind-tables", "-Wall", "-Wextra",
+    "-Wl,--build-id", "-Wl,-z,now", "-Wl,-z,relro",
+]
+
+EXPORTED = frozenset({
+    "malloc", "free", "calloc", "realloc", "reallocarray", "posix_memalign", "aligned_alloc",
+    "memalign", "valloc", "pvalloc",
+    "allocsampler_preload_weight", "allocsampler_preload_stats", "allocsampler_preload_sampling",
+    "allocsampler_preload_dropped", "allocsampler_preload_freed",
+})
+
+
+def _compiler() -> str:
+    for name in ("cc", "gcc"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise EnvironmentProblem("no C compiler to build the preload shim: apt install gcc, or run scripts/setup.sh")
+
+
+def _build(out: Path) -> None:
+    cc = _compiler()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{LIB_NAME}.", suffix=".tmp")
+    except OSError as e:
+        raise EnvironmentProblem(
+            f"cannot write the preload shim into {out.parent} ({e.strerror}): make it writable, "
+            "or run scripts/setup.sh as its owner") from e
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if r.returncode != 0:
+            err = r.stderr
+            if "sys/sdt.h" in err:
+                raise EnvironmentProblem(
+                    "<sys/sdt.h> is missing to build the preload shim: apt install systemtap-sdt-dev, "
+                    "or run scripts/setup.sh")
+            first = next((ln for ln in err.splitlines() if "error" in ln), err.strip()[:200])
+            raise EnvironmentProblem(f"building the preload shim with {cc} failed ({first.strip()}): "
+                                     "install gcc and libc6-dev, or run scripts/setup.sh")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)   # atomic: concurrent users see the old file or the whole new one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def shim_path(build: bool = True) -> Path:
+    """Path of the built shim, `<repo>/build/liballocsampler_preload.so`.
+
+    With `build`, compiles it first when it is missing or older than its source.
+    """
+    out = SOURCE.parent.parent / "build" / LIB_NAME
+    if build:
+        try:
+            fresh = out.stat().st_mtime >= SOURCE.stat().st_mtime
+        except FileNotFoundError:
+            fresh = False
+        if not fresh:
+            _build(out)
+    return out
+
+
+def preload_env(sample_mean: int, base: dict | None = None,
+                max_samples_per_s: int | None = None) -> dict[str, str]:
+    """A copy of `base` (default: os.environ) that runs a command under the shim.
+
+    The shim is prepended to LD_PRELOAD (existing entries kept) and ALLOCSAMPLER_SAMPLE_MEAN set;
+    with `max_samples_per_s`, ALLOCSAMPLER_MAX_SAMPLES_PER_S too (0: no cap; None keeps what
+    `base` says, else the shim's default of 2000).
+    """
+    if isinstance(sample_mean, bool) or not isinstance(sample_mean, int) \
+            or not 0 < sample_mean <= MAX_SAMPLE_MEAN:
+        raise UsageError(f"sample mean must be a whole number of bytes in 1..{MAX_SAMPLE_MEAN}, got {sample_mean!r}")
+    if max_samples_per_s is not None and (
+            isinstance(max_samples_per_s, bool) or not isinstance(max_samples_per_s, int)
+            or not 0 <= max_samples_per_s <= MAX_MAX_SAMPLES_PER_S):
+        raise UsageError(f"max samples per second must be a whole number in 0..{MAX_MAX_SAMPLES_PER_S} "
+                         f"(0: no cap), got {max_samples_per_s!r}")
+    shim = str(shim_path())
+    if any(c in shim for c in ": \t\n"):
+        raise EnvironmentProblem(f"the preload shim's path {shim!r} cannot go into LD_PRELOAD (it has a colon or "
+                                 "whitespace): move the checkout to a plain path")
+    env = dict(os.environ if base is None else base)
+    existing = [e for e in env.get("LD_PRELOAD", "").replace(" ", ":").split(":") if e and e != shim]
+    env["LD_PRELOAD"] = ":".join([shim, *existing])
+    env[ENV_SAMPLE_MEAN] = str(sample_mean)
+    if max_samples_per_s is not None:
+        env[ENV_MAX_SAMPLES_PER_S] = str(max_samples_per_s)
+    return env
+
+
+if __name__ == "__main__":
+    import sys
+
+    from sampler.errors import AllocsamplerError
+    try:
+        print(shim_path())
+    except AllocsamplerError as e:
+        print(f"allocsampler: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

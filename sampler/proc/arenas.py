@@ -1,0 +1,319 @@
+"""Rows of the `malloc_arenas` table: per glibc arena, its resident memory, the sampled live
+bytes located in it and, read from glibc's own metadata, its free chunks.
+
+Sampling can only say how much of an arena is live; what is free, and whether `malloc_trim(0)`
+could give it back, is in the arena's bins. They are read through /proc/PID/mem without stopping
+the process (as root, like the heap_info check in smaps.py), so a walk races with the allocator:
+every pointer is checked to stay inside the arena's heaps and every size to fit its heap, and an
+arena whose walk fails or runs over the budget gets nulls rather than a guess. Residency comes
+from /proc/PID/pagemap, and chunk headers are read only from resident pages: the walk never
+faults heap memory in or swaps it back.
+
+Layout (x86-64 glibc since 2.27, checked on 2.36; see ../shared/notes/glibc-arenas.md): `struct malloc_state` is
+mutex, flags, have_fastchunks (4 bytes each, padded to 16), fastbinsY[10], top, last_remainder,
+bins[254] (fd/bk pairs of 127 circular lists whose head is `&bins[2i-2] - 16`), ... 2200 bytes.
+The bins are checked before anything is trusted: an empty list's fd and bk point at its own
+head, which no other layout or stray data reproduces (another layout gets nulls).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sampler.record.outstanding import ProcessTable
+from sampler.proc.maps import read_maps
+from sampler.proc.smaps import ARENA, HEAP
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+_HEAP_INFO = struct.Struct("<4Q")     # ar_ptr, prev, size, mprotect_size
+_TOP, _BINS = 96, 112                 # offsets in struct malloc_state
+_NBINS = 127                          # bins 1..127: 1 = unsorted, 2..63 small, 64..126 large
+# mtrim() (malloc_trim) madvises free chunks of the unsorted bin and of the bins from
+# bin_index(4096) = 99 up: smaller chunks cannot contain a whole page after their header.
+_TRIM_BINS = [1, *range(99, _NBINS + 1)]
+_OTHER_BINS = list(range(2, 99))
+_MALLOC_CHUNK = 48                    # sizeof(struct malloc_chunk): mtrim keeps this much
+_MINSIZE = 32
+_CHUNK_HDR = struct.Struct("<QQ")     # size, fd (at chunk + 8)
+DEFAULT_BUDGET = 1 << 17              # free chunks read per process and snapshot (~0.5 s)
+
+
+class _Budget(Exception):
+    pass
+
+
+@dataclass
+class _Heap:
+    start: int
+    end: int                          # end of the rw (committed) part
+    arena: int                        # address of its malloc_state; 0 = main arena (unknown)
+    present: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    swapped: int = 0
+    csum: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # present pages before k
+
+    def resident(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Resident bytes in each [lo, hi) (within this heap), partial pages pro rata."""
+        a, b = lo - self.start, hi - self.start
+        hp, tp = a // PAGE, (b - 1) // PAGE
+        pres = self.present.astype(np.int64)
+        same = (b - a) * pres[hp]
+        head = (PAGE - a % PAGE) * pres[hp] + (b - tp * PAGE) * pres[tp]
+        middle = PAGE * (self.csum[tp] - self.csum[np.minimum(hp + 1, tp)])
+        return np.where(hp == tp, same, head + middle)
+
+    def resident_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Resident bytes of the whole pages [lo, hi) (page-aligned bounds)."""
+        return PAGE * (self.csum[(hi - self.start) // PAGE] - self.csum[(lo - self.start) // PAGE])
+
+
+class _Mem:
+    """/proc/PID/{mem,pagemap}; short reads (unmapped meanwhile, process gone) return b''."""
+
+    def __init__(self, pid: int) -> None:
+        self.fds = {name: os.open(f"/proc/{pid}/{name}", os.O_RDONLY) for name in ("mem", "pagemap")}
+
+    def read(self, addr: int, n: int, name: str = "mem") -> bytes:
+        try:
+            return os.pread(self.fds[name], n, addr)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+def arena_rows(pid: int, regions: list[tuple[int, int, str]], table: ProcessTable,
+               budget: int = DEFAULT_BUDGET) -> list[dict]:
+    """One row per arena (the main arena when `[heap]` exists, each secondary arena).
+
+    `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `table` gives the
+    sampled live blocks. [] when the process is gone or its memory cannot be read."""
+    try:
+        mem = _Mem(pid)
+    except OSError:
+        return []
+    try:
+        heaps = _heaps(mem, regions)
+        if not heaps:
+            return []
+        main = next((h for h in heaps if h.arena == 0), None)
+        if main is not None:
+            main.arena = _find_main_arena(mem, pid, main)
+        by_arena: dict[int, list[_Heap]] = {}
+        for h in heaps:
+            by_arena.setdefault(h.arena, []).append(h)
+        live = _live(table, heaps)
+        left = [budget]
+        rows = []
+        for arena, hs in by_arena.items():
+            is_main = hs[0] is main
+            free = _free_chunks(mem, arena, hs, is_main, left) if arena else None
+            lb, lv, ls = (sum(live[id(h)][k] for h in hs) for k in range(3))
+            rows.append({
+                "pid": pid, "arena": arena, "main": is_main, "heaps": len(hs),
+                "size": sum(h.end - h.start for h in hs),
+                "rss": sum(int(h.csum[-1]) for h in hs) * PAGE, "swap": sum(h.swapped for h in hs) * PAGE,
+                "live_bytes": lb, "live_stderr_bytes": lv ** 0.5, "live_samples": ls,
+                **(free or dict.fromkeys(("free_bytes", "free_chunks", "top_bytes", "free_resident_bytes",
+                                          "trimmable_bytes"))),
+            })
+        return rows
+    finally:
+        mem.close()
+
+
+def _heaps(mem: _Mem, regions: list[tuple[int, int, str]]) -> list[_Heap]:
+    heaps = []
+    for start, end, kind in regions:
+        if kind == HEAP:
+            h = _Heap(start, end, 0)
+        elif kind == ARENA:
+            raw = mem.read(start, _HEAP_INFO.size)
+            if len(raw) != _HEAP_INFO.size:
+                continue                      # unmapped since smaps was read
+            h = _Heap(start, end, _HEAP_INFO.unpack(raw)[0])
+        else:
+            continue
+        entries = np.frombuffer(mem.read(start // PAGE * 8, (end - start) // PAGE * 8, "pagemap"), "<u8")
+        if len(entries) != (end - start) // PAGE:
+            continue
+        h.present = (entries >> np.uint64(63)).astype(bool)
+        h.swapped = int(((entries >> np.uint64(62)) & np.uint64(1)).sum())
+        h.csum = np.concatenate(([0], np.cumsum(h.present, dtype=np.int64)))
+        heaps.append(h)
+    return heaps
+
+
+def _live(table: ProcessTable, heaps: list[_Heap]) -> dict[int, list[float]]:
+    """Per heap: [estimated live chunk bytes, their variance, live samples] (as in recorder.py)."""
+    out = {id(h): [0.0, 0.0, 0] for h in heaps}
+    if not table.blocks:
+        return out
+    addrs = np.fromiter(table.blocks.keys(), np.uint64, len(table.blocks))
+    sp = np.array([(b.size, b.p) for b in table.blocks.values()], float).reshape(-1, 2)
+    size, p = sp[:, 0], sp[:, 1]
+    chunk = np.maximum(32, (size.astype(np.int64) + 8 + 15) & ~15)
+    est, var = chunk / p, chunk * chunk * (1 - p) / (p * p)
+    for h in heaps:
+        m = (addrs >= h.start) & (addrs < h.end)
+        out[id(h)] = [float(est[m].sum()), float(var[m].sum()), int(m.sum())]
+    return out
+
+
+def _find_main_arena(mem: _Mem, pid: int, heap: _Heap) -> int:
+    """Address of glibc's `main_arena` (in libc's data): the one spot of libc's writable
+    mappings holding a malloc_state whose top chunk lies in [heap] and whose bins check out.
+    0 when not found (static binary, another allocator, main arena spilled into mmap)."""
+    try:
+        maps = read_maps(pid)
+    except ProcessLookupError:
+        return 0
+    for i, m in enumerate(maps):
+        name = os.path.basename(m.path)
+        if m.perms != "rw-p" or not (name.startswith("libc.so") or name.startswith("libc-")):
+            continue
+        end = maps[i + 1].end if i + 1 < len(maps) and maps[i + 1].start == m.end and not maps[i + 1].path \
+            else m.end                        # libc's .bss follows its .data
+        words = np.frombuffer(mem.read(m.start, end - m.start), "<u8")
+        cand = np.nonzero((words >= heap.start) & (words < heap.end))[0] * 8 - _TOP
+        for off in cand[cand >= 0]:
+            base = m.start + int(off)
+            if _bins(mem, base, [(heap.start, heap.end)]) is not None and _top(mem, base, [heap], True) is not None:
+                return base
+    return 0
+
+
+def _bins(mem: _Mem, base: int, ranges: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+    """(head, first chunk) of each bin, or None unless every list is empty (fd == bk == head)
+    or points into the arena's heaps."""
+    raw = mem.read(base + _BINS, _NBINS * 16)
+    if len(raw) != _NBINS * 16:
+        return None
+    out = []
+    for i, (fd, bk) in enumerate(struct.iter_unpack("<QQ", raw), 1):
+        head = base + _BINS + (i - 1) * 16 - 16
+        if fd == bk == head:
+            out.append((head, head))
+        elif _inside(fd, ranges) and _inside(bk, ranges):
+            out.append((head, fd))
+        else:
+            return None
+    return out
+
+
+def _top(mem: _Mem, base: int, heaps: list[_Heap], main: bool) -> tuple[_Heap, int, int] | None:
+    """(heap, address, size) of the arena's top chunk; it must end where its heap's used part
+    ends: the program break for the main arena, heap_info.size for a secondary heap."""
+    raw = mem.read(base + _TOP, 8)
+    if len(raw) != 8:
+        return None
+    (top,) = struct.unpack("<Q", raw)
+    h = next((h for h in heaps if h.start <= top < h.end), None)
+    if h is None or top % 16:
+        return None
+    hdr = mem.read(top + 8, 8) if h.present[(top + 8 - h.start) // PAGE] else b""
+    used = mem.read(h.start + 16, 8) if not main else struct.pack("<Q", h.end - h.start)
+    if len(hdr) != 8 or len(used) != 8:
+        return None
+    size = struct.unpack("<Q", hdr)[0] & ~7
+    return (h, top, size) if size >= _MINSIZE and top + size == h.start + struct.unpack("<Q", used)[0] else None
+
+
+def _inside(addr: int, ranges: list[tuple[int, int]]) -> bool:
+    return addr % 16 == 0 and any(lo <= addr < hi for lo, hi in ranges)
+
+
+def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: list[int]) -> dict | None:
+    """Free-list totals of one arena; None when its metadata does not check out. Chunks cached
+    in tcache and fastbins are in use as far as the bins are concerned and are not counted."""
+    ranges = [(h.start, h.end) for h in heaps]
+    bins = _bins(mem, base, ranges)
+    top = _top(mem, base, heaps, main)
+    if bins is None or top is None:
+        return None
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    out: dict = {"free_bytes": None, "free_chunks": None, "top_bytes": top[2], "free_resident_bytes": None}
+    try:
+        for group in (_TRIM_BINS, _OTHER_BINS):
+            for i in group:
+                walked = _walk(mem, *bins[i - 1], heaps, left)
+                if walked is None:
+                    return None
+                chunks[i] = walked
+            if group is _TRIM_BINS:
+                out["trimmable_bytes"] = _trimmable([c for i in _TRIM_BINS for c in chunks[i]], heaps, top, main)
+    except _Budget:
+        return out if "trimmable_bytes" in out else None
+    every = [c for cs in chunks.values() for c in cs]
+    h, addr, size = top
+    resident = _sum_resident(every, heaps) + int(h.resident(np.array([addr]), np.array([addr + size]))[0])
+    out.update(free_bytes=sum(s for _, s in every) + size, free_chunks=len(every), free_resident_bytes=resident)
+    return out
+
+
+def _walk(mem: _Mem, head: int, first: int, heaps: list[_Heap], left: list[int]) -> list[tuple[int, int]] | None:
+    """The (address, size) of the chunks on one bin list, following fd from `first` to `head`."""
+    out = []
+    p, lo, hi, present = first, 0, 0, heaps[0].present    # [lo, hi): the heap of the previous chunk
+    fd_mem, unpack, n = mem.fds["mem"], _CHUNK_HDR.unpack, _CHUNK_HDR.size
+    while p != head:
+        if left[0] <= 0:
+            raise _Budget
+        left[0] -= 1
+        if not lo <= p < hi - n - 8:
+            h = next((h for h in heaps if h.start <= p < h.end - n - 8), None)
+            if h is None:
+                return None
+            lo, hi, present = h.start, h.end, h.present
+        if not (present[(p + 8 - lo) // PAGE] and present[(p + 7 + n - lo) // PAGE]):
+            return None                       # never fault a page in (or swap it back) to read it
+        try:
+            raw = os.pread(fd_mem, n, p + 8)
+        except OSError:
+            return None
+        if p % 16 or len(raw) != n:
+            return None
+        size, fd = unpack(raw)
+        size &= ~7
+        if size < _MINSIZE or p + size > hi:
+            return None
+        out.append((p, size))
+        p = fd
+    return out
+
+
+def _by_heap(chunks: list[tuple[int, int]], heaps: list[_Heap]):
+    if not chunks:
+        return
+    a = np.array(chunks, np.int64).reshape(-1, 2)
+    for h in heaps:
+        m = (a[:, 0] >= h.start) & (a[:, 0] < h.end)
+        if m.any():
+            yield h, a[m, 0], a[m, 0] + a[m, 1]
+
+
+def _sum_resident(chunks: list[tuple[int, int]], heaps: list[_Heap]) -> int:
+    return sum(int(h.resident(lo, hi).sum()) for h, lo, hi in _by_heap(chunks, heaps))
+
+
+def _trimmable(chunks: list[tuple[int, int]], heaps: list[_Heap], top: tuple[_Heap, int, int], main: bool) -> int:
+    """Resident bytes that malloc_trim(0) would madvise away: whole pages of free chunks past
+    their malloc_chunk header (mtrim), and for the main arena the top chunk's pages above
+    MINSIZE (systrim). A secondary arena's top is not touched by malloc_trim (glibc trims it by
+    itself past M_TRIM_THRESHOLD)."""
+    total = 0
+    for h, lo, hi in _by_heap(chunks, heaps):
+        start = (lo + _MALLOC_CHUNK + PAGE - 1) & ~(PAGE - 1)
+        stop = np.maximum(start, hi & ~(PAGE - 1))
+        total += int(h.resident_pages(start, stop).sum())
+    if main:
+        h, addr, size = top
+        extra = max(0, size - _MINSIZE - 1) & ~(PAGE - 1)
+        if extra:
+            total += int(h.resident_pages(np.array([addr + size - extra]), np.array([addr + size]))[0])
+    return total

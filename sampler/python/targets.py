@@ -1,0 +1,89 @@
+"""CPython targets: their frame layout and thread states pushed to BPF, their frames resolved.
+
+The BPF walk needs, per process, the offsets of the frame chain and, per thread, the address of
+its PyThreadState (found by walking the interpreter's thread list here: the interpreter's own
+"current thread" pointer is NULL whenever the GIL is released). A thread created after the last
+walk is reported by BPF (FLAG_PY_MISS) and triggers a new walk, rate-limited.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sampler.python.codeobj import CodeReader, PyFrame
+from sampler.python.runtime import PyProcess, PyUnsupported, detect
+
+
+class _Maps(Protocol):
+    def set_python(self, pid: int, layout: bytes | None) -> None: ...
+    def set_python_threads(self, add: dict[int, int], remove=()) -> None: ...
+
+
+@dataclass
+class _Py:
+    proc: PyProcess
+    reader: CodeReader
+    tids: set[int] = field(default_factory=set)
+    refreshed: float = 0.0
+
+
+class PythonTargets:
+    def __init__(self, maps: _Maps, refresh_interval: float = 0.2):
+        self._maps = maps
+        self._refresh_interval = refresh_interval
+        self._procs: dict[int, _Py] = {}
+
+    def add(self, pid: int) -> str | None:
+        """Start reading Python frames of `pid` if it runs CPython. Returns a warning when it runs
+        an interpreter that cannot be read (its stacks stay native-only), None otherwise."""
+        self.forget(pid)
+        try:
+            proc = detect(pid)
+        except PyUnsupported as e:
+            return f"Python frames not recorded: {e}"
+        except (ProcessLookupError, PermissionError, OSError):
+            return None
+        if proc is None:
+            return None
+        self._procs[pid] = _Py(proc, CodeReader(proc))
+        self._maps.set_python(pid, proc.layout.to_bytes())
+        self.refresh(pid, force=True)
+        return None
+
+    def known(self, pid: int) -> bool:
+        return pid in self._procs
+
+    def refresh(self, pid: int, force: bool = False) -> None:
+        """Walk the thread list again (a thread BPF did not know sampled, or once per interval)."""
+        py = self._procs.get(pid)
+        now = time.monotonic()
+        if py is None or (not force and now - py.refreshed < self._refresh_interval):
+            return
+        py.refreshed = now
+        try:
+            threads = py.proc.threads()
+        except (OSError, ValueError):
+            return
+        gone = py.tids - threads.keys()
+        py.tids = set(threads)
+        self._maps.set_python_threads(threads, gone)
+
+    def frames(self, pid: int, raw: Sequence[tuple[int, int]]) -> list[PyFrame]:
+        py = self._procs.get(pid)
+        if py is None or not raw:
+            return []
+        return py.reader.frames(raw)
+
+    def process(self, pid: int) -> PyProcess | None:
+        py = self._procs.get(pid)
+        return py.proc if py else None
+
+    def forget(self, pid: int) -> None:
+        py = self._procs.pop(pid, None)
+        if py is not None:
+            self._maps.set_python(pid, None)
+            self._maps.set_python_threads({}, py.tids)
+            py.proc.close()                 # its /proc/PID/mem descriptor

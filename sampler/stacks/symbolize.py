@@ -1,0 +1,220 @@
+"""Addresses of a process -> frames (function, module, ASLR-free offset)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from sampler.binary.dwarf_lines import LineTables
+from sampler.binary.elf import ElfFormatError, ElfImage
+from sampler.proc.maps import Mapping, find_mapping, open_path, read_maps
+
+
+@dataclass(frozen=True)
+class Frame:
+    function: str | None
+    module: str  # basename of the mapped file, a pseudo path ('[vdso]'), '[anon]' or '[unknown]'
+    path: str  # the file's path as the process sees it ('' when none)
+    offset: int  # vaddr within the module's ELF; the absolute address when there is no module
+    build_id: str | None
+    file: str | None = None
+    line: int | None = None
+    kind: str = "native"
+    inline: bool = False      # an inlined call: its code is part of the next (outer) frame
+    inlined: tuple[Frame, ...] = ()   # the inlined calls at this address, innermost first (DWARF)
+
+
+def module_key(frame: Frame) -> tuple:
+    """Identifies a code location independently of where ASLR loaded the module."""
+    if frame.kind == "python":
+        return (frame.path, frame.function, frame.line)
+    return (frame.build_id or frame.path, frame.offset)
+
+
+@dataclass
+class _ProcessView:
+    maps: list[Mapping]
+    read_at: float
+    generation: int
+    images: dict[tuple[str, int, str], ElfImage | None] = field(default_factory=dict)
+
+
+class Symbolizer:
+    """Turns (pid, addresses) into Frames, caching maps, ELF images and results (one thread)."""
+
+    def __init__(self, memo_size: int = 200_000, maps_refresh_interval: float = 0.1):
+        self._procs: dict[int, _ProcessView] = {}
+        self._generations: dict[int, int] = {}
+        self._memo: OrderedDict[tuple[int, int, int, bool], Frame] = OrderedDict()
+        self._memo_size = memo_size
+        self._refresh_interval = maps_refresh_interval
+
+    def frames(self, pid: int, addrs: Sequence[int], first_is_ip: bool) -> list[Frame]:
+        """One frame per address; addrs[0] is the instruction pointer when first_is_ip.
+
+        The others are return addresses, which point after the call: their function is the one
+        containing addr - 1, and the frame's offset is that of addr - 1 (the call site), so that
+        a call in tail position is not attributed to the next function.
+        """
+        view = self._view(pid)
+        out = []
+        for i, addr in enumerate(addrs):
+            is_ip = first_is_ip and i == 0
+            where = addr if is_ip else addr - 1
+            if view is None:  # the process is gone
+                out.append(_unknown(where))
+                continue
+            key = (pid, view.generation, addr, is_ip)
+            frame = self._memo.get(key)
+            if frame is None:
+                view, frame = self._resolve(pid, view, where)
+                if frame.module != "[unknown]":    # a miss may be a dlopen not yet seen: retry later
+                    self._memo[(pid, view.generation, addr, is_ip)] = frame
+                    if len(self._memo) > self._memo_size:
+                        self._memo.popitem(last=False)
+            else:
+                self._memo.move_to_end(key)
+            out.append(frame)
+        return out
+
+    def locate(self, pid: int, addr: int) -> tuple[ElfImage, int] | None:
+        """(image, bias) of the executable file mapping holding `addr` (vaddr = addr - bias), for
+        the unwinder; None when the address is in no such mapping (or the process is gone)."""
+        view = self._view(pid)
+        if view is None:
+            return None
+        m = find_mapping(view.maps, addr)
+        if m is None:
+            view = self._refresh(pid, view)
+            m = find_mapping(view.maps, addr)
+        if m is None or not m.file_backed or not m.executable:
+            return None
+        img = self._image(pid, view, m)
+        if img is None:
+            return None
+        vaddr = img.file_offset_to_vaddr(addr - m.start + m.offset)
+        return None if vaddr is None else (img, addr - vaddr)
+
+    def forget(self, pid: int) -> None:
+        """Drop what is known of `pid` (it exited or exec'd)."""
+        self._procs.pop(pid, None)
+        # Memo entries of the old generation are never hit again and age out of the LRU.
+        self._generations[pid] = self._generations.get(pid, 0) + 1
+
+    def _view(self, pid: int) -> _ProcessView | None:
+        view = self._procs.get(pid)
+        if view is None:
+            try:
+                maps = read_maps(pid)
+            except (ProcessLookupError, PermissionError):
+                return None
+            view = _ProcessView(maps, time.monotonic(), self._generations.get(pid, 0))
+            self._procs[pid] = view
+        return view
+
+    def _resolve(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Frame]:
+        m = find_mapping(view.maps, addr)
+        if m is None:
+            view = self._refresh(pid, view)
+            m = find_mapping(view.maps, addr)
+        if m is None:
+            return view, _unknown(addr)
+        if not m.file_backed:
+            return view, Frame(None, m.path or "[anon]", m.path, addr, None)
+        module = os.path.basename(m.path)
+        file_off = addr - m.start + m.offset
+        img = self._image(pid, view, m)
+        vaddr = img.file_offset_to_vaddr(file_off) if img else None
+        if img is None or vaddr is None:
+            # Without the ELF headers the file offset is the best ASLR-free location.
+            return view, Frame(None, module, m.path, file_off, img.build_id if img else None)
+        sym = img.lookup(vaddr)
+        name = demangle(sym[0]) if sym else None
+        src = _source(img, vaddr)
+        if not src:
+            return view, Frame(name, module, m.path, vaddr, img.build_id)
+        # DWARF: the innermost entries are inlined calls; the last is the function itself
+        inlined = tuple(Frame(demangle(s.function) if s.function else None, module, m.path, vaddr, img.build_id,
+                              s.file, s.line, inline=True) for s in src[:-1])
+        outer = src[-1]
+        return view, Frame(name or (demangle(outer.function) if outer.function else None), module, m.path,
+                           vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
+
+    def _refresh(self, pid: int, view: _ProcessView) -> _ProcessView:
+        """Re-read the maps after a miss (a dlopen since the last read).
+
+        Stale stacks hold garbage addresses, so reads are rate-limited to one per interval.
+        """
+        now = time.monotonic()
+        if now - view.read_at < self._refresh_interval:
+            return view
+        try:
+            maps = read_maps(pid)
+        except (ProcessLookupError, PermissionError):
+            view.read_at = now
+            return view
+        if maps == view.maps:
+            view.read_at = now
+            return view
+        # The address space changed: results memoised for the old maps may be wrong.
+        gen = self._generations[pid] = self._generations.get(pid, 0) + 1
+        new = _ProcessView(maps, now, gen)
+        self._procs[pid] = new
+        return new
+
+    def _image(self, pid: int, view: _ProcessView, m: Mapping) -> ElfImage | None:
+        key = (m.dev, m.inode, m.path)
+        if key not in view.images:
+            try:
+                view.images[key] = ElfImage.open(open_path(pid, m))
+            except (OSError, ElfFormatError):
+                view.images[key] = None
+        return view.images[key]
+
+
+def _source(img: ElfImage, vaddr: int) -> list:
+    """File, line and inlined calls at vaddr when the binary or its debug file has DWARF."""
+    tables = LineTables.for_image(img)
+    return tables.lookup(vaddr) if tables is not None else []
+
+
+def _unknown(addr: int) -> Frame:
+    return Frame(None, "[unknown]", "", addr, None)
+
+
+@functools.lru_cache(maxsize=1)
+def _cxa_demangle() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    try:
+        cxx = ctypes.CDLL("libstdc++.so.6")
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    fn = cxx["__cxa_demangle"]
+    fn.restype = ctypes.c_void_p  # malloc'ed: must reach free() as a pointer, not a bytes copy
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+    free = libc["free"]
+    free.argtypes = [ctypes.c_void_p]
+    free.restype = None
+    return fn, free
+
+
+@functools.lru_cache(maxsize=65536)
+def demangle(name: str) -> str:
+    """The C++ name behind an Itanium-mangled `name`; `name` itself when it is not one."""
+    funcs = _cxa_demangle() if name.startswith("_Z") else None
+    if funcs is None:
+        return name
+    fn, free = funcs
+    status = ctypes.c_int()
+    buf = fn(name.encode(), None, None, ctypes.byref(status))
+    if not buf:
+        return name
+    try:
+        return ctypes.string_at(buf).decode("utf-8", "replace") if status.value == 0 else name
+    finally:
+        free(buf)

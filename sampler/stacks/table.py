@@ -1,0 +1,181 @@
+"""Stacks: from what BPF captured for an event to a stable stack id and symbolized frames.
+
+This is the one seam between capture and the rest: BPF sends registers, a copy of the top of the
+user stack and the thread's raw Python frames; here the native stack is unwound with the
+binaries' CFI (sampler/stacks/unwind.py), symbolized, and merged with the Python frames the way
+py-spy --native does: each interpreter eval frame is replaced by the Python frames it ran.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from functools import partial
+
+from sampler.probes.allocators import exe_path
+from sampler.bpf.events import FLAG_FIRST_IS_IP, FLAG_SITE_MODULE, FLAG_STACK_ERR, Event
+from sampler.python.codeobj import PyFrame
+from sampler.python.targets import PythonTargets
+from sampler.stacks.symbolize import Frame, Symbolizer, module_key
+from sampler.stacks.unwind import Regs, Unwinder
+
+# The walk reached the thread's entry: the stack is complete.
+COMPLETE = "entry"
+
+
+@dataclass(frozen=True)
+class Stack:
+    stack_id: int
+    frames: tuple[Frame, ...]
+    truncated: bool
+    first_seen_ns: int
+    unwind_stop: str            # sampler/stacks/unwind.py UnwindResult.stop, or "no_stack"
+
+
+class StackTable:
+    def __init__(self, symbolizer: Symbolizer, unwinder: Unwinder, python: PythonTargets | None = None,
+                 max_frames: int = 127, interpreter_frames: bool = False, memo_size: int = 100_000):
+        self.symbolizer = symbolizer
+        self.unwinder = unwinder
+        self.python = python
+        self.max_frames = max_frames
+        self.interpreter_frames = interpreter_frames   # keep libpython frames between Python frames
+        self.memo_size = memo_size
+        self._memo: OrderedDict[tuple, int] = OrderedDict()     # (pid, ip?, pcs, py) -> id
+        self._by_id: dict[int, tuple] = {}                       # id -> content key
+        self._new: list[Stack] = []
+        self.collisions = 0
+        self.last_stop = ""                                      # unwind stop of the last intern
+        self._depth: dict[int, int] = {}   # pid -> deepest complete walk (bytes); -1: a copy was short
+        self._exe: dict[int, str] = {}     # pid -> main executable
+
+    def intern(self, ev: Event) -> int:
+        first_is_ip = bool(ev.flags & FLAG_FIRST_IS_IP)
+        if ev.stack and not ev.flags & FLAG_STACK_ERR:
+            res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.ip, ev.sp, ev.bp),
+                                       _restore_return_address(ev), self.max_frames)
+            pcs, stop = res.pcs, res.stop
+            d = self._depth.get(ev.pid, 0)
+            if stop == "stack_end":
+                self._depth[ev.pid] = -1
+            elif stop == COMPLETE and d >= 0 and res.used > d:
+                self._depth[ev.pid] = res.used
+        else:
+            pcs, stop = (), "no_stack"
+        self.last_stop = stop
+        memo_key = (ev.pid, first_is_ip, pcs, ev.py)
+        sid = self._memo.get(memo_key)
+        if sid is not None:
+            self._memo.move_to_end(memo_key)
+            return sid
+        native = self.symbolizer.frames(ev.pid, pcs, first_is_ip) if pcs else []
+        skip = 0
+        if ev.flags & FLAG_SITE_MODULE and native:
+            skip = self._site_frames(ev.pid, native)
+        elif first_is_ip and len(native) > 1 and native[0].module.startswith("libc."):
+            skip = 1            # a syscall: the ip is in libc's wrapper; its caller is the site
+        pyframes = self.python.frames(ev.pid, ev.py) if self.python is not None and ev.py else []
+        merged = self._merge(ev.pid, native[skip:], pcs[skip:], first_is_ip and not skip, pyframes)
+        frames = tuple(g for f in merged for g in (*f.inlined, replace(f, inlined=())))
+        content = tuple(module_key(f) for f in frames)
+        sid = _hash(content)
+        while (known := self._by_id.get(sid)) is not None and known != content:
+            self.collisions += 1                     # never merge distinct stacks silently
+            sid = _hash((sid, content))
+        if known is None:
+            self._by_id[sid] = content
+            self._new.append(Stack(sid, frames, stop != COMPLETE, ev.ts_ns, stop))
+        if any(f.module == "[unknown]" for f in frames) or (ev.py and not pyframes):
+            return sid                  # resolve again next time: a library or code may appear
+        self._memo[memo_key] = sid
+        if len(self._memo) > self.memo_size:
+            self._memo.popitem(last=False)
+        return sid
+
+    def _merge(self, pid: int, native: list[Frame], pcs: tuple[int, ...], first_is_ip: bool,
+               pyframes: list[PyFrame]) -> list[Frame]:
+        """Native frames with each interpreter eval frame replaced by the Python frames it ran
+        (up to the next entry frame); interpreter frames between Python frames are hidden."""
+        proc = self.python.process(pid) if self.python is not None else None
+        if proc is None or not pyframes:
+            return native
+        out: list[Frame] = []
+        i, inside = 0, False
+        for k, (f, pc) in enumerate(zip(native, pcs, strict=True)):
+            addr = pc if (k == 0 and first_is_ip) else pc - 1
+            if _in(proc.eval_ranges, addr):
+                inside = True
+                while i < len(pyframes):
+                    out.append(_python_frame(pyframes[i]))
+                    i += 1
+                    if pyframes[i - 1].entry:
+                        break
+                continue
+            if inside and not self.interpreter_frames and _in(proc.module_ranges, addr):
+                continue
+            out.append(f)
+        out.extend(_python_frame(p) for p in pyframes[i:])   # the native walk ended early
+        return out
+
+    def _site_frames(self, pid: int, native: list[Frame]) -> int:
+        """Frames to drop for a USDT probe in an allocator library (the preload shim, an
+        allocator build): all of that library's innermost frames, so that the stack starts at
+        the allocator's caller as in the attach tier. Probes in the main executable keep theirs."""
+        exe = self._exe.get(pid)
+        if exe is None:
+            exe = self._exe[pid] = exe_path(pid) or ""
+        path = native[0].path
+        if not path or path == exe:
+            return 0
+        n = 0
+        while n < len(native) - 1 and native[n].path == path:
+            n += 1
+        return n
+
+    def stack_hint(self, pid: int, maximum: int) -> int | None:
+        """Stack bytes worth copying for `pid`: its deepest complete walk plus a margin, in
+        1 KiB steps; None (the maximum) until a walk completed or after a copy was too short."""
+        d = self._depth.get(pid, 0)
+        if d <= 0:
+            return None
+        return min(maximum, max(2048, -(-(d + max(2048, d // 4)) // 1024) * 1024))
+
+    def forget(self, pid: int) -> None:
+        """The process exec'd or exited: its addresses mean something else now."""
+        self.symbolizer.forget(pid)
+        self._depth.pop(pid, None)
+        self._exe.pop(pid, None)
+        for k in [k for k in self._memo if k[0] == pid]:
+            del self._memo[k]
+
+    def drain_new(self) -> list[Stack]:
+        new, self._new = self._new, []
+        return new
+
+
+def _restore_return_address(ev: Event) -> bytes:
+    """The stack copy with the original return address where a pending return probe has put its
+    trampoline (an event inside a sampled allocation call: glibc's mmap of a large block)."""
+    off = ev.ra_slot - ev.sp
+    if not ev.ra_slot or not 0 <= off <= len(ev.stack) - 8:
+        return ev.stack
+    return ev.stack[:off] + struct.pack("<Q", ev.ra) + ev.stack[off + 8:]
+
+
+def _python_frame(p: PyFrame) -> Frame:
+    return Frame(p.function, os.path.basename(p.file), p.file, p.line or 0, None, p.file, p.line, "python")
+
+
+def _in(ranges: list[tuple[int, int]], addr: int) -> bool:
+    """Whether addr lies in one of the sorted, disjoint [lo, hi) ranges."""
+    i = bisect.bisect_right(ranges, (addr, float("inf"))) - 1
+    return i >= 0 and addr < ranges[i][1]
+
+
+def _hash(content) -> int:
+    h = hashlib.blake2b(repr(content).encode(), digest_size=8).digest()
+    return struct.unpack("<q", h)[0]
