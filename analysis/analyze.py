@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-from analysis.detect.arenas import detect_arena_bloat
 from analysis.dataset import Dataset, load
-from analysis.findings import Finding, to_dataframe, to_document
+from analysis.detect.arenas import detect_arena_bloat
 from analysis.detect.gpu import detect_gpu
 from analysis.detect.growth import classify_series, detect_growth
+from analysis.findings import Finding, to_dataframe, to_document
 
 __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "detect_arena_bloat"]
 

@@ -25,8 +25,8 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sampler.dataset.writer import DatasetWriter  # noqa: E402
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS  # noqa: E402
+from sampler.dataset.writer import DatasetWriter  # noqa: E402
 
 T = 512 << 10
 MiB = 1 << 20

@@ -48,7 +48,7 @@ Variants (tiers):
   attach-perf      (only when named) attach with --probe-mode perf: classic uprobes + uretprobes
 
 Every allocsampler command also gets -q (no summary). A variant whose prerequisite is missing
-(the tool, a CLI flag, the sampler.preload module or its shim's USDT notes) is reported as
+(the tool, a CLI flag, the sampler.inprocess.preload module or its shim's USDT notes) is reported as
 "n/a" with the reason; a variant that fails while running is dropped for that workload and
 reported as "failed" with the reason (--fail-fast aborts instead).
 
@@ -718,15 +718,15 @@ class Bench:
             try:
                 from sampler.inprocess import preload as pl
             except Exception as e:  # noqa: BLE001 - any failure makes the variant n/a
-                return f"sampler.preload is not importable ({type(e).__name__}: {_short(e)})"
+                return f"sampler.inprocess.preload is not importable ({type(e).__name__}: {_short(e)})"
             for fn in ("preload_env", "shim_path"):
                 if not callable(getattr(pl, fn, None)):
-                    return f"sampler.preload has no {fn}()"
+                    return f"sampler.inprocess.preload has no {fn}()"
             try:
                 shim = Path(pl.shim_path())
                 env = dict(pl.preload_env(self.args.sample_mean))
             except Exception as e:  # noqa: BLE001
-                return f"sampler.preload failed: {type(e).__name__}: {_short(e)}"
+                return f"sampler.inprocess.preload failed: {type(e).__name__}: {_short(e)}"
             if not shim.is_file():
                 return f"sampler.inprocess.preload.shim_path() = {shim}: no such file"
             if shim.name not in env.get("LD_PRELOAD", ""):

@@ -34,12 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sampler.probes.allocators import find_allocators  # noqa: E402
-from sampler.bpf.loader import BpfProbes, ProbeConfig  # noqa: E402
 from sampler.bpf.events import EvType, decode  # noqa: E402
+from sampler.bpf.loader import BpfProbes, ProbeConfig  # noqa: E402
+from sampler.probes.allocators import find_allocators  # noqa: E402
 from sampler.python.targets import PythonTargets  # noqa: E402
-from sampler.stacks.table import COMPLETE, StackTable  # noqa: E402
 from sampler.stacks.symbolize import Symbolizer  # noqa: E402
+from sampler.stacks.table import COMPLETE, StackTable  # noqa: E402
 from sampler.stacks.unwind import Unwinder  # noqa: E402
 
 WORKLOADS = REPO / "tests" / "workloads"

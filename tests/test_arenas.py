@@ -10,10 +10,10 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS, GatedTarget, compile_c
 
-from analysis.detect.arenas import detect_arena_bloat
 from analysis.dataset import Dataset, load
-from sampler.dataset.writer import DatasetWriter
+from analysis.detect.arenas import detect_arena_bloat
 from sampler.dataset.schema import MALLOC_ARENAS, PROCESSES, TARGETS, VM_EVENTS
+from sampler.dataset.writer import DatasetWriter
 
 MiB, GiB = 1 << 20, 1 << 30
 

@@ -14,8 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sampler.bpf import objcache
-from sampler.bpf import events
+from sampler.bpf import events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
 pytestmark = pytest.mark.bpf

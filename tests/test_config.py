@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from sampler.errors import UsageError
 from sampler.service import config
 from sampler.service.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, ProcView, Target
-from sampler.errors import UsageError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "packaging" / "config.example.toml"
 ONE_TARGET = '[[targets]]\nname = "postgres"\n'

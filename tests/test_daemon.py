@@ -385,9 +385,9 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
     """Discovery's bookkeeping against a fake /proc and a fake recorder: a pid reused while the
     exit went unseen is finalized and the new process evaluated; an exec that changes the name
     detaches; kernel threads, zombies and the daemon's own children are left alone."""
+    from sampler.proc.process import ProcessInfo
     from sampler.service import config
     from sampler.service.daemon import Discovery
-    from sampler.proc.process import ProcessInfo
 
     proc = tmp_path / "proc"
 

@@ -11,8 +11,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from sampler.dataset.writer import DatasetWriter
 from sampler.dataset.schema import SCHEMA_VERSION, TABLES
+from sampler.dataset.writer import DatasetWriter
 
 pytestmark = pytest.mark.bpf
 

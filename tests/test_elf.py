@@ -268,7 +268,7 @@ def test_index_from_a_fresh_interpreter():
     not a unit test's: a 0.5 s bound failed here once on a loaded machine (0.58 s for a libpython)."""
     code = (
         "import sys\n"
-        "from sampler.elf import ElfImage\n"
+        "from sampler.binary.elf import ElfImage\n"
         "for p in sys.argv[1:]:\n"
         "    img = ElfImage.open(p)\n"
         "    name = 'free' if 'libc' in p else 'PyObject_Malloc'\n"

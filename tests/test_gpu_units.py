@@ -16,15 +16,15 @@ import pytest
 from analysis import analyze
 from analysis.dataset import read_table
 from analysis.report.html import render_html
-from sampler.gpu import cuda
-from sampler.dataset.writer import DatasetWriter
 from sampler.binary.elf import ElfImage
-from sampler.errors import UsageError
 from sampler.bpf.events import Event, EvType
-from sampler.gpu.nvml import Nvml
-from sampler.record.outstanding import ProcessTable
 from sampler.dataset.schema import GPU, PROCESSES, RECORDINGS
 from sampler.dataset.torch_import import import_snapshot
+from sampler.dataset.writer import DatasetWriter
+from sampler.errors import UsageError
+from sampler.gpu import cuda
+from sampler.gpu.nvml import Nvml
+from sampler.record.outstanding import ProcessTable
 
 WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20

@@ -14,10 +14,13 @@ import urllib.request
 
 import pytest
 
-from sampler.service.config import Config
-from sampler.gpu.cuda import GpuTracer, _GpuTarget
-from sampler.service.daemon import Daemon
+from sampler.dataset.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
 from sampler.errors import EnvironmentProblem
+from sampler.gpu.cuda import GpuTracer, _GpuTarget
+from sampler.gpu.nvml import DeviceMemory, NvmlSample
+from sampler.record.outstanding import ProcessTable
+from sampler.service.config import Config
+from sampler.service.daemon import Daemon
 from sampler.service.metrics import (
     CONTENT_TYPE,
     DeviceMetrics,
@@ -28,9 +31,6 @@ from sampler.service.metrics import (
     RecorderHealth,
     render,
 )
-from sampler.gpu.nvml import DeviceMemory, NvmlSample
-from sampler.record.outstanding import ProcessTable
-from sampler.dataset.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
 
 METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")

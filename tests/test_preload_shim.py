@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from conftest import compile_c
 
-from sampler.inprocess import preload
-from sampler.errors import EnvironmentProblem, UsageError
 from sampler.control.weights import inclusion_probability, unbiased_weight
+from sampler.errors import EnvironmentProblem, UsageError
+from sampler.inprocess import preload
 
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
 
@@ -56,7 +56,7 @@ def run(argv: list[str], mean: int | None, *, extra_preload: str = "", timeout: 
 
 
 def test_builds_with_usdt_notes_build_id_and_only_expected_exports(shim):
-    assert shim == Path(preload.__file__).resolve().parent.parent / "build" / "liballocsampler_preload.so"
+    assert shim == Path(preload.__file__).resolve().parents[2] / "build" / "liballocsampler_preload.so"
     assert shim.is_file()
     notes = subprocess.run(["readelf", "-n", str(shim)], capture_output=True, text=True, check=True).stdout
     assert "NT_GNU_BUILD_ID" in notes
@@ -91,6 +91,7 @@ def scratch_source(tmp_path, monkeypatch) -> Path:
     src = tmp_path / "preload" / preload.SOURCE.name
     shutil.copy(preload.SOURCE, src)
     monkeypatch.setattr(preload, "SOURCE", src)
+    monkeypatch.setattr(preload, "BUILD_DIR", tmp_path / "build")
     return src
 
 
@@ -157,7 +158,7 @@ def test_preload_env_prepends_and_sets_the_mean(shim):
 
 def test_module_entry_point_prints_the_path(shim):
     r = subprocess.run([sys.executable, "-m", "sampler.inprocess.preload"], capture_output=True, text=True, check=True,
-                       cwd=Path(preload.__file__).resolve().parent.parent)
+                       cwd=Path(preload.__file__).resolve().parents[2])
     assert r.stdout.strip() == str(shim)
 
 

@@ -1,4 +1,4 @@
-"""Python frames of real interpreters: sampler.pyruntime (layout, threads, walk) and sampler.python.codeobj.
+"""Python frames of real interpreters: sampler.python.runtime (layout, threads, walk) and sampler.python.codeobj.
 
 Every installed CPython 3.10-3.13 runs tests/workloads/py_nested.py, whose two threads print their
 own stack (traceback.extract_stack) and block in os.read; the frames read from outside must be

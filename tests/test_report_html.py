@@ -17,9 +17,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.report import flamegraph
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding
+from analysis.report import flamegraph
 from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html, trim_frames
 

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +24,8 @@ import pytest
 
 from analysis.dataset import latest_outstanding, load, read_table
 from sampler.dataset import retention as R
-from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, RECORDINGS, STACKS, TABLES
+from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
 
 REPO = Path(__file__).resolve().parent.parent
 UTC = dt.timezone.utc
@@ -338,11 +339,18 @@ def test_kill_9_at_random_times_during_compaction(tmp_path):
     step = dt.timedelta(seconds=10)
     w = d.recording(REC_A, T0, 60, step, rows=2000)
     rng = np.random.default_rng(1)
+    # kill times are drawn within how long a whole compaction takes on this machine (timed on a
+    # copy), so that they land during its work on a fast machine as on a slow one
+    shutil.copytree(tmp_path, tmp_path.parent / f"{tmp_path.name}-timing")
+    timing = start_compaction(tmp_path.parent / f"{tmp_path.name}-timing", row_group=2000)
+    t0 = time.monotonic()
+    assert timing.wait(60) == 0
+    whole = time.monotonic() - t0
     killed_with_work = 0
     for k in range(6):
         d.interval(w, T0 + (60 + k) * step, rows=2000)       # new files between runs
         p = start_compaction(tmp_path, row_group=2000)
-        time.sleep(float(rng.uniform(0.0, 0.6)))
+        time.sleep(float(rng.uniform(0.1, 0.9)) * whole)
         p.send_signal(signal.SIGKILL)
         p.wait(60)
         d.check_exactly_once()

@@ -3,8 +3,8 @@ mappings with /proc/PID/maps (ProcessTable.keep_mapped): plain logic, no BPF."""
 
 from __future__ import annotations
 
-from sampler.record.outstanding import FAULT, MMAP, ProcessTable
 from sampler.control.sample_rate import SHIFT_MAX, SampleRate
+from sampler.record.outstanding import FAULT, MMAP, ProcessTable
 
 
 def feed(sr: SampleRate, pid: int, rate: float, seconds: float, t: float, n: int,

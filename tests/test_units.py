@@ -12,12 +12,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from sampler.control import weights
-from sampler.cli.main import _size
-from sampler.dataset.writer import DatasetWriter
 from sampler.bpf.events import HEADER, STACK_HEAD, EvType, decode
-from sampler.record.outstanding import MALLOC, MMAP, ProcessTable
+from sampler.cli.main import _size
+from sampler.control import weights
 from sampler.dataset.schema import OUTSTANDING, TABLES
+from sampler.dataset.writer import DatasetWriter
+from sampler.record.outstanding import MALLOC, MMAP, ProcessTable
 
 T = 512 << 10
 

@@ -1,4 +1,4 @@
-"""DWARF CFI unwinding (sampler.cfi, sampler.unwind) of stacks that real processes capture of
+"""DWARF CFI unwinding (sampler.stacks.cfi, sampler.stacks.unwind) of stacks that real processes capture of
 themselves, as BPF would: registers plus a copy of the top of the stack.
 
 Ground truth: the call chains the workloads make (unwind_self.c, a Python script through torch's
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from conftest import WORKLOADS, compile_c
 
-from sampler.stacks import cfi
 from sampler.binary import elf
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
+from sampler.stacks import cfi
 from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
 STOPS = {"entry", "no_cfi", "stack_end", "max_frames", "bad_frame"}

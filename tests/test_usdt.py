@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from sampler.probes import usdt
 from sampler.inprocess.preload import shim_path
+from sampler.probes import usdt
 
 
 @pytest.mark.parametrize("text, want", [

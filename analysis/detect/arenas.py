@@ -49,8 +49,8 @@ import pandas as pd
 import pyarrow.dataset as pds
 
 from analysis.dataset import Dataset, read_table
-from analysis.findings import Finding
 from analysis.detect.stats import bin_series, normal_sf, theil_sen
+from analysis.findings import Finding
 from analysis.units import fmt_bytes
 
 HEAP_OVERHEAD = 4096 + 2200           # per heap: heap_info page rounding + sizeof(malloc_state)

@@ -18,12 +18,11 @@ import html
 import numpy as np
 import pandas as pd
 
-from sampler.dataset.schema import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
-
 from analysis.dataset import Dataset, read_table
-from analysis.findings import Finding
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
+from analysis.findings import Finding
 from analysis.units import fmt_bytes, fmt_hours
+from sampler.dataset.schema import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
 
 MiB = 1 << 20
 _WHAT = {**dict.fromkeys(DEVICE_SOURCES, "device memory"), **dict.fromkeys(HOST_SOURCES, "pinned host memory"),

@@ -30,8 +30,8 @@ import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset
-from analysis.findings import Finding
 from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
+from analysis.findings import Finding
 from analysis.units import fmt_bytes, fmt_hours
 
 MiB = 1 << 20

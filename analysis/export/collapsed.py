@@ -1,7 +1,7 @@
 """Collapsed stacks (`comm;outer;...;inner VALUE` per line) for flamegraph.pl, inferno, speedscope.
 
 The root frame is the process name, so processes of one name merge; values are the rounded
-estimates of one pprof sample type (see analysis.pprof).
+estimates of one pprof sample type (see analysis.export.pprof).
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.report import flamegraph
-from analysis.detect import gpu
 from analysis.dataset import Dataset
+from analysis.detect import gpu
 from analysis.findings import Finding
+from analysis.report import flamegraph
 from analysis.report.charts import Series, chart, seconds, thin
 from analysis.report.top import fmt_bytes
 

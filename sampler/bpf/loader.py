@@ -21,15 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sampler.bpf as bpf_sources
-
-from sampler.bpf import objcache
-from sampler.bpf import uprobe_multi
-from sampler.probes import usdt
-from sampler.control import weights
-from sampler.probes.allocators import AllocatorLib, Fn
+from sampler.bpf import objcache, uprobe_multi
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
-from sampler.errors import EnvironmentProblem
+from sampler.control import weights
 from sampler.control.sample_rate import SHIFT_MAX, SHIFT_MIN
+from sampler.errors import EnvironmentProblem
+from sampler.probes import usdt
+from sampler.probes.allocators import AllocatorLib, Fn
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
 (C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS,

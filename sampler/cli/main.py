@@ -6,8 +6,8 @@ import argparse
 import sys
 
 from sampler import __version__
-from sampler.errors import EXIT_USAGE, AllocsamplerError
 from sampler.dataset.sources import GPU_SOURCES, MALLOC, MMAP
+from sampler.errors import EXIT_USAGE, AllocsamplerError
 
 _SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 _SOURCES = (MALLOC, MMAP, *GPU_SOURCES)     # --source choices
@@ -217,7 +217,6 @@ def _dataset(args):
     import datetime as dt
 
     from analysis.dataset import load, read_table
-
     from sampler.errors import UsageError
 
     since = args.since
@@ -266,8 +265,8 @@ def _report(args) -> int:
 
 
 def _record(args) -> int:
-    from sampler.probes.allocators import parse_allocator_spec
     from sampler.errors import UsageError
+    from sampler.probes.allocators import parse_allocator_spec
     from sampler.record.recorder import Recorder, RecordOptions, cgroup_id
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -345,7 +344,6 @@ def _export(args) -> int:
     from analysis.export.collapsed import collapsed_lines
     from analysis.export.pprof import Window, profile_values, stack_frames, write_pprof
     from analysis.units import fmt_bytes
-
     from sampler.errors import UsageError
 
     if not args.pprof and not args.collapsed:
@@ -384,7 +382,6 @@ def _diff(args) -> int:
 
     from analysis.dataset import read_table
     from analysis.diff import METRICS, compare, render
-
     from sampler.errors import UsageError
 
     bad = sorted(set(args.metric) - set(METRICS))
@@ -410,7 +407,6 @@ def _status(args) -> int:
 
 def _import_torch(args) -> int:
     from analysis.units import fmt_bytes
-
     from sampler.dataset.torch_import import import_snapshot
     s = import_snapshot(args.snapshot, args.out, pid=args.pid, comm=args.comm)
     print(f"imported {args.snapshot} into {args.out} as recording {s.recording_id}: {s.points} point(s), "

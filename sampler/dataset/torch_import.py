@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sampler import __version__
-from sampler.dataset.writer import DatasetWriter
-from sampler.errors import UsageError
 from sampler.dataset.schema import (
     CUDA,
     CUDA_DRIVER,
@@ -46,6 +44,8 @@ from sampler.dataset.schema import (
     TARGETS,
     TORCH,
 )
+from sampler.dataset.writer import DatasetWriter
+from sampler.errors import UsageError
 
 SEGMENT_ADD = ("segment_alloc", "segment_map")
 SEGMENT_REMOVE = ("segment_free", "segment_unmap")

@@ -4,7 +4,7 @@ Every file is written under a temporary dot-name in its final directory, fsynced
 readers (pyarrow.dataset and pandas skip dot-files; the temporary name does not end in .parquet,
 so DuckDB's globs, which do not skip dot-files, miss it too) and a crash never see a partial file.
 A write holds a shared flock on OUT: whoever deletes temporaries or swaps a partition
-(sampler.retention) takes it exclusively, so it never removes a file a live writer is writing.
+(sampler.dataset.retention) takes it exclusively, so it never removes a file a live writer is writing.
 """
 
 from __future__ import annotations

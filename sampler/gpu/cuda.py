@@ -31,11 +31,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from sampler.binary.elf import ElfImage
+from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 from sampler.probes import usdt
 from sampler.probes.allocators import own_probes
-from sampler.binary.elf import ElfImage
 from sampler.proc.maps import Mapping, open_path
-from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 
 SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = 4, 5, 6   # sampler/bpf/common.h enum ev_source
 LAYER_OF = {SRC_CUDA: CUDA, SRC_CUDA_DRIVER: CUDA_DRIVER}

@@ -22,6 +22,7 @@ from pathlib import Path
 from sampler.errors import EnvironmentProblem, UsageError
 
 SOURCE = Path(__file__).resolve().parent / "preload.c"
+BUILD_DIR = Path(__file__).resolve().parents[2] / "build"     # <repo>/build
 LIB_NAME = "liballocsampler_preload.so"
 ENV_SAMPLE_MEAN = "ALLOCSAMPLER_SAMPLE_MEAN"
 DEFAULT_SAMPLE_MEAN = 512 * 1024
@@ -87,7 +88,7 @@ def shim_path(build: bool = True) -> Path:
 
     With `build`, compiles it first when it is missing or older than its source.
     """
-    out = SOURCE.parent.parent / "build" / LIB_NAME
+    out = BUILD_DIR / LIB_NAME
     if build:
         try:
             fresh = out.stat().st_mtime >= SOURCE.stat().st_mtime

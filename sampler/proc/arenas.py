@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sampler.record.outstanding import ProcessTable
 from sampler.proc.maps import read_maps
 from sampler.proc.smaps import ARENA, HEAP
+from sampler.record.outstanding import ProcessTable
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _HEAP_INFO = struct.Struct("<4Q")     # ar_ptr, prev, size, mprotect_size

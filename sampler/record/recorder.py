@@ -19,9 +19,7 @@ import psutil
 
 from sampler import __version__
 from sampler.bpf import preflight
-from sampler.control import probe_cost
-from sampler.probes import usdt
-from sampler.probes.allocators import AllocatorLib, Family, find_allocators
+from sampler.bpf.events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
 from sampler.bpf.loader import (
     C_CUDA_CALLS,
     C_FAULTS,
@@ -39,17 +37,10 @@ from sampler.bpf.loader import (
     BpfProbes,
     ProbeConfig,
 )
-from sampler.gpu.cuda import GpuTracer
-from sampler.dataset.writer import DatasetWriter
-from sampler.errors import EnvironmentProblem, TargetGone
-from sampler.bpf.events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
+from sampler.control import probe_cost
 from sampler.control.governor import Governor
-from sampler.proc.arenas import arena_rows
-from sampler.record.outstanding import FAULT, MALLOC, MMAP, TORCH, ProcessTable
-from sampler.proc.maps import Mapping, open_path, read_maps
-from sampler.proc.memory import sample_process
-from sampler.python.targets import PythonTargets
 from sampler.control.sample_rate import SampleRate
+from sampler.control.weights import chunk_size, sample_terms
 from sampler.dataset.schema import (
     FRAMES,
     GPU,
@@ -64,13 +55,22 @@ from sampler.dataset.schema import (
     TARGETS,
     VM_EVENTS,
 )
-from sampler.proc.smaps import ARENA, HEAP
-from sampler.stacks.table import COMPLETE, StackTable
-from sampler.stacks.symbolize import Symbolizer
+from sampler.dataset.writer import DatasetWriter
+from sampler.errors import EnvironmentProblem, TargetGone
+from sampler.gpu.cuda import GpuTracer
+from sampler.probes import usdt
+from sampler.probes.allocators import AllocatorLib, Family, find_allocators
+from sampler.proc.arenas import arena_rows
+from sampler.proc.maps import Mapping, open_path, read_maps
+from sampler.proc.memory import sample_process
 from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
-from sampler.stacks.unwind import Unwinder
+from sampler.proc.smaps import ARENA, HEAP
+from sampler.python.targets import PythonTargets
+from sampler.record.outstanding import FAULT, MALLOC, MMAP, TORCH, ProcessTable
 from sampler.record.vm_events import MADV_DONTNEED, MADV_FREE, VmClassifier
-from sampler.control.weights import chunk_size, sample_terms
+from sampler.stacks.symbolize import Symbolizer
+from sampler.stacks.table import COMPLETE, StackTable
+from sampler.stacks.unwind import Unwinder
 
 _VM_NAME = {op.value: op.name.lower() for op in VmOp}
 MADV_REMOVE = 9

@@ -42,9 +42,9 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sampler.errors import EnvironmentProblem
 from sampler.service.config import ALWAYS_ON, Config, ProcView, Target, format_size
 from sampler.service.config import load as load_config
-from sampler.errors import EnvironmentProblem
 
 RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
 LIVE_MAX = 65536                # sampled live blocks (32 GiB of sampled heap at 512K): ~25 MB of Python at most
@@ -341,8 +341,8 @@ class CpuBudget:
 # --- the dataset writer --------------------------------------------------------------------------
 
 def _make_writer(daemon: Daemon, root: str, recording_id: str):
-    from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
     from sampler.dataset.schema import FRAMES, RECORDER, RECORDINGS, STACKS, TARGETS
+    from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
 
     class _Writer(DatasetWriter):
         """Observes every row for the metrics; skips writing while paused; never raises for a full
@@ -475,10 +475,10 @@ class Daemon:
 
         # the system allocator: memory that pyarrow frees goes back with malloc_trim (mimalloc keeps it)
         pa.set_memory_pool(pa.system_memory_pool())
-        from sampler.dataset.writer import PRIVATE_DIR_MODE
-        from sampler.service.metrics import MetricsServer, MetricsState
-        from sampler.record.recorder import Recorder, RecordOptions
         from sampler.dataset.retention import DiskState, ensure_private, recover
+        from sampler.dataset.writer import PRIVATE_DIR_MODE
+        from sampler.record.recorder import Recorder, RecordOptions
+        from sampler.service.metrics import MetricsServer, MetricsState
 
         os.umask(0o027)
         d = self.cfg.daemon
@@ -792,7 +792,8 @@ class Daemon:
             timeout = CHILD_TIMEOUT_S
         out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()     # noqa: SIM115 (closed in _close_child)
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "sampler.service.daemon", "--child", str(os.getpid()), *args],
+            argv = [sys.executable, "-m", "sampler.service.daemon", "--child", str(os.getpid()), *args]
+            proc = subprocess.Popen(argv,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True,
                                     cwd="/")
         except OSError as e:
@@ -939,8 +940,8 @@ class Daemon:
         churn. Level 0 (every interval): what they hold for processes that are gone, and a size
         cap on the per-file ones. 1 (near max_rss): the memos, then gc and malloc_trim. 2 (above
         it): also DWARF line tables, allocator plans and demangled names (costly to rebuild)."""
-        from sampler.probes import allocators
         from sampler.binary import dwarf_lines
+        from sampler.probes import allocators
         from sampler.stacks import symbolize
 
         rec = self.rec

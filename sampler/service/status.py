@@ -10,9 +10,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from sampler.errors import EnvironmentProblem
 from sampler.service.config import DEFAULT_PATH, Config
 from sampler.service.config import load as load_config
-from sampler.errors import EnvironmentProblem
 
 STATUS_FILE = ".status.json"      # sampler.service.daemon.STATUS_FILE (not imported: that module is heavier)
 

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
-from sampler.probes.allocators import exe_path
 from sampler.bpf.events import FLAG_FIRST_IS_IP, FLAG_SITE_MODULE, FLAG_STACK_ERR, Event
+from sampler.probes.allocators import exe_path
 from sampler.python.codeobj import PyFrame
 from sampler.python.targets import PythonTargets
 from sampler.stacks.symbolize import Frame, Symbolizer, module_key

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sampler.binary.elf import ElfImage
 from sampler.stacks.cfi import (
     BP_CFA,
     BP_RBP,
@@ -27,7 +28,6 @@ from sampler.stacks.cfi import (
     CfiStore,
     CfiTable,
 )
-from sampler.binary.elf import ElfImage
 
 # The ucontext a signal trampoline returns through: uc_flags, uc_link, uc_stack (24 bytes), then
 # uc_mcontext.gregs[], indexed by REG_RBP = 10, REG_RSP = 15, REG_RIP = 16.
