@@ -34,7 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sampler.bpf.events import EvType, decode  # noqa: E402
+from sampler.bpf.abi import EvType  # noqa: E402
+from sampler.bpf.events import decode  # noqa: E402
 from sampler.bpf.loader import BpfProbes, ProbeConfig  # noqa: E402
 from sampler.probes.allocators import find_allocators  # noqa: E402
 from sampler.python.targets import PythonTargets  # noqa: E402

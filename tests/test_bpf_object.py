@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sampler.bpf import events, objcache
+from sampler.bpf import abi, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
 pytestmark = pytest.mark.bpf
@@ -90,11 +90,11 @@ def test_loaded_programs_run(cache):
             return any(e.type == type_ and e.op == op and all(getattr(e, k) == v for k, v in match.items())
                        for e in seen)
         deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and not (got(events.EvType.PROC, events.ProcOp.FORK, addr=child.pid)
-                                                   and got(events.EvType.VM, events.VmOp.MMAP, size=1 << 20)):
+        while time.monotonic() < deadline and not (got(abi.EvType.PROC, abi.ProcOp.FORK, addr=child.pid)
+                                                   and got(abi.EvType.VM, abi.VmOp.MMAP, size=1 << 20)):
             p.poll(100)
-        assert got(events.EvType.PROC, events.ProcOp.FORK, pid=os.getpid(), addr=child.pid), seen[:5]
-        assert got(events.EvType.VM, events.VmOp.MMAP, pid=os.getpid(), size=1 << 20), seen[:5]
+        assert got(abi.EvType.PROC, abi.ProcOp.FORK, pid=os.getpid(), addr=child.pid), seen[:5]
+        assert got(abi.EvType.VM, abi.VmOp.MMAP, pid=os.getpid(), size=1 << 20), seen[:5]
     finally:
         p.close()
 

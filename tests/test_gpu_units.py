@@ -17,7 +17,8 @@ from analysis import analyze
 from analysis.dataset import read_table
 from analysis.report.html import render_html
 from sampler.binary.elf import ElfImage
-from sampler.bpf.events import Event, EvType
+from sampler.bpf.abi import EvType
+from sampler.bpf.events import Event
 from sampler.dataset.schema import GPU, PROCESSES, RECORDINGS
 from sampler.dataset.torch_import import import_snapshot
 from sampler.dataset.writer import DatasetWriter

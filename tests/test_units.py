@@ -12,7 +12,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from sampler.bpf.events import HEADER, STACK_HEAD, EvType, decode
+from sampler.bpf import abi
+from sampler.bpf.abi import EvType
+from sampler.bpf.events import HEADER, STACK, decode
 from sampler.cli.main import _size
 from sampler.control import weights
 from sampler.dataset.schema import OUTSTANDING, TABLES
@@ -32,11 +34,11 @@ def test_weight_formula():
 
 def _bpf_weight(size: int, mean: int, tab: list[int]) -> int:
     """sampler/bpf/common.h sample_bytes(), integer for integer."""
-    if size >= weights.WTAB_MAX_X * mean:
+    if size >= abi.WTAB_MAX_X * mean:
         return size
     xq = (size << 22) // mean
     i = xq >> 16
-    if i >= weights.WTAB_N - 1:
+    if i >= abi.WTAB_N - 1:
         return size
     h = tab[i] + (((tab[i + 1] - tab[i]) * (xq & 0xFFFF)) >> 16)
     return (mean * h) >> 20
@@ -125,15 +127,15 @@ def test_fault_pages_are_released_by_madvise_and_moved_by_mremap():
 
 
 def test_event_decoding():
-    raw = HEADER.pack(EvType.ALLOC, 1, 1, 42, 43, 0, 0, 123, 0xABC, 64, T, 0, 2**64 - 12)
     stack = bytes(range(40))
-    raw += STACK_HEAD.pack(0x1111, 0x7FF000, 0x7FF100, 0x7FF008, 0x4444, len(stack), 2, 0)
+    raw = STACK.pack(EvType.ALLOC, 1, 1, 42, 43, 0, 123, 0xABC, 64, T, 0, 2**64 - 12,
+                     0x1111, 0x7FF000, 0x7FF100, 0x7FF008, 0x4444, len(stack), 2)
     raw += struct.pack("<4Q", 0xA | 1 << 56, 0xB, 0xC, 0xD) + stack
     ev = decode(raw)
     assert (ev.pid, ev.tid, ev.addr, ev.size, ev.weight, ev.ret) == (42, 43, 0xABC, 64, T, -12)
     assert (ev.ip, ev.sp, ev.bp, ev.ra_slot, ev.ra) == (0x1111, 0x7FF000, 0x7FF100, 0x7FF008, 0x4444)
     assert ev.py == ((0xA | 1 << 56, 0xB), (0xC, 0xD)) and ev.stack == stack
-    small = decode(HEADER.pack(EvType.FREE, 1, 11, 42, 43, 0, 0, 1, 0xABC, 0, 0, 0, 0))
+    small = decode(HEADER.pack(EvType.FREE, 1, 11, 42, 43, 0, 1, 0xABC, 0, 0, 0, 0))
     assert small.stack == b"" and small.py == () and small.ip == 0
 
 
@@ -166,7 +168,7 @@ def test_schema_doc_is_generated_from_the_schema():
 
 
 def test_vm_classifier_names_a_glibc_heap_lifecycle():
-    from sampler.bpf.events import VmOp
+    from sampler.bpf.abi import VmOp
     from sampler.record.vm_events import HEAP_MAX, VmClassifier
     c = VmClassifier()
     r = 0x7F0003FFF000                                    # unaligned 128 MiB reservation

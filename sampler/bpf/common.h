@@ -8,22 +8,13 @@
  *   RINGBUF_PAGES ring buffer size in pages
  *   VM_EVENTS_PER_S unsampled syscall events sent per process per VM window (0: all)
  *
- * The event layout here is mirrored by sampler/bpf/events.py: change both together.
+ * Values and layouts shared with user space are in abi.h (pasted before this file).
  */
 #include <uapi/linux/ptrace.h>
 
 #ifndef SAMPLE_MEAN
 #define SAMPLE_MEAN (512 * 1024)
 #endif
-#ifndef STACK_BYTES
-#define STACK_BYTES 16384
-#endif
-#ifndef PY_MAX
-#define PY_MAX 96
-#endif
-/* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
- * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
-#define STACK_CHUNK 1024
 /* Map sizes: these defaults are compiled; the loader gives the configured sizes when it creates
  * the maps (sampler/bpf/objcache.py), so they are not compile flags. */
 #define LIVE_MAX 262144
@@ -31,99 +22,9 @@
 #ifndef VM_EVENTS_PER_S
 #define VM_EVENTS_PER_S 2000
 #endif
-/* The VM event budget's window: 2^30 ns (~1.07 s). */
-#define VM_WINDOW_SHIFT 30
-/* A process's sampling mean is SAMPLE_MEAN * 2^shift, shift in [SHIFT_MIN, SHIFT_MAX], set from
- * user space (sampler/control/sample_rate.py). The per-CPU countdown counts in 1/2^SHIFT_MAX bytes of
- * SAMPLE_MEAN, so that every shift divides exactly. */
-#define SHIFT_MIN (-6)
-#define SHIFT_MAX 10
 
-/* Weight table: h(x) = x / (1 - exp(-x)) at x = i / WTAB_STEPS, Q20 fixed point; filled from
- * sampler/control/weights.py before any probe is attached. Beyond WTAB_MAX_X the weight is the size. */
-#define WTAB_STEPS 64
-#define WTAB_MAX_X 24
-#define WTAB_N (WTAB_STEPS * WTAB_MAX_X + 1)
 
-enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4, EV_CUDA = 5 };
-/* SRC_CUDA/SRC_CUDA_DRIVER: a CUDA runtime/driver call (EV_CUDA, sampler/bpf/cuda.bpf.c); SRC_TORCH: a
- * sampled tensor of PyTorch's caching allocator (pytorch:malloc USDT, tagged address). */
-enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3, SRC_CUDA = 4, SRC_CUDA_DRIVER = 5, SRC_TORCH = 6 };
-/* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
- * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
- * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
-enum ev_flags {
-    EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16,
-    EVF_SITE_MODULE = 32,
-};
-/* `targets` values: what is recorded for a process besides its allocator probes. */
-enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
 
-/* Allocator functions; values are shared with sampler/probes/allocators.py (Fn). */
-enum fn_id {
-    FN_MALLOC = 1, FN_CALLOC, FN_REALLOC, FN_REALLOCARRAY, FN_POSIX_MEMALIGN, FN_ALIGNED_ALLOC,
-    FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
-    FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (sampler/bpf/usdt.bpf.c) */
-    FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (sampler/bpf/usdt.bpf.c) */
-};
-/* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
- * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
- * Those calls are left to the inner probe, so that their bytes are counted once. */
-#define FNF_DELEGATES 0x100
-
-/* Memory-mapping syscalls. */
-enum vm_op { VM_MMAP = 1, VM_MUNMAP, VM_MREMAP, VM_BRK, VM_MADVISE, VM_MPROTECT };
-enum proc_op { PROC_FORK = 1, PROC_EXEC, PROC_EXIT };
-
-/* Counters (per CPU, summed in user space). Hit counters are indexed by fn_id / 32 + vm_op. */
-enum counter {
-    C_LOST_EVENTS = 0,   /* ring buffer full */
-    C_LIVE_FULL,         /* sampled allocation not tracked: live table full */
-    C_PENDING_FULL,      /* per-thread pending table full */
-    C_SAMPLED,
-    C_STACK_ERR,         /* no stack captured (registers unreadable, scratch busy) */
-    C_PY_MISS,           /* Python target, thread state unknown */
-    C_FAULTS,            /* sampled page faults of targets */
-    C_CUDA_CALLS,        /* CUDA runtime/driver calls of targets (sampler/bpf/cuda.bpf.c) */
-    C_VM_SUPPRESSED,     /* unsampled syscall events not sent: the process was over its budget */
-    C_HITS = 16,         /* + fn_id: allocator probe hits */
-    C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
-    C_N = 64,
-};
-
-struct ev_hdr {
-    u8 type;
-    u8 source;
-    u16 op;          /* fn_id, vm_op or proc_op */
-    u32 pid;
-    u32 tid;
-    u16 pad;
-    u16 flags;
-    u64 ts;
-    u64 addr;        /* ALLOC/FREE: block; VM: syscall address argument; PROC: child pid */
-    u64 size;        /* requested bytes (VM: length) */
-    u64 weight;      /* unbiased weight in bytes, sampled events only */
-    u64 arg;         /* VM: prot | flags << 32, advice, or new length */
-    u64 ret;         /* VM: syscall return value */
-};
-
-/* A sampled event with its stack: user registers, the Python frames of the thread (npy pairs of
- * u64: code object | entry byte << 56, instruction word), then stack_len bytes copied from sp.
- * Only the used part of `data` is sent. */
-struct ev_stack {
-    struct ev_hdr h;
-    u64 ip;
-    u64 sp;
-    u64 bp;
-    u64 ra_slot;     /* when nonzero: the stack word at ra_slot holds a uretprobe trampoline */
-    u64 ra;          /* address instead of this original return address (an event inside a
-                      * sampled allocation call, whose return probe is pending) */
-    u16 stack_len;
-    u16 npy;
-    u32 pad;
-    /* + 2 chunks of slack: the verifier's bounds on `off + n` in copy_stack are loose */
-    u8 data[PY_MAX * 16 + STACK_BYTES + 2 * STACK_CHUNK];
-};
 
 struct live_key {
     u32 pid;
@@ -138,10 +39,6 @@ BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
 /* Sampled blocks that are still live, per process. A free of any other address emits nothing. */
 BPF_HASH(live, struct live_key, u64, LIVE_MAX);
 /* Processes being recorded; syscall tracepoints fire host-wide and check it. */
-struct target {
-    u32 flags;       /* target_flags */
-    s32 shift;       /* of the sampling mean (also in pid_hits, read where that is looked up) */
-};
 BPF_HASH(targets, u32, struct target, 4096);
 /* Per process and CPU: allocator probe hits (the governor's cost estimate). Entries are created
  * by user space for attach-tier targets; the probes only add to them. `shift` is the process's
@@ -158,15 +55,6 @@ BPF_PERCPU_HASH(pid_hits, u32, struct pid_hits, 4096);
 /* CPython targets: per-process layout of the frame chain (sampler/python/runtime.py PyLayout), and
  * each thread's PyThreadState, filled from user space (the interpreter's "current thread"
  * pointer is NULL whenever the GIL is released, as in every torch op). */
-struct py_layout {
-    u32 version;
-    u16 tstate_frame;
-    u16 cframe_frame;    /* 0xffff: no _PyCFrame indirection */
-    u16 frame_code;
-    u16 frame_back;
-    u16 frame_instr;
-    u16 frame_entry;     /* 0xffff: none */
-};
 BPF_HASH(pyprocs, u32, struct py_layout, 4096);
 BPF_HASH(pythreads, u32, u64, 65536);
 /* Per process: stack bytes worth copying, learnt in user space from how deep its walks go (a
@@ -304,7 +192,7 @@ static __always_inline u64 sample_bytes(u32 pid, u64 size, s32 shift)
     if (!h0 || !h1)
         return size;
     u64 h = *h0 + (((*h1 - *h0) * (xq & 0xffff)) >> 16);    /* h is increasing */
-    return (mean * h) >> 20;
+    return (mean * h) >> WTAB_SHIFT;
 }
 
 /* Every header field is written (ring buffer memory is not zeroed; no padding exists). */

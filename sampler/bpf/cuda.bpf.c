@@ -18,16 +18,10 @@
  * to a block allocated before it started). User space keeps the outstanding table.
  */
 
-enum cuda_conv {
-    CV_OUT = 0,     /* (T *out, size_t n, ...): *arg1 on success, size arg2 */
-    CV_PITCH = 1,   /* (T *out, size_t *pitch, size_t w, size_t h, ...): size *arg2 x arg4 */
-    CV_ARGS = 2,    /* pointer/handle arg1, size arg2 (frees, register, map, unmap) */
-};
+
 #define CK_FN(c) ((c) & 0xff)
-#define CK_CONV(c) (((c) >> 8) & 0xf)
-#define CK_SRC(c) (((c) >> 12) & 0xf)
-#define CK_STACK 0x10000
-#define CK_NULL_SKIP 0x20000
+#define CK_CONV(c) (((c) >> CK_CONV_SHIFT) & 0xf)
+#define CK_SRC(c) (((c) >> CK_SRC_SHIFT) & 0xf)
 
 struct cuda_key {
     u32 tid;

@@ -22,24 +22,17 @@ from pathlib import Path
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import objcache, uprobe_multi
+from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag, UsdtKind
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
-from sampler.control.sample_rate import SHIFT_MAX, SHIFT_MIN
 from sampler.errors import EnvironmentProblem
 from sampler.probes import usdt
-from sampler.probes.allocators import AllocatorLib, Fn
+from sampler.probes.allocators import AllocatorLib
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
-(C_LOST_EVENTS, C_LIVE_FULL, C_PENDING_FULL, C_SAMPLED, C_STACK_ERR, C_PY_MISS, C_FAULTS, C_CUDA_CALLS,
- C_VM_SUPPRESSED) = range(9)
-C_HITS, C_VM_HITS, C_N = 16, 48, 64
-FN_USDT_ALLOC, FN_USDT_FREE = 13, 14        # sampler/bpf/common.h enum fn_id
-TGT_SYSCALLS, TGT_FAULTS = 1, 2             # sampler/bpf/common.h enum target_flags
-USDT_ALLOC, USDT_FREE = 1, 2                # sampler/bpf/usdt.bpf.c enum usdt_kind (torch kinds: sampler/gpu/cuda.py)
-USDT_SPECS = 1024
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
-_PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn}
+_PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn if fn <= Fn.DELETE}
 _REFUSED = {
     "maps": "could not write the BPF maps ({})",
     "tracepoints": "could not attach the syscall and sched tracepoints ({}): check that tracefs is mounted "
@@ -92,7 +85,7 @@ def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
     """The C text and compile flags of the BPF object (what bpf_object caches by)."""
     # One translation unit: bcc rewrites map operations only in the main file, not in
     # included headers, so common.h is pasted in rather than #included.
-    text = "\n".join(bpf_sources.source(s) for s in ("common.h", *SOURCES))
+    text = "\n".join(bpf_sources.source(s) for s in ("abi.h", "common.h", *SOURCES))
     # map sizes are given at load (bpf_object), so they are not compile flags
     cflags = [
         f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
@@ -177,8 +170,8 @@ class BpfProbes:
             raise
 
     # targets -------------------------------------------------------------------------------
-    def add_target(self, pid: int, flags: int = TGT_SYSCALLS) -> None:
-        """Trace a process's syscalls (and with TGT_FAULTS its sampled page faults)."""
+    def add_target(self, pid: int, flags: int = TargetFlag.SYSCALLS) -> None:
+        """Trace a process's syscalls (and with TargetFlag.FAULTS its sampled page faults)."""
         key = ctypes.c_uint32(pid)
         try:
             v = self._targets[key]
@@ -312,7 +305,7 @@ class BpfProbes:
 
     def _usdt_spec(self, probe, args=None, kind: int | None = None) -> int:
         """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
-        kind = kind or (USDT_ALLOC if probe.name == "alloc" else USDT_FREE)
+        kind = kind or (UsdtKind.ALLOC if probe.name == "alloc" else UsdtKind.FREE)
         value = usdt.pack_spec(probe.args if args is None else args, kind)
         idx = self._usdt_ids.get(value)
         if idx is None:
@@ -410,7 +403,7 @@ class BpfProbes:
     # page faults -----------------------------------------------------------------------------
     def enable_faults(self, period: int, select_all: bool = False, cgroup_ids=()) -> None:
         """Start sampling user page faults on every CPU (once), one in `period`. Processes are
-        those added with TGT_FAULTS, or all, or those in the given cgroups (v2 ids)."""
+        those added with TargetFlag.FAULTS, or all, or those in the given cgroups (v2 ids)."""
         cfg = self.bpf["fault_cfg"]
         mode = 1 if select_all else 2 if cgroup_ids else 0
         cfg[ctypes.c_int(0)] = ctypes.c_uint64(mode)
@@ -503,7 +496,7 @@ class BpfProbes:
 
     def counters(self) -> list[int]:
         tab = self.bpf["counters"]
-        return [sum(tab[ctypes.c_int(i)]) for i in range(C_N)]
+        return [sum(tab[ctypes.c_int(i)]) for i in range(Counter.N)]
 
     def drops(self) -> dict[int, tuple[int, int, int, int]]:
         """pid -> (lost events, samples not tracked because the live table was full, unsampled

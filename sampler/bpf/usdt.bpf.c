@@ -16,28 +16,8 @@
  * that site (sampler/probes/usdt.py pack_spec), like libbpf's usdt.bpf.h, and which probe it is (kind).
  */
 
-enum usdt_arg_kind { USDT_CONST = 1, USDT_REG, USDT_DEREF };
-/* usdt_spec.kind; sampler/bpf/loader.py (otel_memory) and sampler/gpu/cuda.py (pytorch) */
-enum usdt_kind { USDT_ALLOC = 1, USDT_FREE = 2, USDT_TORCH_ALLOC = 3, USDT_TORCH_FREE = 4 };
-/* Tensor addresses of the caching allocator share `live` with malloc blocks under this tag. */
-#define TORCH_TAG (1ULL << 63)
-#define USDT_SPECS 1024
 #define PT_REGS_WORDS (sizeof(struct pt_regs) / 8)
 
-struct usdt_arg {
-    s64 val;        /* constant, or displacement of a dereference */
-    u16 reg_off;    /* register: offset in struct pt_regs */
-    u8 kind;
-    u8 size;        /* bytes */
-    u8 is_signed;
-    u8 pad[3];
-};
-
-struct usdt_spec {
-    struct usdt_arg arg[3];
-    u32 nargs;
-    u32 kind;
-};
 
 BPF_ARRAY(usdt_specs, struct usdt_spec, USDT_SPECS);
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-SHIFT_MIN, SHIFT_MAX = -6, 10          # sampler/bpf/common.h
+from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN
 
 
 @dataclass

@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import math
 
-# Mirror sampler/bpf/common.h.
-WTAB_STEPS = 64
-WTAB_MAX_X = 24
-WTAB_N = WTAB_STEPS * WTAB_MAX_X + 1
-WTAB_SHIFT = 20
+from sampler.bpf.abi import WTAB_N, WTAB_SHIFT, WTAB_STEPS
 
 
 def inclusion_probability(size: float, mean: float) -> float:

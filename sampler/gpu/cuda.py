@@ -32,20 +32,18 @@ import re
 from dataclasses import dataclass, field
 
 from sampler.binary.elf import ElfImage
+from sampler.bpf.abi import CK_CONV_SHIFT, CK_NULL_SKIP, CK_SRC_SHIFT, CK_STACK, CudaConv, Source, UsdtKind
 from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 from sampler.probes import usdt
 from sampler.probes.allocators import own_probes
 from sampler.proc.maps import Mapping, open_path
 
-SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = 4, 5, 6   # sampler/bpf/common.h enum ev_source
+SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = Source.CUDA, Source.CUDA_DRIVER, Source.TORCH
 LAYER_OF = {SRC_CUDA: CUDA, SRC_CUDA_DRIVER: CUDA_DRIVER}
-TORCH_TAG = 1 << 63                           # sampler/bpf/usdt.bpf.c: tensors live in `live` under this tag
-USDT_TORCH_ALLOC, USDT_TORCH_FREE = 3, 4      # sampler/bpf/usdt.bpf.c enum usdt_kind
 TORCH_PROVIDER = "pytorch"
 
 # cookie bits (sampler/bpf/cuda.bpf.c)
-CV_OUT, CV_PITCH, CV_ARGS = 0, 1, 2
-CK_STACK, CK_NULL_SKIP = 0x10000, 0x20000
+CV_OUT, CV_PITCH, CV_ARGS = CudaConv.OUT, CudaConv.PITCH, CudaConv.ARGS
 
 
 class Op(enum.Enum):
@@ -130,7 +128,7 @@ def by_id(fn_id: int) -> CudaFn | None:
 
 def cookie(fn: CudaFn) -> int:
     src = SRC_CUDA if fn.layer == CUDA else SRC_CUDA_DRIVER
-    return (FN_ID[fn.name] | fn.conv << 8 | src << 12 | (CK_STACK if fn.op in _OPENS else 0)
+    return (FN_ID[fn.name] | fn.conv << CK_CONV_SHIFT | src << CK_SRC_SHIFT | (CK_STACK if fn.op in _OPENS else 0)
             | (CK_NULL_SKIP if fn.null_skip else 0))
 
 
@@ -194,8 +192,8 @@ def torch_probes(path: str) -> list[usdt.UsdtProbe]:
 def torch_spec(p: usdt.UsdtProbe) -> tuple[tuple[usdt.UsdtArg, ...], int]:
     """The arguments in the order the BPF program reads them (ptr, size, device), and the kind."""
     if p.name == "malloc":
-        return (p.args[0], p.args[2], p.args[1]), USDT_TORCH_ALLOC
-    return (p.args[0],), USDT_TORCH_FREE
+        return (p.args[0], p.args[2], p.args[1]), UsdtKind.TORCH_ALLOC
+    return (p.args[0],), UsdtKind.TORCH_FREE
 
 
 _plans: dict[tuple, CudaLib] = {}

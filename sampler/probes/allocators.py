@@ -13,41 +13,18 @@ names; its probe points are the malloc-family functions it defines, placed by
 
 from __future__ import annotations
 
-import enum
 import os
 import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
 
 from sampler.binary.elf import ElfImage, Symbol
+from sampler.bpf.abi import FNF_DELEGATES, Fn
 from sampler.probes.sites import ProbeSite, choose_site, forwards_to
 from sampler.proc.maps import Mapping, open_path, read_maps
 
-
-class Fn(enum.IntEnum):
-    """Allocator functions; values mirror `enum fn_id` in sampler/bpf/common.h."""
-
-    MALLOC = 1
-    CALLOC = 2
-    REALLOC = 3
-    REALLOCARRAY = 4
-    POSIX_MEMALIGN = 5
-    ALIGNED_ALLOC = 6
-    MEMALIGN = 7
-    VALLOC = 8
-    PVALLOC = 9
-    NEW = 10
-    FREE = 11
-    DELETE = 12
-
-    @property
-    def frees(self) -> bool:
-        return self in (Fn.FREE, Fn.DELETE)
-
-
 # glibc functions that hand some calls to malloc or free (sampler/bpf/alloc.bpf.c: delegated()).
 GLIBC_DELEGATING = frozenset({Fn.REALLOC, Fn.MEMALIGN, Fn.ALIGNED_ALLOC, Fn.POSIX_MEMALIGN})
-FNF_DELEGATES = 0x100
 
 
 # Registers each function's BPF program reads at the probe site (x86-64 SysV arguments).

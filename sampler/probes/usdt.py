@@ -18,6 +18,8 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
+from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, UsdtArgKind
+
 PROVIDER = "otel_memory"
 NT_STAPSDT = 3
 
@@ -35,9 +37,9 @@ _ALIASES = {
     **{f"r{n}{s}": f"r{n}" for n in range(8, 16) for s in ("d", "w", "b")},
 }
 
-ARG_CONST, ARG_REG, ARG_DEREF = 1, 2, 3
-SPEC = struct.Struct("<" + "qHBBB3x" * 3 + "II")    # mirrors sampler/bpf/usdt.bpf.c struct usdt_spec
-MAX_ARGS = 3
+ARG_CONST, ARG_REG, ARG_DEREF = UsdtArgKind.CONST, UsdtArgKind.REG, UsdtArgKind.DEREF
+SPEC = USDT_SPEC.struct
+MAX_ARGS = USDT_MAX_ARGS
 
 
 class UsdtError(ValueError):

@@ -3,7 +3,7 @@
 The BPF walk needs, per process, the offsets of the frame chain and, per thread, the address of
 its PyThreadState (found by walking the interpreter's thread list here: the interpreter's own
 "current thread" pointer is NULL whenever the GIL is released). A thread created after the last
-walk is reported by BPF (FLAG_PY_MISS) and triggers a new walk, rate-limited.
+walk is reported by BPF (EvFlag.PY_MISS) and triggers a new walk, rate-limited.
 """
 
 from __future__ import annotations

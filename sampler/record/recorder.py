@@ -19,24 +19,9 @@ import psutil
 
 from sampler import __version__
 from sampler.bpf import preflight
-from sampler.bpf.events import FLAG_PY_MISS, EvType, ProcOp, Source, VmOp, decode
-from sampler.bpf.loader import (
-    C_CUDA_CALLS,
-    C_FAULTS,
-    C_HITS,
-    C_LIVE_FULL,
-    C_LOST_EVENTS,
-    C_PENDING_FULL,
-    C_PY_MISS,
-    C_SAMPLED,
-    C_STACK_ERR,
-    C_VM_HITS,
-    C_VM_SUPPRESSED,
-    TGT_FAULTS,
-    TGT_SYSCALLS,
-    BpfProbes,
-    ProbeConfig,
-)
+from sampler.bpf.abi import Counter, EvFlag, EvType, ProcOp, Source, TargetFlag, VmOp
+from sampler.bpf.events import decode
+from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control import probe_cost
 from sampler.control.governor import Governor
 from sampler.control.sample_rate import SampleRate
@@ -358,7 +343,7 @@ class Recorder:
         pid = info.pid
         tier = tier or (RSS if self.opts.rss else SYSCALLS if self.opts.syscalls_only else ATTACH)
         t = self.targets[pid] = _Target(info, tier=tier)
-        self.probes.add_target(pid, TGT_SYSCALLS | (TGT_FAULTS if tier == RSS else 0))
+        self.probes.add_target(pid, TargetFlag.SYSCALLS | (TargetFlag.FAULTS if tier == RSS else 0))
         if self.governor is not None and tier == ATTACH:
             self.governor.add(pid, time.monotonic())
         self.sample_rate.add(pid, time.monotonic())
@@ -476,7 +461,7 @@ class Recorder:
         if self.governor is not None:
             self.governor.forget(pid)
         if tier == RSS:
-            self.probes.add_target(pid, TGT_SYSCALLS | TGT_FAULTS)
+            self.probes.add_target(pid, TargetFlag.SYSCALLS | TargetFlag.FAULTS)
             self.probes.enable_faults(self.opts.fault_period)
             self._fault_period_used = True
         self._target_row(t, "tier", f"{tier}: {why}")
@@ -634,7 +619,7 @@ class Recorder:
         t = self.targets.get(ev.pid)
         if t is None and (ev.source != Source.FAULT or (t := self._adopt(ev.pid)) is None):
             return
-        if ev.flags & FLAG_PY_MISS and self.python is not None:
+        if ev.flags & EvFlag.PY_MISS and self.python is not None:
             self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
             if ev.source == Source.FAULT:
@@ -861,15 +846,17 @@ class Recorder:
         self._write(RECORDER, [{
             "ts": now, "recording_id": self.recording_id, "host": self.host, "interval_s": interval,
             "targets": len(self.targets), "events": self._events,
-            "probe_hits": sum(d[C_HITS:C_HITS + 32]), "vm_hits": sum(d[C_VM_HITS:C_VM_HITS + 16]),
-            "samples": d[C_SAMPLED], "lost_events": d[C_LOST_EVENTS], "dropped_samples": d[C_LIVE_FULL],
-            "pending_full": d[C_PENDING_FULL], "stack_errors": d[C_STACK_ERR],
-            "python_thread_misses": d[C_PY_MISS], "stacks_unwound": self._samples,
+            "probe_hits": sum(d[Counter.HITS:Counter.HITS + 32]),
+            "vm_hits": sum(d[Counter.VM_HITS:Counter.VM_HITS + 16]),
+            "samples": d[Counter.SAMPLED], "lost_events": d[Counter.LOST_EVENTS],
+            "dropped_samples": d[Counter.LIVE_FULL],
+            "pending_full": d[Counter.PENDING_FULL], "stack_errors": d[Counter.STACK_ERR],
+            "python_thread_misses": d[Counter.PY_MISS], "stacks_unwound": self._samples,
             "stacks_complete": self._complete,
             "live_entries": sum(len(t.table.blocks) for t in self.targets.values()),
             "cpu_s": cpu_d, "rss": self._proc.memory_info().rss, "vm_events_dropped": self._vm_dropped,
-            "vm_events_suppressed": d[C_VM_SUPPRESSED],
-            "sampled_faults": d[C_FAULTS], "cuda_calls": d[C_CUDA_CALLS],
+            "vm_events_suppressed": d[Counter.VM_SUPPRESSED],
+            "sampled_faults": d[Counter.FAULTS], "cuda_calls": d[Counter.CUDA_CALLS],
         }])
         self._events = 0
         self._vm_dropped = 0

@@ -8,7 +8,7 @@ freed. The main arena grows and trims with brk. See ../shared/notes/glibc-arenas
 
 from __future__ import annotations
 
-from sampler.bpf.events import VmOp
+from sampler.bpf.abi import VmOp
 
 HEAP_MAX = 64 << 20
 PROT_NONE, PROT_RW = 0, 3

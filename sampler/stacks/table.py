@@ -16,7 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
-from sampler.bpf.events import FLAG_FIRST_IS_IP, FLAG_SITE_MODULE, FLAG_STACK_ERR, Event
+from sampler.bpf.abi import EvFlag
+from sampler.bpf.events import Event
 from sampler.probes.allocators import exe_path
 from sampler.python.codeobj import PyFrame
 from sampler.python.targets import PythonTargets
@@ -54,8 +55,8 @@ class StackTable:
         self._exe: dict[int, str] = {}     # pid -> main executable
 
     def intern(self, ev: Event) -> int:
-        first_is_ip = bool(ev.flags & FLAG_FIRST_IS_IP)
-        if ev.stack and not ev.flags & FLAG_STACK_ERR:
+        first_is_ip = bool(ev.flags & EvFlag.FIRST_IS_IP)
+        if ev.stack and not ev.flags & EvFlag.STACK_ERR:
             res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.ip, ev.sp, ev.bp),
                                        _restore_return_address(ev), self.max_frames)
             pcs, stop = res.pcs, res.stop
@@ -74,7 +75,7 @@ class StackTable:
             return sid
         native = self.symbolizer.frames(ev.pid, pcs, first_is_ip) if pcs else []
         skip = 0
-        if ev.flags & FLAG_SITE_MODULE and native:
+        if ev.flags & EvFlag.SITE_MODULE and native:
             skip = self._site_frames(ev.pid, native)
         elif first_is_ip and len(native) > 1 and native[0].module.startswith("libc."):
             skip = 1            # a syscall: the ip is in libc's wrapper; its caller is the site
