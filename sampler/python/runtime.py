@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from sampler.binary.elf import ElfFormatError, ElfImage
+from sampler.bpf.abi import PY_LAYOUT
 from sampler.proc.maps import Mapping, open_path, read_maps
 
 NO_FIELD = 0xFFFF
@@ -70,8 +71,7 @@ class PyLayout:
     frame_entry: int  # 3.11 is_entry, 3.12/3.13 owner (one byte); NO_FIELD on 3.10
 
     def to_bytes(self) -> bytes:
-        return struct.pack(
-            "<IHHHHHH",
+        return PY_LAYOUT.struct.pack(
             self.version,
             self.tstate_frame,
             self.cframe_frame,
