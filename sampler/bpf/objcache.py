@@ -23,15 +23,16 @@ import hashlib
 import json
 import os
 import resource
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sampler import files
 from sampler.bpf import syscall as sc
 
 FORMAT = 1                       # of the stored spec; part of the key
 CACHE_ENTRIES = 32               # specs kept (newest used first)
+MAX_ENTRY_BYTES = 64 << 20       # a spec is ~0.3 MiB; anything far larger is not ours
 PROG_KPROBE, PROG_TRACEPOINT, PROG_PERF_EVENT = 2, 5, 7
 MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH = 5, 6, 10
 _LD_IMM64, _PSEUDO_MAP_FD, _CALL = 0x18, 1, 0x85
@@ -159,7 +160,7 @@ def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectS
     """The compiled spec, from the cache when it holds one. Returns (spec, compiled now)."""
     key = cache_key(text, cflags)
     # programs from the cache run in the kernel: only from a directory and file nobody else can write
-    path = cache_dir / f"{key}.json" if cache_dir and _private_dir(cache_dir) else None
+    path = cache_dir / f"{key}.json" if cache_dir and files.private_dir(cache_dir, create=False) else None
     if path is None:
         return compile_spec(text, cflags), True
     spec = _cached(path)
@@ -177,7 +178,7 @@ def build(text: str, cflags: list[str], cache_dir: Path | None) -> tuple[ObjectS
 
 def _cached(path: Path) -> ObjectSpec | None:
     try:
-        spec = ObjectSpec.from_json(_read_private(path))
+        spec = ObjectSpec.from_json(files.read_private(path, MAX_ENTRY_BYTES).decode())
     except (OSError, ValueError, KeyError, TypeError):
         return None                 # absent, unreadable or not private: compiled again and replaced
     with contextlib.suppress(OSError):
@@ -199,28 +200,6 @@ def _compile_lock(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _private(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _private_dir(path: Path) -> bool:
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and _private(st)
-
-
-def _read_private(path: Path) -> str:
-    """The file's text, checked on the open file (no link followed, owned by us, not writable by
-    others). Raises OSError or ValueError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    with os.fdopen(fd, "rb") as f:
-        if not _private(os.fstat(fd)):
-            raise ValueError(f"{path} is writable by others")
-        return f.read().decode()
-
-
 def forget(text: str, cflags: list[str], cache_dir: Path | None) -> None:
     """Drop the cached spec of these inputs (the kernel refused it)."""
     if cache_dir:
@@ -229,20 +208,7 @@ def forget(text: str, cflags: list[str], cache_dir: Path | None) -> None:
 
 
 def _store(path: Path, text: str) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()            # left by a crashed run of a process with the same pid
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(text.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    files.write_atomic(path, text.encode())
     old = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)[CACHE_ENTRIES:]
     for p in old:
         with contextlib.suppress(OSError):

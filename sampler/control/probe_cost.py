@@ -15,6 +15,7 @@ co-attached target.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -22,6 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sampler import files
 from sampler.probes.allocators import find_allocators
 
 PAIRS = 40_000
@@ -72,9 +74,9 @@ def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
         cache = cache_dir / "probe-cost.json" if cache_dir else None
         key = _key(probes, libc)
         known = _load(cache)
-        if isinstance(known.get(key), list):
-            ns, link_ns = known[key]
-            return float(ns), float(link_ns), "calibrated earlier this boot"
+        got = known.get(key)
+        if isinstance(got, list) and len(got) == 2 and all(isinstance(v, (int, float)) and 0 <= v < 1e6 for v in got):
+            return float(got[0]), float(got[1]), "calibrated earlier this boot"
 
         def run() -> float:
             child.stdin.write("go\n")
@@ -131,16 +133,12 @@ def _load(path: Path | None) -> dict:
     if path is None:
         return {}
     try:
-        return json.loads(path.read_text())
+        data = json.loads(files.read_private(path, 1 << 20))
     except (OSError, ValueError):
-        return {}
+        return {}           # absent, damaged or not ours alone (a planted file could turn the governor off)
+    return data if isinstance(data, dict) else {}
 
 
 def _store(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
-
+    with contextlib.suppress(OSError):
+        files.write_atomic(path, json.dumps(data).encode())

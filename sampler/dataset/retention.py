@@ -39,11 +39,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sampler import files
 from sampler.dataset.writer import (
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
     DiskFull,
-    _fsync_dir,
     make_dirs,
     remove_temporary_files,
     root_lock,
@@ -416,12 +416,12 @@ def _compact_partition(root: Path, live: Path, bins: list[_Bin], report: Compact
             if os.geteuid() == 0:
                 os.chown(work, st.st_uid, st.st_gid)
             os.chmod(work, stat.S_IMODE(st.st_mode))        # the work area becomes the partition
-            _fsync_dir(work)
+            files.fsync_dir(work)
             _step("linked")
             _exchange(work, live)
             _step("exchanged")
-            _fsync_dir(live.parent)
-            _fsync_dir(work.parent)
+            files.fsync_dir(live.parent)
+            files.fsync_dir(work.parent)
         for b, size in zip(bins, sizes, strict=True):
             report.merged.append((str(rel / b.name), len(b.sources)))
             report.files_before += len(b.sources)
@@ -446,10 +446,10 @@ def compact(root: str | os.PathLike, older_than_s: float, target_bytes: int = 64
     for f in dataset_files(root):
         if f.table not in NOT_COMPACTED:
             by_part[f.path.parent].append(f)
-    for live, files in sorted(by_part.items()):
-        candidates = {f.path for f in files
+    for live, part in sorted(by_part.items()):
+        candidates = {f.path for f in part
                       if f.first is not None and f.disk_bytes < target_bytes and now_s - f.mtime >= older_than_s}
-        bins = _bins(files, candidates, target_bytes)
+        bins = _bins(part, candidates, target_bytes)
         if not bins:
             continue
         try:

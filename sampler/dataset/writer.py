@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sampler import files
 from sampler.dataset.schema import Table
 
 # The daemon's modes: stack traces reveal paths and code, so no world access.
@@ -33,10 +34,11 @@ class DiskFull(OSError):
 
 
 class DatasetWriter:
-    def __init__(self, root: str | os.PathLike, recording_id: str, *, dir_mode: int = 0o755,
-                 file_mode: int = 0o644):
+    def __init__(self, root: str | os.PathLike, recording_id: str, *, host: str | None = None,
+                 dir_mode: int = 0o755, file_mode: int = 0o644):
         self.root = Path(root)
         self.recording_id = recording_id
+        self.host = host
         self.dir_mode = dir_mode
         self.file_mode = file_mode
         self._seq: dict[str, int] = {}
@@ -55,30 +57,29 @@ class DatasetWriter:
             seq = self._seq[table.name] = self._seq.get(table.name, 0) + 1
             name = f"{self.recording_id}-{seq:06d}"
         path = directory / f"{name}.parquet"
-        tmp = directory / f".{name}.parquet.tmp"
+        if not isinstance(rows, pa.Table):
+            rows = self._stamp(table, rows)
         data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=table.schema)
         try:
             make_dirs(self.root, self.dir_mode)         # deleted under a running recorder: back
             with root_lock(self.root):
                 make_dirs(directory, self.dir_mode)     # under the lock: retention removes empty ones
-                try:
-                    # 0600 until complete, whatever the umask; then exactly file_mode
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                    with open(fd, "wb") as f:
-                        pq.write_table(data, f, compression="zstd")
-                        f.flush()
-                        os.fchmod(f.fileno(), self.file_mode)
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
-                _fsync_dir(directory)
+                # a dot-name until complete (readers skip it), then exactly file_mode
+                with files.atomic_file(path, self.file_mode) as f:
+                    pq.write_table(data, f, compression="zstd")
         except OSError as e:
             if e.errno in _DISK_FULL and not isinstance(e, DiskFull):
                 raise DiskFull(e.errno, e.strerror, str(path)) from e
             raise
         return path
+
+
+    def _stamp(self, table: Table, rows: list[dict]) -> list[dict]:
+        """The recording's own columns, where the rows leave them out."""
+        names = table.schema.names
+        common = {k: v for k, v in (("recording_id", self.recording_id), ("host", self.host))
+                  if k in names and v is not None}
+        return [{**common, **r} for r in rows] if common else rows
 
 
 @contextlib.contextmanager
@@ -117,15 +118,7 @@ def remove_temporary_files(root: Path) -> list[Path]:
     a writer still at work is not touched."""
     removed = []
     with root_lock(root, exclusive=True):
-        for tmp in root.glob("*/date=*/.*.parquet.tmp"):
+        for tmp in root.glob("*/date=*/.*.parquet*.tmp"):
             tmp.unlink(missing_ok=True)
             removed.append(tmp)
     return removed
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -14,7 +14,7 @@ compilers emit on x86-64 are covered, anything else is `UNSUPPORTED`, which ends
 from __future__ import annotations
 
 import contextlib
-import os
+import io
 import struct
 import time
 from bisect import bisect_right
@@ -23,11 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from sampler import files
 from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
 
 # Rule kinds (Rule[0]).
+MAX_TABLE_BYTES = 256 << 20  # a saved table; libtorch_cpu's is a few MiB
 CFA_RSP = 0  # CFA = rsp + off
 CFA_RBP = 1  # CFA = rbp + off
 CFA_DEREF_RBP = 2  # CFA = *(rbp + off): a stack realigned through a DRAP register
@@ -687,22 +689,18 @@ class CfiStore:
 
     def _load(self, t: CfiTable, build_id: str) -> None:
         path = self._path(build_id)
-        if path is None or not path.exists():
+        if path is None:
             return
-        # A stale or damaged file is ignored, and replaced at the next save.
+        # An absent, stale, damaged or foreign file is ignored, and replaced at the next save.
         with contextlib.suppress(OSError, ValueError, EOFError):
-            t.load(np.load(path, allow_pickle=False))
+            t.load(np.load(io.BytesIO(files.read_private(path, MAX_TABLE_BYTES)), allow_pickle=False))
 
     def save(self) -> None:
-        if self.cache_dir is None:
+        if self.cache_dir is None or files.private_dir(self.cache_dir) is None:
             return
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
         for bid, t in self._by_build_id.items():
             if not t.dirty:
                 continue
-            path = self._path(bid)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            with open(tmp, "wb") as f:
+            with contextlib.suppress(OSError), files.atomic_file(self._path(bid), durable=False) as f:
                 np.save(f, t.export(), allow_pickle=False)
-            os.replace(tmp, path)
             t.dirty = False

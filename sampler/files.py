@@ -1,0 +1,91 @@
+"""Files the recorder writes or trusts: atomic replacement and private (root-only) caches.
+
+Everything here runs as root next to files that other users may control, so: no link is followed,
+a cache file is trusted only when it is a regular file owned by us and writable by nobody else
+(checked on the open descriptor, not the path), and a file is replaced by writing a temporary
+beside it and renaming it over, so that a reader or a crash never sees half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: int = 0o600, *, durable: bool = True) -> Iterator[BinaryIO]:
+    """Open a temporary beside `path` for writing; on a clean exit it is flushed, given `mode`,
+    fsynced and renamed over `path` (and the directory fsynced when `durable`). The temporary is a
+    dot-name with our pid, created O_EXCL|O_NOFOLLOW (a planted link or file is never written
+    through), and removed on any error."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()                    # left by a killed process that had our pid
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with open(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    if durable:
+        fsync_dir(path.parent)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes, mode: int = 0o600) -> None:
+    with atomic_file(path, mode) as f:
+        f.write(data)
+
+
+def is_private(st: os.stat_result) -> bool:
+    """Owned by us and writable by nobody else."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def private_dir(path: str | os.PathLike, *, create: bool = True) -> Path | None:
+    """`path` as a directory only we control (created 0700 when missing), else None: a cache
+    there could be planted or read by others, so it is not used."""
+    path = Path(path)
+    if create:
+        with contextlib.suppress(OSError):
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return path if stat.S_ISDIR(st.st_mode) and is_private(st) else None
+
+
+def read_private(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """A cache file's bytes, checked on the open descriptor: no link followed, no FIFO waited on,
+    a regular file of at most `max_bytes`, owned by us and writable by nobody else. Raises OSError
+    or ValueError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if not is_private(st):
+            raise ValueError(f"{path} is not ours alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path} is {st.st_size} bytes, over the {max_bytes} expected at most")
+        return f.read(max_bytes + 1)[:max_bytes]
