@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from sampler.errors import UsageError
+from sampler.proc.process import ProcView
 from sampler.service import config
-from sampler.service.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, ProcView, Target
+from sampler.service.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, Target
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "packaging" / "config.example.toml"
 ONE_TARGET = '[[targets]]\nname = "postgres"\n'

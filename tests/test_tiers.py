@@ -88,7 +88,7 @@ def test_rss_tier_attributes_resident_growth_to_the_stack_that_keeps_it(tiers_ex
 
 def test_rss_tier_for_a_cgroup_adopts_its_processes(tiers_exe, gated, record, tmp_path):
     """--cgroup selects processes by cgroup (v2) as they fault, without naming pids."""
-    from sampler.record.recorder import cgroup2_root
+    from sampler.proc.cgroups import cgroup2_root
 
     root = Path(cgroup2_root())
     cg = root / f"allocsampler-test-{os.getpid()}"

@@ -267,7 +267,8 @@ def _report(args) -> int:
 def _record(args) -> int:
     from sampler.errors import UsageError
     from sampler.probes.allocators import parse_allocator_spec
-    from sampler.record.recorder import Recorder, RecordOptions, cgroup_id
+    from sampler.proc.cgroups import cgroup_id
+    from sampler.record.recorder import Recorder, RecordOptions
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not args.pid and not cmd and not args.all_processes and not args.cgroup:

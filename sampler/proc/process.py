@@ -10,6 +10,43 @@ from dataclasses import dataclass
 
 from sampler.errors import TargetGone, UsageError
 
+# /proc files are written by the kernel, but their contents come from the process (its name, its
+# argv, up to ARG_MAX): every read is bounded.
+MAX_READ = 64 << 10
+
+
+def _read(path: str, limit: int = MAX_READ) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+@dataclass(frozen=True)
+class Stat:
+    comm: str
+    state: str
+    ppid: int
+    flags: int
+    start: int          # clock ticks after boot: with the pid, identifies a process
+
+
+def read_stat(pid: int, proc: str = "/proc") -> Stat | None:
+    """Fields of /proc/PID/stat; None when the process is gone."""
+    try:
+        raw = _read(f"{proc}/{pid}/stat", 4096).decode(errors="surrogateescape")
+        comm = raw[raw.index("(") + 1:raw.rindex(")")]
+        rest = raw[raw.rindex(")") + 2:].split()
+        return Stat(comm, rest[0], int(rest[1]), int(rest[6]), int(rest[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_cmdline(pid: int, proc: str = "/proc") -> str | None:
+    """argv joined by spaces ("" for kernel threads and zombies); None when the process is gone."""
+    try:
+        return b" ".join(_read(f"{proc}/{pid}/cmdline").rstrip(b"\0").split(b"\0")).decode(errors="surrogateescape")
+    except OSError:
+        return None
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
@@ -20,25 +57,69 @@ class ProcessInfo:
     ppid: int
 
 
-def read_info(pid: int) -> ProcessInfo:
+def read_info(pid: int, proc: str = "/proc") -> ProcessInfo:
     """Identity of a live process; raises ProcessLookupError when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        state, ppid = fields[0], int(fields[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except (FileNotFoundError, ProcessLookupError):
-        raise ProcessLookupError(pid) from None
-    if state in ("Z", "X"):
+    st = read_stat(pid, proc)
+    cmdline = read_cmdline(pid, proc)
+    if st is None or cmdline is None or st.state in ("Z", "X"):
         raise ProcessLookupError(pid)
     try:
-        exe = os.readlink(f"/proc/{pid}/exe")
+        exe = os.readlink(f"{proc}/{pid}/exe")
     except OSError:
         exe = ""
-    return ProcessInfo(pid, comm, exe, cmdline, ppid)
+    return ProcessInfo(pid, st.comm, exe, cmdline.strip(), st.ppid)
+
+
+@dataclass(frozen=True)
+class ProcView:
+    """What target selection looks at in one process (ProcView.read builds it from /proc)."""
+
+    pid: int
+    comm: str                    # /proc/PID/comm, at most 15 bytes
+    cmdline: str                 # argv joined by spaces; "" for kernel threads and zombies
+    uid: int                     # effective uid, as `pgrep -u` matches
+    cgroup_path: str             # cgroup v2 path from /proc/PID/cgroup, e.g. /system.slice/foo.service
+
+    @classmethod
+    def read(cls, pid: int, proc: str = "/proc") -> ProcView | None:
+        """None when the process is gone (or was never there). The caller still has to guard
+        against PID reuse, e.g. by comparing the start time before and after."""
+        base = f"{proc}/{pid}"
+        try:
+            comm = _read(f"{base}/comm", 256).rstrip(b"\n").decode(errors="surrogateescape")
+            status = _read(f"{base}/status").decode(errors="replace").splitlines()
+            uid = next(int(line.split()[2]) for line in status if line.startswith("Uid:"))
+            cgroups = _read(f"{base}/cgroup").decode(errors="surrogateescape").splitlines()
+            cgroup = next((line[3:] for line in cgroups if line.startswith("0::")), "")
+        except (OSError, StopIteration, ValueError, IndexError):
+            return None
+        cmdline = read_cmdline(pid, proc)
+        return None if cmdline is None else cls(pid, comm, cmdline, uid, cgroup)
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    try:
+        return int(_read(f"/proc/{pid}/statm", 256).split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def own_rss(rss: int, pid: int | str = "self") -> int:
+    """RSS less the clean pages of bcc's compiler libraries that other processes map too (another
+    bcc tool, a second recorder): those stay resident whatever this process does, and the cgroup
+    that first faulted them pays for them. On a host where only bcc's users map them, this is RSS."""
+    shared = 0
+    name = ""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                if line[0] in "0123456789abcdef" and not line.split(None, 1)[0].endswith(":"):
+                    name = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
+                elif line.startswith("Shared_Clean:") and ("libLLVM" in name or "libclang" in name):
+                    shared += int(line.split()[1]) << 10
+    except (OSError, ValueError):
+        return rss
+    return rss - shared
 
 
 def is_process(tid: int) -> bool:

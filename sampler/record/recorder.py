@@ -46,6 +46,7 @@ from sampler.gpu.cuda import GpuTracer
 from sampler.probes import usdt
 from sampler.probes.allocators import AllocatorLib, Family, find_allocators
 from sampler.proc.arenas import arena_rows
+from sampler.proc.cgroups import cgroup_id
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.proc.memory import sample_process
 from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
@@ -959,35 +960,6 @@ def _cache_dir(path: str | None, sub: str = "unwind"):
     except OSError:
         return None
     return d
-
-
-def cgroup2_root() -> str | None:
-    """Mount point of the cgroup v2 hierarchy (/sys/fs/cgroup, or .../unified on hybrid hosts)."""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                if right.split()[:1] == ["cgroup2"]:
-                    return left.split()[4]
-    except OSError:
-        pass
-    return None
-
-
-def cgroup_id(path: str) -> int:
-    """The cgroup v2 id of a cgroup (its directory's inode), from a path in the v2 hierarchy or
-    relative to it (e.g. system.slice/foo.service)."""
-    from sampler.errors import UsageError
-
-    root = cgroup2_root()
-    if root is None:
-        raise UsageError("--cgroup needs the cgroup v2 hierarchy, and none is mounted: mount -t cgroup2 "
-                         "none /sys/fs/cgroup/unified, or select processes with --pid")
-    full = path if path.startswith(root + "/") or path == root else os.path.join(root, path.lstrip("/"))
-    if not os.path.isdir(full) or not os.path.exists(os.path.join(full, "cgroup.procs")):
-        raise UsageError(f"no such cgroup: {path} (expected a directory of the cgroup v2 hierarchy at "
-                         f"{root}, e.g. system.slice/NAME.service)")
-    return os.stat(full).st_ino
 
 
 def _i64(v: int | None) -> int | None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from sampler.errors import EnvironmentProblem, UsageError
+from sampler.proc.process import ProcView
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,36 +70,6 @@ def format_size(n: int) -> str:
 
 
 # --- the configuration ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ProcView:
-    """What target selection looks at in one process (ProcView.read builds it from /proc)."""
-
-    pid: int
-    comm: str                    # /proc/PID/comm, at most 15 bytes
-    cmdline: str                 # argv joined by spaces; "" for kernel threads and zombies
-    uid: int                     # effective uid, as `pgrep -u` matches
-    cgroup_path: str             # cgroup v2 path from /proc/PID/cgroup, e.g. /system.slice/foo.service
-
-    @classmethod
-    def read(cls, pid: int, proc: str = "/proc") -> ProcView | None:
-        """None when the process is gone (or was never there). The caller still has to guard
-        against PID reuse, e.g. by comparing the start time before and after."""
-        base = f"{proc}/{pid}"
-        try:
-            with open(f"{base}/comm", "rb") as f:
-                comm = f.read().rstrip(b"\n").decode(errors="surrogateescape")
-            with open(f"{base}/cmdline", "rb") as f:
-                argv = f.read().rstrip(b"\0").split(b"\0")
-            with open(f"{base}/status") as f:
-                uid = next(int(line.split()[2]) for line in f if line.startswith("Uid:"))
-            with open(f"{base}/cgroup") as f:
-                cgroup = next((line.rstrip("\n")[3:] for line in f if line.startswith("0::")), "")
-        except (OSError, StopIteration, ValueError, IndexError):
-            return None
-        cmdline = b" ".join(argv).decode(errors="surrogateescape")
-        return cls(pid, comm, cmdline, uid, cgroup)
-
 
 def cgroup_within(path: str, base: str) -> bool:
     """Is cgroup `path` `base` or below it? Component-wise: a.service does not contain a.service2."""

@@ -43,7 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sampler.errors import EnvironmentProblem
-from sampler.service.config import ALWAYS_ON, Config, ProcView, Target, format_size
+from sampler.proc.cgroups import cgroup_memory_levels, memory_pressure
+from sampler.proc.process import ProcView, own_rss, read_cmdline, read_stat, rss_bytes
+from sampler.service.config import ALWAYS_ON, Config, Target, format_size
 from sampler.service.config import load as load_config
 
 RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
@@ -82,62 +84,6 @@ class _NoPandas:
 def _keep_pandas_out() -> None:
     if "pandas" not in sys.modules and not any(isinstance(f, _NoPandas) for f in sys.meta_path):
         sys.meta_path.insert(0, _NoPandas())
-
-
-# --- /proc ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Stat:
-    comm: str
-    state: str
-    ppid: int
-    flags: int
-    start: int          # clock ticks after boot: with the pid, identifies a process
-
-
-def read_stat(pid: int, proc: str = "/proc") -> Stat | None:
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="surrogateescape")
-        comm = raw[raw.index("(") + 1:raw.rindex(")")]
-        rest = raw[raw.rindex(")") + 2:].split()
-        return Stat(comm, rest[0], int(rest[1]), int(rest[6]), int(rest[19]))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def read_cmdline(pid: int, proc: str = "/proc") -> str | None:
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as f:
-            return b" ".join(f.read().rstrip(b"\0").split(b"\0")).decode(errors="surrogateescape")
-    except OSError:
-        return None
-
-
-def own_rss(rss: int, pid: int | str = "self") -> int:
-    """RSS less the clean pages of bcc's compiler libraries that other processes map too (another
-    bcc tool, a second recorder): those stay resident whatever this process does, and the cgroup
-    that first faulted them pays for them. On a host where only the daemon uses bcc, this is RSS."""
-    shared = 0
-    name = ""
-    try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                if line[0] in "0123456789abcdef" and not line.split(None, 1)[0].endswith(":"):
-                    name = line.rsplit(None, 1)[-1] if line.count(" ") >= 5 else ""
-                elif line.startswith("Shared_Clean:") and ("libLLVM" in name or "libclang" in name):
-                    shared += int(line.split()[1]) << 10
-    except (OSError, ValueError):
-        return rss
-    return rss - shared
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 # --- discovery -----------------------------------------------------------------------------------
@@ -280,41 +226,6 @@ class Discovery:
     def rule_of(self, pid: int) -> int | None:
         k = self.known.get(pid)
         return k.rule if k is not None and k.recorded else None
-
-
-# --- cgroup memory (pre-OOM) ---------------------------------------------------------------------
-
-def cgroup_memory_levels(pid: int) -> list[tuple[str, int]]:
-    """(usage file, limit) of each cgroup from the process's own up to the root that has a memory
-    limit: v2 memory.current/memory.max, else v1 memory.usage_in_bytes/limit_in_bytes."""
-    from sampler.proc.memory import _mem_total, cgroup_limit_dirs
-
-    host = _mem_total()
-    for fstype, limit_file, usage_file in (("cgroup2", "memory.max", "memory.current"),
-                                           ("cgroup", "memory.limit_in_bytes", "memory.usage_in_bytes")):
-        try:
-            dirs = cgroup_limit_dirs(pid, fstype, limit_file)
-        except (ProcessLookupError, OSError, ValueError):
-            return []
-        out = [(os.path.join(d, usage_file), limit) for d, limit in dirs
-               if 0 < limit < host and os.path.exists(os.path.join(d, usage_file))]
-        if out:
-            return out
-    return []
-
-
-def memory_pressure(levels: list[tuple[str, int]]) -> tuple[float, int, int] | None:
-    """(usage / limit, usage, limit) of the tightest level; None when nothing could be read."""
-    best = None
-    for path, limit in levels:
-        try:
-            with open(path) as f:
-                usage = int(f.read())
-        except (OSError, ValueError):
-            continue
-        if best is None or usage / limit > best[0]:
-            best = (usage / limit, usage, limit)
-    return best
 
 
 # --- CPU budget ----------------------------------------------------------------------------------
