@@ -387,7 +387,7 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
     detaches; kernel threads, zombies and the daemon's own children are left alone."""
     from sampler.proc.process import ProcessInfo
     from sampler.service import config
-    from sampler.service.daemon import Discovery
+    from sampler.service.discovery import Discovery
 
     proc = tmp_path / "proc"
 

@@ -60,6 +60,14 @@ class LineTables:
 
     _cache: dict[str, LineTables | None] = {}
     _cache_lock = threading.Lock()
+    CACHE_MAX = 256         # files whose line tables are kept
+
+    @classmethod
+    def prune(cls, shed: int = 0) -> None:
+        """Bound the per-file tables: all go above CACHE_MAX, or at `shed` 2 (memory is short)."""
+        with cls._cache_lock:
+            if shed >= 2 or len(cls._cache) > cls.CACHE_MAX:
+                cls._cache.clear()
 
     def __init__(self, path: str, sections: dict[str, _Section]):
         self.path = path

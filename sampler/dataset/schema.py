@@ -66,6 +66,23 @@ class Table:
                                    b"allocsampler.table": self.name.encode()})
 
 
+def int64(v: int | None) -> int | None:
+    """An unsigned 64-bit value (an address, a length, a handle) as an int64 column holds it: the
+    same bits, two's complement."""
+    if v is None:
+        return None
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def int32(v: int | None) -> int | None:
+    """The low 32 bits of a value (prot, flags, advice) as an int32 column holds them."""
+    if v is None:
+        return None
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
 def _common(ts_doc: str) -> tuple[Column, ...]:
     return (
         Column("ts", TS, ts_doc),

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from sampler.binary.elf import ElfImage
 from sampler.bpf.abi import CK_CONV_SHIFT, CK_NULL_SKIP, CK_SRC_SHIFT, CK_STACK, CudaConv, Source, UsdtKind
+from sampler.dataset.schema import int64
 from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 from sampler.probes import usdt
 from sampler.probes.allocators import own_probes
@@ -371,9 +372,9 @@ class GpuTracer:
             return
         self.rows.append({
             "ts": wall(ev.ts_ns), "pid": ev.pid, "tid": ev.tid, "source": fn.source, "function": fn.name,
-            "op": fn.op.value, "memory": fn.memory, "ptr": _i64(ev.addr),
-            "size": None if fn.op in (Op.FREE, Op.UNREGISTER, Op.RELEASE) else _i64(ev.size),
-            "handle": _i64(ev.arg) if fn.op == Op.MAP else None,
+            "op": fn.op.value, "memory": fn.memory, "ptr": int64(ev.addr),
+            "size": None if fn.op in (Op.FREE, Op.UNREGISTER, Op.RELEASE) else int64(ev.size),
+            "handle": int64(ev.arg) if fn.op == Op.MAP else None,
             "result": code - (1 << 32) if code >= 1 << 31 else code, "error": error_name(fn.layer, code),
             "counted": counted, "duration_us": max(0, ev.ts_ns - ev.weight) / 1e3 if ev.weight else None,
             "stack_id": sid,
@@ -413,10 +414,3 @@ class GpuTracer:
     def close(self) -> None:
         if self.nvml is not None:
             self.nvml.close()
-
-
-def _i64(v: int | None) -> int | None:
-    if v is None:
-        return None
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v

@@ -197,6 +197,13 @@ def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -
 
 
 _plan_cache: dict[tuple, AllocatorLib] = {}
+PLANS_MAX = 512             # files planned (each plan is a few probe points)
+
+
+def prune_plans(shed: int = 0) -> None:
+    """Bound the per-file plans: all go above PLANS_MAX, or at `shed` 2 (memory is short)."""
+    if shed >= 2 or len(_plan_cache) > PLANS_MAX:
+        _plan_cache.clear()
 
 
 def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[AllocatorLib], list[Mapping]]:

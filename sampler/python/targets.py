@@ -81,6 +81,10 @@ class PythonTargets:
         py = self._procs.get(pid)
         return py.proc if py else None
 
+    def prune(self, live_pids: set[int]) -> None:
+        for pid in [p for p in self._procs if p not in live_pids]:
+            self.forget(pid)
+
     def forget(self, pid: int) -> None:
         py = self._procs.pop(pid, None)
         if py is not None:

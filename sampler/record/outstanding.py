@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from sampler.control import weights
 from sampler.dataset.sources import FAULT, MALLOC, MMAP, TORCH
+from sampler.proc.smaps import ARENA, HEAP
 
 
 @dataclass(slots=True)
@@ -312,6 +313,28 @@ class ProcessTable:
             if live.samples <= 0:
                 del self.stats[(source, stack_id)]
         return rows
+
+    def live_by_region(self, regions: list[tuple[int, int, str]]) -> tuple[float, float, float]:
+        """Estimated live malloc chunk bytes in [heap] and in arena heaps (`regions`: sorted
+        (start, end, kind) of sampler/proc/smaps.py), and the variance of their sum."""
+        starts = [r[0] for r in regions]
+        heap = arena = var = 0.0
+        for addr, b in self.blocks.items():
+            i = bisect.bisect_right(starts, addr) - 1
+            if i < 0 or addr >= regions[i][1]:
+                continue
+            kind = regions[i][2]
+            if kind not in (HEAP, ARENA):
+                continue
+            w = b.size / b.p
+            scale = weights.chunk_size(b.size) / b.size if b.size else 1.0
+            est = w * scale
+            if kind == HEAP:
+                heap += est
+            else:
+                arena += est
+            var += weights.sample_terms(b.size, w)[0] * scale * scale
+        return heap, arena, var
 
     def totals(self, source: str) -> tuple[float, float]:
         """(outstanding bytes, standard error) over all stacks of one source."""

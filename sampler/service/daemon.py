@@ -1,22 +1,19 @@
 """`allocsampler daemon`: record the processes a configuration selects, for months.
 
-One long-running Recorder (sampler/record/recorder.py) with no targets of its own; this module adds and
-removes them, and keeps the host safe around it:
+One long-running Recorder (sampler/record/recorder.py) with no targets of its own; this module adds
+and removes them, and keeps the host safe around it:
 
-- Discovery: every `rescan_s` seconds /proc is scanned and each process is matched against the
-  [[targets]] tables (Config.target_for). Processes are known by (pid, start time), so a reused
-  pid is a new process; a process is evaluated again when its name or command line changes (exec).
-  Exits are reported by the kernel at once (sched_process_exit); the scan is the safety net.
-- Writing: through `_Writer`, a DatasetWriter with private modes (0750/0640) that stops writing,
-  without failing, while the disk is full (DiskState, or a write that hit ENOSPC) or the dataset
-  is over its budget, and resumes on its own; stacks first seen meanwhile are kept (bounded) and
-  written then. `targets` rows are written once per interval, not one file each.
-- Retention (enforce) every few seconds, compaction and analysis in a child process (pyarrow's
-  merge buffers and pandas never enter the daemon's memory; the child dies with the daemon).
+- Discovery (sampler/service/discovery.py): every `rescan_s` seconds /proc is scanned and each
+  process is matched against the [[targets]] tables.
+- Writing: through DaemonWriter (sampler/service/writer.py), a DatasetWriter with private modes
+  (0750/0640) that stops writing, without failing, while the disk is full (DiskState, or a write
+  that hit ENOSPC) or the dataset is over its budget, and resumes on its own; stacks first seen
+  meanwhile are kept (bounded) and written then. `targets` rows are written once per interval.
+- Retention (enforce) every few seconds, compaction and analysis in a child process
+  (sampler/service/children.py).
   Findings go to the `findings` table and one log line each when new.
-- Pre-OOM capture: a recorded process whose cgroup nears its memory limit gets a snapshot at once,
-  full probe coverage for a window and a snapshot at its end.
-- Its own bounds: CPU (a token bucket over the process's CPU time: above `cpu_percent` the daemon
+- Pre-OOM capture (sampler/service/preoom.py).
+- Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the daemon
   stops reading events for a moment; the ring buffer counts what that loses) and memory (a 16 MiB
   ring buffer, a 64k-entry live table, pandas kept out, caches pruned every interval and dropped
   near `max_rss`; above it, no new targets until it is back under).
@@ -33,34 +30,29 @@ import gc
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from sampler import files
+from sampler.dataset.schema import int64
 from sampler.errors import EnvironmentProblem
-from sampler.proc.cgroups import cgroup_memory_levels, memory_pressure
-from sampler.proc.process import ProcView, own_rss, read_cmdline, read_stat, rss_bytes
-from sampler.service.config import ALWAYS_ON, Config, Target, format_size
+from sampler.proc.process import own_rss, rss_bytes
+from sampler.record.recorder import RecorderHooks
+from sampler.service.budget import CpuBudget
+from sampler.service.children import CHILD_TIMEOUT_S, Children, Result
+from sampler.service.config import Config, format_size
 from sampler.service.config import load as load_config
+from sampler.service.discovery import Discovery
+from sampler.service.preoom import PRE_OOM_CHECK_S, PreOom
+from sampler.service.writer import DaemonWriter
 
 RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
 LIVE_MAX = 65536                # sampled live blocks (32 GiB of sampled heap at 512K): ~25 MB of Python at most
-STACK_HOLD = 20_000             # stacks kept while writing is paused (their frames: up to 20 x)
-TARGETS_FLUSH = 5_000           # targets rows buffered at most before a write
 STATUS_FILE = ".status.json"
 STATUS_VERSION = 1
-PRE_OOM_CHECK_S = 1.0
-PRE_OOM_AGAIN_S = 300.0
 DISK_CHECK_S = 5.0               # statvfs; a write that hits ENOSPC pauses at once anyway
-CPU_BURST_S = 3.0               # the CPU budget may be spent ahead by this many seconds' worth
-MAX_ADDS_PER_SCAN = 64          # processes attached per scan; the rest wait for the next (events flow)
-CHILD_TIMEOUT_S = 600
-PF_KTHREAD = 0x00200000
 _MiB = 1 << 20
 
 
@@ -86,256 +78,9 @@ def _keep_pandas_out() -> None:
         sys.meta_path.insert(0, _NoPandas())
 
 
-# --- discovery -----------------------------------------------------------------------------------
+class Daemon(RecorderHooks):
+    """The daemon is the recording's hooks: its writer, and what runs at start, every poll and every snapshot."""
 
-def recorder_tier(rule: Target) -> str:
-    """The recorder's tier for a configured one. attach and preload-aware are one tier there: a
-    process that carries otel_memory probes is recorded through them in both (probing its
-    allocator as well would count each sample twice)."""
-    return "rss" if rule.tier == ALWAYS_ON else "attach"
-
-
-@dataclass
-class Known:
-    start: int
-    sig: tuple[str, str]             # (comm, cmdline) when last evaluated
-    rule: int | None                 # index of the [[targets]] table that selected it
-    recorded: bool = False
-    since: float = 0.0               # wall time it was added
-    readds: int = 0                  # times added again after the recorder dropped it alive
-
-
-class Discovery:
-    """Which processes to record: /proc scans matched against the configuration.
-
-    `rec` needs targets (pid -> anything), add_process(info, tier) -> bool and
-    remove_process(pid, event, detail); tests pass a fake recorder and a fake /proc."""
-
-    def __init__(self, cfg: Config, rec, *, proc: str = "/proc", self_pid: int | None = None,
-                 max_targets: int | None = None, read_info=None):
-        from sampler.proc.process import read_info as _read_info
-
-        self.cfg, self.rec, self.proc = cfg, rec, proc
-        self.read_info = read_info or _read_info
-        self.self_pid = os.getpid() if self_pid is None else self_pid
-        self.max_targets = max_targets or cfg.daemon.max_targets
-        self.known: dict[int, Known] = {}
-        self.paused = False              # memory: no new targets
-        self.left_out = 0                # processes selected but not recorded (max_targets, memory)
-        self._said_full = False
-        self.scans = 0
-
-    def scan(self, full: bool = False) -> list[str]:
-        """One pass over /proc; returns log lines. `full` re-evaluates every process (cgroup or
-        user changes are not visible in the name and command line)."""
-        self.scans += 1
-        lines: list[str] = []
-        try:
-            pids = sorted(int(d) for d in os.listdir(self.proc) if d.isdigit())
-        except OSError:
-            return lines
-        present = set(pids)
-        adds = 0
-        left_out = 0
-        for pid in pids:
-            if pid == self.self_pid:
-                continue
-            st = read_stat(pid, self.proc)
-            if st is None or st.flags & PF_KTHREAD or st.ppid == self.self_pid:
-                continue                            # gone, a kernel thread, or our own child
-            k = self.known.get(pid)
-            if k is not None and k.start != st.start:      # the pid was reused: the old one ended
-                if k.recorded and pid in self.rec.targets:
-                    self.rec.remove_process(pid, "exit", "exited (its pid was reused)")
-                    lines.append(f"target pid {pid} exited (pid reused)")
-                k = None
-            if st.state in "ZX":
-                if k is not None and k.recorded and pid in self.rec.targets:
-                    self.rec.remove_process(pid, "exit", "exited")
-                    k.recorded = False
-                continue
-            cmdline = read_cmdline(pid, self.proc)
-            if cmdline is None:
-                continue
-            sig = (st.comm, cmdline)
-            readds = k.readds if k is not None else 0
-            if k is not None and k.recorded and pid not in self.rec.targets:
-                # alive, yet dropped by the recorder: a failed attach, or the exit event of the
-                # pid's previous process read late. Tried again, twice at most.
-                k.recorded = False
-                if k.readds >= 2:
-                    k.sig = sig
-                    continue
-                readds += 1
-            elif k is not None and k.sig == sig and (not full or k.readds >= 2):
-                continue
-            view = ProcView.read(pid, self.proc)
-            if view is None:
-                continue
-            rule = next((i for i, t in enumerate(self.cfg.targets) if t.matches(view)), None)
-            was = k.rule if k is not None and k.recorded and pid in self.rec.targets else None
-            if was is not None:
-                if rule == was or (rule is not None and self.cfg.targets[rule].tier == self.cfg.targets[was].tier):
-                    k.sig, k.rule = sig, rule
-                    continue
-                why = (f"exec: now {st.comm!r}, no target table selects it" if rule is None else
-                       f"exec: now selected by targets[{rule}] at tier {self.cfg.targets[rule].tier}")
-                self.rec.remove_process(pid, "detach", why)
-                lines.append(f"target pid {pid} ({st.comm}) detached: {why}")
-                k.recorded = False
-            k = self.known[pid] = Known(st.start, sig, rule, readds=readds)
-            if rule is None:
-                continue
-            if adds >= MAX_ADDS_PER_SCAN:
-                del self.known[pid]                 # evaluated again at the next scan
-                continue
-            if self.paused or len(self.rec.targets) >= self.max_targets:
-                left_out += 1
-                del self.known[pid]
-                continue
-            try:
-                info = self.read_info(pid)
-            except ProcessLookupError:
-                continue
-            if (again := read_stat(pid, self.proc)) is None or again.start != st.start:
-                del self.known[pid]                 # reused while we looked: next scan
-                continue
-            adds += 1
-            target = self.cfg.targets[rule]
-            tier = recorder_tier(target)
-            if self.rec.add_process(info, tier):
-                k.recorded, k.since = True, time.time()
-                self.rec.note(pid, "select", f"targets[{rule}] ({target.describe()}): tier {target.tier}")
-                lines.append(f"target pid {pid} ({info.comm}) added: targets[{rule}] "
-                             f"({target.describe()}), tier {target.tier}")
-        for pid in [p for p in self.known if p not in present]:
-            k = self.known.pop(pid)
-            if k.recorded and pid in self.rec.targets:
-                self.rec.remove_process(pid, "exit", "exited")
-                lines.append(f"target pid {pid} exited")
-        self.left_out = left_out
-        if left_out and not self._said_full:
-            why = "memory above max_rss" if self.paused else f"max_targets = {self.max_targets} reached"
-            lines.append(f"{left_out} selected processes are not recorded ({why}); they are added when "
-                         "room is back")
-            self._said_full = True
-        elif not left_out:
-            self._said_full = False
-        return lines
-
-    def rule_of(self, pid: int) -> int | None:
-        k = self.known.get(pid)
-        return k.rule if k is not None and k.recorded else None
-
-
-# --- CPU budget ----------------------------------------------------------------------------------
-
-class CpuBudget:
-    """A token bucket over the process's CPU time (all threads): `fraction` of a CPU per second of
-    wall time, at most `burst_s` seconds' worth saved up."""
-
-    def __init__(self, fraction: float, burst_s: float = CPU_BURST_S):
-        self.fraction = fraction
-        self.cap = fraction * burst_s
-        self.allowance = self.cap
-        self.t, self.cpu = time.monotonic(), time.process_time()
-        self.throttled_s = 0.0
-
-    def owed(self) -> float:
-        """Seconds to stop working for, to be back within the budget (0: within it)."""
-        now, cpu = time.monotonic(), time.process_time()
-        self.allowance = min(self.cap, self.allowance + (now - self.t) * self.fraction - (cpu - self.cpu))
-        self.t, self.cpu = now, cpu
-        return -self.allowance / self.fraction if self.allowance < 0 else 0.0
-
-
-# --- the dataset writer --------------------------------------------------------------------------
-
-def _make_writer(daemon: Daemon, root: str, recording_id: str):
-    from sampler.dataset.schema import FRAMES, RECORDER, RECORDINGS, STACKS, TARGETS
-    from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
-
-    class _Writer(DatasetWriter):
-        """Observes every row for the metrics; skips writing while paused; never raises for a full
-        disk or an I/O error (the recording goes on in memory)."""
-
-        def __init__(self):
-            super().__init__(root, recording_id, dir_mode=PRIVATE_DIR_MODE, file_mode=PRIVATE_FILE_MODE)
-            self.targets_rows: list[dict] = []
-            self.held: dict[str, list] = {STACKS.name: [], FRAMES.name: []}
-            self.held_dropped = 0
-            self.skipped_rows = 0
-
-        def write(self, table, rows, **kw):
-            if len(rows) == 0:
-                return None
-            daemon.observe(table, rows)
-            if table is TARGETS:                 # one file per interval, not per event
-                self.targets_rows += rows
-                if len(self.targets_rows) < TARGETS_FLUSH:
-                    return None
-                rows, self.targets_rows = self.targets_rows, []
-            elif table in (RECORDER, RECORDINGS):
-                self.flush_targets()
-            if daemon.writing_paused:
-                if table.name in self.held:
-                    held = self.held[table.name]
-                    if len(self.held[STACKS.name]) < STACK_HOLD:
-                        held += rows
-                    else:
-                        self.held_dropped += len(rows)
-                else:
-                    self.skipped_rows += len(rows)
-                return None
-            return self._write(table, rows, **kw)
-
-        def _write(self, table, rows, **kw):
-            try:
-                return super().write(table, rows, **kw)
-            except DiskFull as e:
-                daemon.disk_full(e)
-            except OSError as e:
-                daemon.write_failed(table.name, e)
-            if table.name in self.held:
-                self.held[table.name] += rows
-            else:
-                self.skipped_rows += len(rows)
-            return None
-
-        def flush_targets(self) -> None:
-            if self.targets_rows:
-                rows, self.targets_rows = self.targets_rows, []
-                if daemon.writing_paused:
-                    self.skipped_rows += len(rows)
-                else:
-                    self._write(TARGETS, rows)
-
-        def flush_held(self) -> None:
-            """After a pause: the stacks first seen meanwhile (outstanding rows reference them)."""
-            for name, table in ((STACKS.name, STACKS), (FRAMES.name, FRAMES)):
-                rows, self.held[name] = self.held[name], []
-                if rows and not daemon.writing_paused:
-                    self._write(table, rows)
-                elif rows:
-                    self.held[name] = rows
-
-    return _Writer()
-
-
-# --- child processes -----------------------------------------------------------------------------
-
-@dataclass
-class _Child:
-    kind: str
-    proc: subprocess.Popen
-    out: object            # a temporary file: its stdout
-    err: object
-    started: float
-    deadline: float
-    info: dict = field(default_factory=dict)
-
-
-class Daemon:
     def __init__(self, cfg: Config, config_path: str):
         self.cfg = cfg
         self.config_path = config_path
@@ -350,15 +95,12 @@ class Daemon:
         self.pauses = 0
         self._pause_logged = self._resume_logged = -1e9
         self._write_errors: dict[str, float] = {}
-        self.child: _Child | None = None
-        self.pending: list[str] = []
+        self.jobs = Children(self._job_args, log)
         self.findings_seen: OrderedDict[tuple, float] = OrderedDict()
         self.last_findings: list[dict] = []
         self.analysis_state: dict = {}
         self.compaction_state: dict = {}
-        self.pre_oom_levels: dict[int, tuple[int, list[tuple[str, int]], float]] = {}  # pid -> (start, levels, when)
-        self.pre_oom_windows: dict[int, float] = {}    # pid -> end (monotonic)
-        self.pre_oom_last: dict[tuple[int, int], float] = {}
+        self.pre_oom = PreOom(cfg.analysis, cfg.daemon.sample_bytes, log)
         self.growth: dict[int, deque] = {}
         self.proc_rows: dict[int, dict] = {}
         self.gpu_rows: dict[int, dict] = {}      # device index -> `gpu` row of this interval
@@ -377,7 +119,6 @@ class Daemon:
         self._rss = 0
         self._dataset_bytes: int | None = None
         self._due: dict[str, float] = {}
-        self.stopping = False
 
     # -- start and stop ----------------------------------------------------------------------
     def run(self) -> int:
@@ -415,11 +156,7 @@ class Daemon:
             fault_period=d.fault_period, cpu_budget=d.cpu_budget_percent / 100, ringbuf_bytes=RINGBUF_BYTES,
             max_samples_per_s=d.max_samples_per_s, vm_events_per_s=d.vm_events_per_s,
             daemon=True, quiet=True, argv=" ".join(sys.argv))
-        self.rec = rec = Recorder(opts)
-        rec.writer_factory = lambda root, rid: _make_writer(self, root, rid)
-        rec.on_start = self._on_start
-        rec.on_tick = self._on_tick
-        rec.on_snapshot = self._on_snapshot
+        self.rec = rec = Recorder(opts, hooks=self)
         self.discovery = Discovery(self.cfg, rec)
         log(f"daemon starting: config {self.config_path}, data in {self.root}, "
             f"{len(self.cfg.targets)} target tables, metrics "
@@ -429,15 +166,18 @@ class Daemon:
         try:
             code = rec.run()
         finally:
-            self.stopping = True
-            self._stop_child()
+            self.jobs.stop()
             if self.server is not None:
                 self.server.stop()
             self._write_status(state="stopped")
         log(f"daemon stopped after {time.monotonic() - t0:.0f} s (recording {rec.recording_id})")
         return code
 
-    def _on_start(self) -> None:
+    # -- the recording's hooks ---------------------------------------------------------------
+    def writer(self, root: str, recording_id: str, host: str) -> DaemonWriter:
+        return DaemonWriter(self, root, recording_id, host)
+
+    def started(self) -> None:
         rec = self.rec
         now = time.monotonic()
         self._rss = rss_bytes()
@@ -453,8 +193,7 @@ class Daemon:
                      "compact": now + min(r.compact_after_s, 3600.0)}
         self._write_status()
 
-    # -- the loop's hooks ---------------------------------------------------------------------
-    def _on_tick(self, now: float) -> None:
+    def tick(self, now: float) -> None:
         due = self._due
         if now >= due["scan"]:
             full = now >= due["full_scan"]
@@ -463,7 +202,7 @@ class Daemon:
             self._scan(now, full)
             due["scan"] = now + self.cfg.daemon.rescan_s
         if now >= due["pre_oom"]:
-            self._pre_oom(now)
+            self.pre_oom.check(now, self.rec, self.discovery.start_of)
             due["pre_oom"] = now + PRE_OOM_CHECK_S
         if now >= due["disk"]:
             self._update_disk(now)
@@ -472,19 +211,20 @@ class Daemon:
             self._retention()
             due["retention"] = now + max(5.0, self.cfg.daemon.interval_s)
         if now >= due["analysis"] and self.cfg.analysis.every_s:
-            self._queue("analyze")
+            self.jobs.queue("analyze")
             due["analysis"] = now + self.cfg.analysis.every_s
         if now >= due["compact"]:
-            self._queue("compact")
+            self.jobs.queue("compact")
             due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 10.0), 3600.0)
-        self._children(now)
+        if (result := self.jobs.poll(now)) is not None:
+            self._job_done(result)
         owed = self.cpu.owed()
         if owed > 0:
             pause = min(owed, 2.0)
             self.cpu.throttled_s += pause
             self.rec.idle(pause)
 
-    def _on_snapshot(self) -> None:
+    def snapshot_done(self) -> None:
         rec = self.rec
         rec.finished.clear()                 # the CLI's end-of-recording summary: not kept for months
         limit = self.cfg.daemon.max_rss
@@ -628,7 +368,7 @@ class Daemon:
                 log(f"{w.held_dropped} stack rows first seen while paused were not kept (bounded)")
                 w.held_dropped = 0
             with contextlib.suppress(Exception):
-                self.rec._write_recording(ended=None)      # in case it could not be written at start
+                self.rec.write_recording()      # in case it could not be written at start
         if (why is None) != (self._disk_paused_said is None):
             self.metrics.update_health(writing_paused=self.writing_paused)
         self._disk_paused_said = why
@@ -672,97 +412,29 @@ class Daemon:
         self.metrics.update_health(dataset_bytes=rep.total_bytes)
 
     # -- children: analysis and compaction -------------------------------------------------------
-    def _queue(self, kind: str) -> None:
-        if kind not in self.pending and not (self.child and self.child.kind == kind):
-            self.pending.append(kind)
-
-    def _children(self, now: float) -> None:
-        c = self.child
-        if c is not None:
-            code = c.proc.poll()
-            if code is None:
-                if now > c.deadline:
-                    c.proc.kill()
-                    c.proc.wait()
-                    log(f"{c.kind}: child took over {c.deadline - c.started:.0f} s and was stopped")
-                    self._close_child()
-                return
-            try:
-                self._child_done(c, code, now)
-            finally:
-                self._close_child()
-        if self.pending and self.child is None and not self.stopping:
-            self._start_child(self.pending.pop(0), now)
-
-    def _start_child(self, kind: str, now: float) -> None:
+    def _job_args(self, kind: str) -> tuple[list[str], float]:
         if kind == "analyze":
-            args = ["analyze", str(self.root), "--window", str(self.cfg.analysis.window_s)]
-            timeout = min(CHILD_TIMEOUT_S, max(60.0, self.cfg.analysis.every_s))
-        else:
-            args = ["compact", str(self.root), "--older-than", str(self.cfg.retention.compact_after_s)]
-            timeout = CHILD_TIMEOUT_S
-        out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()     # noqa: SIM115 (closed in _close_child)
-        try:
-            argv = [sys.executable, "-m", "sampler.service.daemon", "--child", str(os.getpid()), *args]
-            proc = subprocess.Popen(argv,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True,
-                                    cwd="/")
-        except OSError as e:
-            out.close()
-            err.close()
-            log(f"{kind}: could not start a child process: {e.strerror or e}")
-            return
-        self.child = _Child(kind, proc, out, err, now, now + timeout, {"wall": time.time()})
+            return ([str(self.root), "--window", str(self.cfg.analysis.window_s)],
+                    min(CHILD_TIMEOUT_S, max(60.0, self.cfg.analysis.every_s)))
+        return [str(self.root), "--older-than", str(self.cfg.retention.compact_after_s)], CHILD_TIMEOUT_S
 
-    def _close_child(self) -> None:
-        c, self.child = self.child, None
-        if c is not None:
-            for f in (c.out, c.err):
-                with contextlib.suppress(Exception):
-                    f.close()
-
-    def _stop_child(self) -> None:
-        if self.child is not None and self.child.proc.poll() is None:
-            self.child.proc.kill()
-            with contextlib.suppress(Exception):
-                self.child.proc.wait(5)
-        self._close_child()
-
-    def _child_done(self, c: _Child, code: int, now: float) -> None:
-        c.out.seek(0)
-        c.err.seek(0)
-        text = c.out.read().decode(errors="replace")
-        err_lines = c.err.read().decode(errors="replace").strip().splitlines()
-        state = {"at": dt.datetime.fromtimestamp(c.info["wall"], dt.timezone.utc).isoformat(timespec="seconds"),
-                 "seconds": round(now - c.started, 1), "exit": code}
-        if code != 0:
-            state["error"] = err_lines[-1] if err_lines else f"exit status {code}"
-            log(f"{c.kind}: failed ({state['error']})")
-        elif c.kind == "analyze":
-            try:
-                doc = json.loads(text)
-            except ValueError:
-                state["error"] = "unreadable output"
-                log("analyze: unreadable output from the child")
-            else:
-                state["findings"] = self._findings(doc, c.info["wall"])
+    def _job_done(self, r: Result) -> None:
+        state, doc = r.state, r.doc
+        if r.kind == "analyze":
+            if doc is not None:
+                state["findings"] = self._findings(doc, r.wall)
                 state["max_rss_bytes"] = doc.get("max_rss_bytes")
-        else:
-            try:
-                rep = json.loads(text)
-            except ValueError:
-                rep = {}
-            state.update(rep)
-            if rep.get("merged_files"):
-                before, after = rep["bytes_before"] / _MiB, rep["bytes_after"] / _MiB
-                log(f"compaction: {rep['merged_files']} files merged into {rep['new_files']} "
-                    f"({before:.1f} -> {after:.1f} MiB) in {rep['seconds']:.1f} s")
-            for s in rep.get("skipped", [])[:3]:
-                log(f"compaction: skipped {s}")
-        if c.kind == "analyze":
             self.analysis_state = state
-        else:
-            self.compaction_state = state
+            return
+        rep = doc or {}
+        state.update(rep)
+        if rep.get("merged_files"):
+            before, after = rep["bytes_before"] / _MiB, rep["bytes_after"] / _MiB
+            log(f"compaction: {rep['merged_files']} files merged into {rep['new_files']} "
+                f"({before:.1f} -> {after:.1f} MiB) in {rep['seconds']:.1f} s")
+        for skipped in rep.get("skipped", [])[:3]:
+            log(f"compaction: skipped {skipped}")
+        self.compaction_state = state
 
     def _findings(self, doc: dict, wall: float) -> int:
         from sampler.dataset.schema import FINDINGS
@@ -782,8 +454,7 @@ class Daemon:
                 log(f"finding: {f.get('kind')} pid {f.get('pid')} ({f.get('comm')}), severity "
                     f"{float(f.get('severity') or 0):.0f}, confidence {float(f.get('confidence') or 0):.2f}: "
                     f"{f.get('summary', '')}")
-            rows.append({"ts": ts, "recording_id": self.rec.recording_id, "host": self.rec.host,
-                         "pid": int(f.get("pid") or 0), "comm": str(f.get("comm") or ""),
+            rows.append({"ts": ts, "pid": int(f.get("pid") or 0), "comm": str(f.get("comm") or ""),
                          "kind": str(f.get("kind") or ""), "severity": _float(f.get("severity")),
                          "confidence": _float(f.get("confidence")), "summary": f.get("summary"),
                          "source": f.get("source"), "stack_id": _int64(f.get("stack_id")), "new": new,
@@ -795,51 +466,6 @@ class Daemon:
                               for f in found[:20]]
         return len(found)
 
-    # -- pre-OOM capture ----------------------------------------------------------------------
-    def _pre_oom(self, now: float) -> None:
-        a = self.cfg.analysis
-        rec = self.rec
-        for pid, end in list(self.pre_oom_windows.items()):
-            if now >= end:
-                del self.pre_oom_windows[pid]
-                if pid in rec.targets:
-                    rec.snapshot_now()
-                    rec.note(pid, "pre_oom", "window over: snapshot taken")
-                    log(f"pre-OOM: pid {pid} window over, snapshot written")
-        if not a.pre_oom:
-            return
-        for pid in [p for p in self.pre_oom_levels if p not in rec.targets]:
-            del self.pre_oom_levels[pid]
-        for pid, t in list(rec.targets.items()):
-            start = self.discovery.known[pid].start if pid in self.discovery.known else 0
-            cached = self.pre_oom_levels.get(pid)
-            if cached is None or cached[0] != start or (now - cached[2] > 60):
-                cached = self.pre_oom_levels[pid] = (start, cgroup_memory_levels(pid), now)
-            levels = cached[1]
-            if not levels or pid in self.pre_oom_windows:
-                continue
-            p = memory_pressure(levels)
-            if p is None or p[0] < a.pre_oom_fraction:
-                continue
-            key = (pid, start)
-            if now - self.pre_oom_last.get(key, -1e9) < max(2 * a.pre_oom_window_s, PRE_OOM_AGAIN_S):
-                continue                            # still near the limit: again in 5 minutes
-            self.pre_oom_last[key] = now
-            if len(self.pre_oom_last) > 4096:
-                self.pre_oom_last = dict(list(self.pre_oom_last.items())[-2048:])
-            ratio, usage, limit = p
-            self.pre_oom_windows[pid] = now + a.pre_oom_window_s
-            raised = rec.raise_detail(pid, now + a.pre_oom_window_s, a.pre_oom_sample_bytes)
-            mean = rec.sample_mean(pid)
-            detail = (f"cgroup memory {usage / _MiB:.0f} MiB of its {limit / _MiB:.0f} MiB limit ({100 * ratio:.0f}%, "
-                      f"threshold {100 * a.pre_oom_fraction:.0f}%): snapshot now and after {a.pre_oom_window_s:g} s"
-                      + (f"; sampled at a {mean} byte mean meanwhile" if mean < self.cfg.daemon.sample_bytes else "")
-                      + ("; allocation probes attached all the time meanwhile"
-                         if raised and t.tier == "attach" and self.rec.governor is not None else ""))
-            rec.note(pid, "pre_oom", detail)
-            rec.snapshot_now()
-            log(f"pre-OOM: pid {pid} ({t.info.comm}) {detail}")
-
     # -- memory -------------------------------------------------------------------------------
     def _memory(self) -> int:
         """The RSS the bound applies to (own_rss: measured only when RSS nears the bound)."""
@@ -848,38 +474,11 @@ class Daemon:
 
     def _prune_caches(self, level: int) -> None:
         """The recorder's caches are sized for a recording of minutes, not for months of process
-        churn. Level 0 (every interval): what they hold for processes that are gone, and a size
-        cap on the per-file ones. 1 (near max_rss): the memos, then gc and malloc_trim. 2 (above
-        it): also DWARF line tables, allocator plans and demangled names (costly to rebuild)."""
-        from sampler.binary import dwarf_lines
-        from sampler.probes import allocators
-        from sampler.stacks import symbolize
-
-        rec = self.rec
-        sym = getattr(rec, "symbolizer", None)
-        unw = getattr(rec, "unwinder", None)
-        if sym is None or unw is None:
+        churn: pruned every interval (level 0), their memos dropped near max_rss (1), what is
+        costly to rebuild dropped above it (2); then gc and malloc_trim give the memory back."""
+        if self.rec is None or self.rec.probes is None:
             return
-        with contextlib.suppress(AttributeError, TypeError, RuntimeError):
-            live = {id(img) for v in sym._procs.values() for img in v.images.values() if img is not None}
-            for d in (unw._tables, unw.cfi._by_image):
-                for img in [k for k in d if id(k) not in live]:
-                    del d[img]
-            for pid in [p for p in sym._procs if p not in rec.targets]:
-                del sym._procs[pid]
-            if level >= 2 or len(allocators._plan_cache) > 512:
-                allocators._plan_cache.clear()
-            if level >= 2 or len(dwarf_lines.LineTables._cache) > 256:
-                with dwarf_lines.LineTables._cache_lock:
-                    dwarf_lines.LineTables._cache.clear()
-            if level >= 2:
-                symbolize.demangle.cache_clear()
-            if level >= 1:
-                sym._memo.clear()
-                # generations only keep old memo entries apart: with the memo empty they may go
-                for pid in [p for p in sym._generations if p not in rec.targets]:
-                    del sym._generations[pid]
-                rec.stacks._memo.clear()
+        self.rec.prune(level)
         if level >= 1:
             gc.collect()
             _malloc_trim()
@@ -900,7 +499,7 @@ class Daemon:
                     "since": _iso(k.since) if k is not None and k.since else None,
                     "rss_bytes": row.get("rss"), "alloc_coverage": row.get("alloc_coverage"),
                     "probe_cpu_estimate": row.get("probe_cpu_estimate"),
-                    "pre_oom": pid in self.pre_oom_windows})
+                    "pre_oom": pid in self.pre_oom.windows})
         targets.sort(key=lambda x: -(x["rss_bytes"] or 0))
         h = self.metrics.snapshot().health if self.metrics is not None else None
         doc = {
@@ -928,16 +527,8 @@ class Daemon:
             "analysis": self.analysis_state, "compaction": self.compaction_state,
             "findings": self.last_findings,
         }
-        path = self.root / STATUS_FILE
-        tmp = self.root / f".{STATUS_FILE}.tmp"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-            with open(fd, "w") as f:
-                json.dump(doc, f, default=str)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+        with contextlib.suppress(OSError), files.atomic_file(self.root / STATUS_FILE, 0o640, durable=False) as f:
+            f.write(json.dumps(doc, default=str).encode())
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -964,10 +555,9 @@ def _float(v) -> float | None:
 
 def _int64(v) -> int | None:
     try:
-        v = int(v)
+        return int64(int(v))
     except (TypeError, ValueError):
         return None
-    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def _iso(t: float) -> str:
@@ -984,62 +574,3 @@ def run(config_path: str) -> int:
     anything is loaded."""
     cfg = load_config(config_path)
     return Daemon(cfg, config_path).run()
-
-
-# --- the child: python -m sampler.service.daemon --child PARENT_PID analyze|compact ... -----------------
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the daemon dies (kill -9 included), so a compaction is never left running."""
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:           # it died before the prctl
-        os._exit(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)
-
-
-def _child_main(argv: list[str]) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m sampler.service.daemon --child")
-    p.add_argument("parent", type=int)
-    sub = p.add_subparsers(dest="what", required=True)
-    a = sub.add_parser("analyze")
-    a.add_argument("dir")
-    a.add_argument("--window", type=float, required=True)
-    c = sub.add_parser("compact")
-    c.add_argument("dir")
-    c.add_argument("--older-than", type=float, required=True)
-    args = p.parse_args(argv)
-    _die_with_parent(args.parent)
-    if args.what == "analyze":
-        from analysis import analyze
-        from analysis.dataset import load
-
-        since = dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=args.window)
-        findings = analyze.run(load(args.dir, since=since))
-        print(json.dumps({**analyze.to_document(findings), "max_rss_bytes": _own_peak()}))
-        return 0
-    from sampler.dataset.retention import compact
-
-    rep = compact(args.dir, args.older_than)
-    print(json.dumps({"merged_files": rep.files_before, "new_files": len(rep.merged),
-                      "bytes_before": rep.bytes_before, "bytes_after": rep.bytes_after,
-                      "seconds": round(rep.seconds, 2), "skipped": rep.skipped, "max_rss_bytes": _own_peak()}))
-    return 0
-
-
-def _own_peak() -> int:
-    """This process's peak RSS since its exec: VmHWM, as getrusage's maxrss keeps the RSS of the
-    forked daemon from before the exec."""
-    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
-        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) << 10
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--child"]:
-        sys.exit(_child_main(sys.argv[2:]))
-    print("usage: allocsampler daemon --config PATH", file=sys.stderr)
-    sys.exit(2)

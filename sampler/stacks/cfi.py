@@ -684,6 +684,10 @@ class CfiStore:
     def decodes(self) -> int:
         return sum(t.decodes for t in self._tables)
 
+    def prune(self, keep: set[ElfImage]) -> None:
+        for img in [k for k in self._by_image if k not in keep]:
+            del self._by_image[img]
+
     def _path(self, build_id: str) -> Path | None:
         return self.cache_dir / f"{build_id}.npy" if self.cache_dir else None
 

@@ -100,6 +100,25 @@ class Symbolizer:
         vaddr = img.file_offset_to_vaddr(addr - m.start + m.offset)
         return None if vaddr is None else (img, addr - vaddr)
 
+    def prune(self, live_pids: set[int], shed: int = 0) -> None:
+        """Bound what is kept for a long recording: views of processes not in `live_pids` go;
+        `shed` 1 (memory is short) also drops the memo, 2 the DWARF line tables and demangled
+        names too (costly to rebuild)."""
+        for pid in [p for p in self._procs if p not in live_pids]:
+            del self._procs[pid]
+        if shed >= 1:
+            self._memo.clear()
+            # generations only keep old memo entries apart: with the memo empty they may go
+            for pid in [p for p in self._generations if p not in live_pids]:
+                del self._generations[pid]
+        LineTables.prune(shed)
+        if shed >= 2:
+            demangle.cache_clear()
+
+    def images(self) -> set[ElfImage]:
+        """The ELF images of the processes known now (what the unwinder's tables may keep)."""
+        return {img for v in self._procs.values() for img in v.images.values() if img is not None}
+
     def forget(self, pid: int) -> None:
         """Drop what is known of `pid` (it exited or exec'd)."""
         self._procs.pop(pid, None)

@@ -145,6 +145,11 @@ class StackTable:
             return None
         return min(maximum, max(2048, -(-(d + max(2048, d // 4)) // 1024) * 1024))
 
+    def prune(self, live_pids: set[int], shed: int = 0) -> None:
+        """`shed` >= 1 (memory is short): the memo goes (stack ids stay stable: they are hashes)."""
+        if shed >= 1:
+            self._memo.clear()
+
     def forget(self, pid: int) -> None:
         """The process exec'd or exited: its addresses mean something else now."""
         self.symbolizer.forget(pid)

@@ -81,6 +81,13 @@ class Unwinder:
         """FDEs decoded so far (those loaded from the disk cache are not counted)."""
         return self.cfi.decodes
 
+    def prune(self, keep: set[ElfImage]) -> None:
+        """Drop the tables of images not in `keep` (those of processes gone); per-build-id rules
+        stay, to be saved and found again."""
+        for img in [k for k in self._tables if k not in keep]:
+            del self._tables[img]
+        self.cfi.prune(keep)
+
     def save(self) -> None:
         """Persist the per-build-id caches to cache_dir (atomically); no-op without cache_dir."""
         self.cfi.save()

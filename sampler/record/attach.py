@@ -1,0 +1,213 @@
+"""Attach policy: which probes a recorded process gets in its tier, and moving it between tiers.
+
+- attach: uprobes on the malloc family of every allocator library it maps (sampler/probes);
+- preload: a process that carries otel_memory USDT probes samples itself; its allocator uprobes
+  would count those samples again, so it gets the USDT probes instead;
+- rss and syscalls: no allocator probes (page faults and mmap-family syscalls only).
+CUDA and PyTorch probes come with every tier (their calls are rare), and CPython targets get
+their frame layout pushed to BPF. Libraries appear later (exec, dlopen): `rescan` looks again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from sampler.bpf.abi import TargetFlag
+from sampler.bpf.loader import BpfProbes
+from sampler.control.governor import Governor
+from sampler.gpu.cuda import GpuTracer
+from sampler.probes import usdt
+from sampler.probes.allocators import Family, find_allocators
+from sampler.proc.maps import Mapping, open_path, read_maps
+from sampler.python.targets import PythonTargets
+from sampler.record.target import ATTACH, PRELOAD, RSS, SYSCALLS, Target
+from sampler.record.vm_events import VmClassifier
+
+EXEC_RESCAN_S = 5.0     # after an exec the new image maps its libraries over a moment
+NO_ALLOCATOR = ("no probeable allocator (statically linked or stripped: no malloc symbol in any mapped file)")
+
+
+class Attacher:
+    """`note(t, event, detail)` writes a `targets` row; `warn(t, message)` one of event "warning"."""
+
+    def __init__(self, probes: BpfProbes, *, allocators: tuple[Family, ...], fault_period: int,
+                 fault_all: bool, fault_cgroups: list[int], gpu: GpuTracer | None,
+                 python: PythonTargets | None, governor: Governor | None,
+                 note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool):
+        self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
+        self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
+        self.gpu, self.python, self.governor = gpu, python, governor
+        self.note, self.warn, self.quiet = note, warn, quiet
+        self.faults_used = False            # the page-fault program ran for some target
+        self._gpu_said = False
+
+    def attach(self, t: Target) -> None:
+        """Probes for a new target, then its `attach` row. ProcessLookupError: it exited meanwhile."""
+        if t.tier == RSS:
+            self.enable_faults()
+        self.probes.add_target(t.pid, TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0))
+        if self.governor is not None and t.tier == ATTACH:
+            self.governor.add(t.pid, time.monotonic())
+        self._attach_gpu(t, self._attach_allocators(t))
+        self._detect_python(t, final=True)
+        self.note(t, "attach", t.attach_detail())
+
+    def enable_faults(self) -> None:
+        """The page-fault program, once, with the recording's host-wide selection (a target that
+        moves to the rss tier later must not narrow it)."""
+        if not self.faults_used:
+            self.probes.enable_faults(self.fault_period, self.fault_all, self.fault_cgroups)
+            self.faults_used = True
+
+    def rescan(self, t: Target) -> None:
+        """Look for libraries mapped since the last look (a new `attach` row when there are)."""
+        n = len(t.libs)
+        try:
+            new_gpu = self._attach_gpu(t, self._attach_allocators(t))
+        except ProcessLookupError:
+            return
+        self._detect_python(t, final=not t.rescan_until)
+        if len(t.libs) > n or new_gpu:
+            self.note(t, "attach", t.attach_detail())
+
+    def leave_attach(self, t: Target, tier: str, why: str) -> None:
+        """Move a target out of the attach tier: its allocator probes go, and with them the
+        sampled blocks whose frees could no longer be seen."""
+        self.probes.detach_probes(t.pid)
+        self.probes.forget_live(t.pid, t.table.drop_malloc())
+        t.attached.clear()
+        t.libs = []
+        t.modes = {}
+        t.duty, t.coverage = 1.0, None
+        t.tier = tier
+        if self.governor is not None:
+            self.governor.forget(t.pid)
+        if tier == RSS:
+            self.probes.add_target(t.pid, TargetFlag.SYSCALLS | TargetFlag.FAULTS)
+            self.enable_faults()
+        self.note(t, "tier", f"{tier}: {why}")
+
+    def exec_(self, t: Target, from_thread: bool) -> None:
+        """The process exec'd: what belonged to the old image goes; probes bound to files stay."""
+        pid = t.pid
+        if from_thread:
+            # exec from a non-leader thread: the old leader task, to which the probe links were
+            # bound, is gone; attach again to the new image
+            self.probes.detach_probes(pid)
+            t.attached.clear()
+        self.probes.forget_live(pid, t.table.live_addresses())
+        self.probes.forget_mappings(pid)
+        t.table.clear()
+        t.vm = VmClassifier()
+        self.probes.detach_gpu(pid)          # the new image maps its own CUDA, if any
+        if self.gpu is not None:
+            self.gpu.forget(pid)
+        if t.tier == PRELOAD:                # the new image may not carry the probes: start over
+            self.probes.detach_probes(pid)
+            t.usdt.clear()
+            t.usdt_labels = []
+            t.attached.clear()
+            t.tier = ATTACH
+            if self.governor is not None:
+                self.governor.add(pid, time.monotonic())
+        if self.python is not None:
+            self.python.forget(pid)
+        t.py_checked = False
+        # Attachments stay: uprobes are bound to the library file and the task, and follow it
+        # into the new image. Rescan for libraries that the new image adds.
+        t.rescan_until = time.monotonic() + EXEC_RESCAN_S
+
+    # ------------------------------------------------------------------------------------------
+    def _detect_python(self, t: Target, final: bool) -> None:
+        """Start reading Python frames when the target runs CPython. Right after an exec the
+        interpreter may not be initialized yet: retried quietly until `final`."""
+        if self.python is None or t.py_checked:
+            return
+        why = self.python.add(t.pid)
+        if self.python.known(t.pid) or final:
+            t.py_checked = True
+            if why:
+                self.warn(t, why)
+
+    def _attach_allocators(self, t: Target) -> list[Mapping] | None:
+        """Returns the maps it read, for _attach_gpu (None: this tier reads none)."""
+        pid = t.pid
+        if t.tier in (RSS, SYSCALLS):
+            return None
+        libs, maps = find_allocators(pid, self.allocators)
+        if self._attach_usdt(t, maps) or t.tier == PRELOAD:
+            return maps
+        for lib in libs:
+            ident = (lib.path, lib.build_id)
+            if ident in t.attached:
+                continue
+            t.attached[ident] = None
+            try:
+                modes, failed = self.probes.attach(pid, lib)
+            except OSError as e:
+                if not os.path.exists(f"/proc/{pid}"):
+                    raise ProcessLookupError(pid) from None
+                modes, failed = {}, {p.name: str(e) for p in lib.points}
+            t.modes.update(modes)
+            for why in dict.fromkeys(failed.values()):
+                names = ", ".join(n for n, w in failed.items() if w == why)
+                t.failures.append(f"could not probe {names} in {lib.path}: {why}")
+                self.warn(t, t.failures[-1])
+            if modes:
+                t.attached[ident] = lib
+        t.libs = [a for lib in libs if (a := t.attached.get((lib.path, lib.build_id)))]
+        if not libs and not t.libs and not t.rescan_until and not t.warned:
+            t.warned = True
+            self.warn(t, f"{NO_ALLOCATOR}; only mmap/brk are recorded. Name the allocator library "
+                         "with --allocator LIB[:PREFIX].")
+        return maps
+
+    def _attach_gpu(self, t: Target, maps: list[Mapping] | None) -> bool:
+        """CUDA runtime/driver probes and PyTorch's USDT probes, in every tier (CUDA calls are
+        rare). `maps`: as _attach_allocators read them, None to read them here. Returns whether new
+        ones were attached. ProcessLookupError: the process is gone."""
+        if self.gpu is None:
+            return False
+        if t.tier in (RSS, SYSCALLS) and t.pid in self.gpu.targets and not t.rescan_until:
+            return False        # host-wide tiers: rescan only when the process maps new code
+        new, warnings = self.gpu.scan(t.pid, read_maps(t.pid) if maps is None else maps)
+        for w in warnings:
+            self.warn(t, w)
+        if new and not self._gpu_said and not self.quiet and not self.gpu.nvml.ok:
+            self._gpu_said = True         # the one line about the missing driver, when it matters
+            print(f"allocsampler: {self.gpu.status}", file=sys.stderr)
+        return new
+
+    def _attach_usdt(self, t: Target, maps: list[Mapping]) -> bool:
+        """Preload tier: a process carrying otel_memory probes samples its own allocations. Its
+        allocator uprobes would count them again: they are dropped. Returns whether it has them."""
+        found = []
+        seen = set()
+        for m in maps:
+            ident = (m.dev, m.inode, m.path)
+            if not m.executable or not m.path.startswith("/") or ident in seen or ident in t.usdt:
+                continue
+            seen.add(ident)
+            probes = usdt.memory_probes(open_path(t.pid, m))
+            if probes:
+                found.append((ident, m, probes))
+        if not found:
+            return False
+        if t.tier == ATTACH:
+            self.leave_attach(t, PRELOAD, f"carries otel_memory USDT probes ({found[0][1].path}): "
+                                          "recorded from its own samples, no allocator uprobes")
+        for ident, m, probes in found:
+            try:
+                self.probes.attach_usdt(t.pid, open_path(t.pid, m), probes)
+            except OSError as e:
+                if not os.path.exists(f"/proc/{t.pid}"):
+                    raise ProcessLookupError(t.pid) from None
+                t.failures.append(f"could not attach the otel_memory probes of {m.path}: {e}")
+                self.warn(t, t.failures[-1])
+                continue
+            t.usdt.add(ident)
+            t.usdt_labels += [f"{p.label} (usdt, multi)" for p in probes]
+        return True

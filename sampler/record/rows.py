@@ -1,0 +1,122 @@
+"""Rows of the dataset's tables, built from the recorder's plain state.
+
+The writer stamps `recording_id` and `host` (sampler/dataset/writer.py); each function here returns
+the rest of a row, or a list of them, for one table of sampler/dataset/schema.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sampler.bpf.abi import Counter as C
+from sampler.bpf.abi import VmOp
+from sampler.dataset.schema import int32, int64
+from sampler.proc.memory import ProcessSample
+from sampler.record.outstanding import MALLOC, MMAP
+from sampler.record.target import ATTACH, Target
+from sampler.stacks.table import Stack
+
+_VM_NAME = {op.value: op.name.lower() for op in VmOp}
+
+
+def outstanding_rows(t: Target, now: dt.datetime, interval: float, mono_ns: int) -> list[dict]:
+    common = {"ts": now, "interval_s": interval, "pid": t.pid, "comm": t.info.comm}
+    return [{**common, **r} for r in t.table.snapshot(mono_ns)]
+
+
+def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: int, stack_collisions: int,
+                probe_cost_ns: float | None, gpu: dict) -> dict:
+    """A `processes` row. `probe_cost_ns`: the governor's price of a probe hit (None: no governor)."""
+    b = s.breakdown
+    heap_live, arena_live, live_var = t.table.live_by_region(b.regions)
+    mb, ms = t.table.totals(MALLOC)
+    mmb, mms = t.table.totals(MMAP)
+    attach = t.tier == ATTACH
+    return {
+        "ts": now, "pid": t.pid,
+        "comm": s.comm, "rss": s.rss, "pss": s.pss, "uss": s.uss, "swap": s.swap, "vms": s.vms,
+        "threads": s.threads, "memory_limit": s.memory_limit,
+        "heap_rss": b.heap_rss, "heap_size": b.heap_size, "heap_swap": b.heap_swap,
+        "arena_rss": b.arena_rss, "arena_size": b.arena_size, "arena_swap": b.arena_swap,
+        "arena_heaps": b.arena_heaps, "arenas": b.arenas, "anon_rss": b.anon_rss,
+        "file_rss": b.file_rss, "stack_rss": b.stack_rss,
+        "heap_live_bytes": heap_live, "arena_live_bytes": arena_live,
+        "heap_arena_live_stderr_bytes": live_var ** 0.5,
+        "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
+        "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
+        "lost_events": t.drops[0], "dropped_samples": t.drops[1], "vm_events_suppressed": t.drops[2],
+        "sample_mean_bytes": sample_mean,
+        "stack_collisions": stack_collisions,
+        "tier": t.tier, "alloc_coverage": t.coverage,
+        "probe_hits_per_s": t.hit_rate if attach else None,
+        "probe_cpu_estimate": t.hit_rate * probe_cost_ns * 1e-9 if attach and probe_cost_ns is not None else None,
+        **gpu,
+    }
+
+
+def label(f) -> str:
+    """A frame as `stacks.summary` shows it."""
+    if f.kind == "python":
+        return f"{f.function} ({f.module}:{f.line})" if f.line else f"{f.function} ({f.module})"
+    return f"{f.function or hex(f.offset)} ({f.module})"
+
+
+def stack_rows(stacks: list[Stack], now: dt.datetime) -> tuple[list[dict], list[dict]]:
+    """`stacks` and `frames` rows of newly seen stacks."""
+    stack_out, frame_out = [], []
+    for st in stacks:
+        labels = [label(f) for f in st.frames]
+        stack_out.append({"ts": now, "stack_id": st.stack_id, "n_frames": len(st.frames),
+                          "truncated": st.truncated, "site": labels[0] if labels else None,
+                          "summary": " < ".join(labels), "unwind_stop": st.unwind_stop,
+                          "python_frames": sum(f.kind == "python" for f in st.frames)})
+        for depth, f in enumerate(st.frames):
+            frame_out.append({"ts": now, "stack_id": st.stack_id, "depth": depth,
+                              "function": f.function, "module": f.module, "path": f.path,
+                              "offset": None if f.kind == "python" else int64(f.offset),
+                              "build_id": f.build_id, "file": f.file, "line": f.line, "kind": f.kind,
+                              "inlined": f.inline})
+    return stack_out, frame_out
+
+
+def target_row(t: Target, now: dt.datetime, event: str, detail: str, *, gpu_libraries: list[str],
+               gpu_labels: list[str]) -> dict:
+    i = t.info
+    return {
+        "ts": now, "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
+        "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs] + gpu_libraries,
+        "probes": t.probe_labels() + gpu_labels, "detail": detail,
+    }
+
+
+def vm_row(ev, event: str | None, ts: dt.datetime, stack_id: int | None) -> dict:
+    """A `vm_events` row of one mmap-family syscall."""
+    op = ev.op
+    prot = flags = advice = new_length = None
+    if op in (VmOp.MMAP, VmOp.MPROTECT):
+        prot = ev.arg & 0xFFFFFFFF
+        flags = (ev.arg >> 32) if op == VmOp.MMAP else None
+    elif op == VmOp.MADVISE:
+        advice = ev.arg & 0xFFFFFFFF
+    elif op == VmOp.MREMAP:
+        new_length = ev.arg
+    return {
+        "ts": ts, "pid": ev.pid, "tid": ev.tid, "op": _VM_NAME.get(op, str(op)), "event": event,
+        "addr": int64(ev.addr), "length": int64(ev.size), "prot": int32(prot), "flags": int32(flags),
+        "advice": int32(advice), "new_length": int64(new_length), "result": ev.ret,
+        "sampled_weight": float(ev.weight) if ev.weight else None, "stack_id": stack_id,
+    }
+
+
+def recorder_row(now: dt.datetime, interval: float, counters: list[int], **measured) -> dict:
+    """A `recorder` row: `counters` are the BPF counters' increase over the interval (sampler/bpf/abi.py
+    Counter), `measured` the recorder's own figures."""
+    return {
+        "ts": now, "interval_s": interval,
+        "probe_hits": sum(counters[C.HITS:C.HITS + 32]), "vm_hits": sum(counters[C.VM_HITS:C.VM_HITS + 16]),
+        "samples": counters[C.SAMPLED], "lost_events": counters[C.LOST_EVENTS],
+        "dropped_samples": counters[C.LIVE_FULL], "pending_full": counters[C.PENDING_FULL],
+        "stack_errors": counters[C.STACK_ERR], "python_thread_misses": counters[C.PY_MISS],
+        "vm_events_suppressed": counters[C.VM_SUPPRESSED], "sampled_faults": counters[C.FAULTS],
+        "cuda_calls": counters[C.CUDA_CALLS], **measured,
+    }

@@ -1,0 +1,55 @@
+"""What the recorder keeps per recorded process (plain data; the policies live in attach.py,
+control.py and recorder.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sampler.probes.allocators import AllocatorLib
+from sampler.proc.process import ProcessInfo
+from sampler.record.outstanding import ProcessTable
+from sampler.record.vm_events import VmClassifier
+
+# Tiers (processes.tier): how a process's allocations are seen (README: "Tiers").
+ATTACH, PRELOAD, RSS, SYSCALLS = "attach", "preload", "rss", "syscalls"
+
+
+@dataclass
+class Target:
+    info: ProcessInfo
+    tier: str = ATTACH
+    table: ProcessTable = field(default_factory=ProcessTable)
+    # (path, build_id) -> the library as attached, None when attaching failed (not retried).
+    # Attachments outlive exec: uprobes are bound to the file and the task.
+    attached: dict[tuple, AllocatorLib | None] = field(default_factory=dict)
+    libs: list[AllocatorLib] = field(default_factory=list)   # probed libraries mapped now
+    modes: dict[str, str] = field(default_factory=dict)      # function -> session | perf
+    failures: list[str] = field(default_factory=list)        # why probes could not be attached
+    vm: VmClassifier = field(default_factory=VmClassifier)
+    rescan_until: float = 0.0
+    warned: bool = False                                     # "no probeable allocator" said once
+    py_checked: bool = False                                 # Python detection done for this image
+    drops: tuple[int, int, int, int] = (0, 0, 0, 0)          # lost events, live table full, vm
+                                                             # suppressed, samples drawn (BPF counts)
+    reconciled: int = 0                                      # vm suppressed at the last reconciliation
+    usdt: set[tuple] = field(default_factory=set)            # files whose otel_memory probes are attached
+    usdt_labels: list[str] = field(default_factory=list)
+    duty: float = 1.0                                        # governor: malloc weights are divided by it
+    coverage: float | None = None                            # of the last interval
+    hits: int = 0                                            # probe hits at the last snapshot
+    hit_rate: float = 0.0                                    # per second, last interval
+    allocs_on: bool = True                                   # allocation probes attached (governor)
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    def probe_labels(self) -> list[str]:
+        """`targets.probes`: each allocator probe with its site and mode, then the USDT ones."""
+        probes = [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
+                  f"{self.modes.get(p.name, 'not attached')})" for lib in self.libs for p in lib.points]
+        return probes + self.usdt_labels
+
+    def attach_detail(self) -> str:
+        skipped = [f"{name} ({why})" for lib in self.libs for name, why in lib.skipped]
+        return ("not probed: " + "; ".join(skipped)) if skipped else ""
