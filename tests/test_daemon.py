@@ -554,7 +554,8 @@ def test_metrics_endpoint_and_status(daemon, bins):
     leak = daemon.targets[0]
     text = wait_for(lambda: (m := daemon.metrics()) and metric(m, "allocsampler_process_growth_bytes_per_second",
                                                                pid=leak.pid) and m, 20, "growth of the leak")
-    assert metric(text, "allocsampler_process_rss_bytes", pid=leak.pid, comm="as_leak", tier="attach") > 0
+    assert metric(text, "allocsampler_process_rss_bytes", pid=leak.pid, tier="attach") > 0
+    assert metric(text, "allocsampler_process_info", pid=leak.pid, comm="as_leak") == 1
     assert metric(text, "allocsampler_process_outstanding_bytes", pid=leak.pid, source="malloc") > MiB
     assert metric(text, "allocsampler_process_outstanding_stderr_bytes", pid=leak.pid, source="malloc") > 0
     assert metric(text, "allocsampler_process_growth_bytes_per_second", pid=leak.pid) > 0

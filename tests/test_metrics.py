@@ -1,18 +1,23 @@
 """The Prometheus endpoint: the exposition text checked by a strict parser of the 0.0.4 text
-format, the cardinality cap, and a real server on an ephemeral port."""
+format, the cardinality cap and name churn, and a real server on an ephemeral port, with what it
+does against slow, flooding and busy clients."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
+import select
 import shutil
 import socket
 import subprocess
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from sampler.dataset.schema import CUDA, CUDA_DRIVER, CUDA_HOST, GPU, PROCESSES, RECORDER, TORCH
 from sampler.errors import EnvironmentProblem
@@ -23,12 +28,16 @@ from sampler.service.config import Config
 from sampler.service.daemon import Daemon
 from sampler.service.metrics import (
     CONTENT_TYPE,
+    GPU_KINDS,
+    MAX_COMM,
+    SOURCES,
     DeviceMetrics,
     Estimate,
     MetricsServer,
     MetricsState,
     ProcessMetrics,
     RecorderHealth,
+    StateCollector,
     render,
 )
 
@@ -40,15 +49,16 @@ VALUE_ESCAPES = {"\\": "\\", '"': '"', "n": "\n"}
 FAMILIES = {
     "allocsampler_up": ("gauge", ()),
     "allocsampler_start_time_seconds": ("gauge", ()),
-    "allocsampler_process_rss_bytes": ("gauge", ("pid", "comm", "tier")),
-    "allocsampler_process_memory_limit_bytes": ("gauge", ("pid", "comm")),
-    "allocsampler_process_growth_bytes_per_second": ("gauge", ("pid", "comm")),
-    "allocsampler_process_outstanding_bytes": ("gauge", ("pid", "comm", "source")),
-    "allocsampler_process_outstanding_stderr_bytes": ("gauge", ("pid", "comm", "source")),
-    "allocsampler_process_arena_bloat_bytes": ("gauge", ("pid", "comm")),
-    "allocsampler_process_sample_mean_bytes": ("gauge", ("pid", "comm")),
-    "allocsampler_process_gpu_memory_bytes": ("gauge", ("pid", "comm", "kind")),
-    "allocsampler_process_gpu_memory_stderr_bytes": ("gauge", ("pid", "comm", "kind")),
+    "allocsampler_process_info": ("gauge", ("pid", "comm")),     # the only series with comm
+    "allocsampler_process_rss_bytes": ("gauge", ("pid", "tier")),
+    "allocsampler_process_memory_limit_bytes": ("gauge", ("pid",)),
+    "allocsampler_process_growth_bytes_per_second": ("gauge", ("pid",)),
+    "allocsampler_process_outstanding_bytes": ("gauge", ("pid", "source")),
+    "allocsampler_process_outstanding_stderr_bytes": ("gauge", ("pid", "source")),
+    "allocsampler_process_arena_bloat_bytes": ("gauge", ("pid",)),
+    "allocsampler_process_sample_mean_bytes": ("gauge", ("pid",)),
+    "allocsampler_process_gpu_memory_bytes": ("gauge", ("pid", "kind")),
+    "allocsampler_process_gpu_memory_stderr_bytes": ("gauge", ("pid", "kind")),
     "allocsampler_processes_omitted": ("gauge", ()),
     "allocsampler_gpu_memory_total_bytes": ("gauge", ("device",)),
     "allocsampler_gpu_memory_used_bytes": ("gauge", ("device",)),
@@ -198,15 +208,18 @@ def test_render_is_strict_exposition_format():
 def test_render_values_and_escaping():
     fams = parse(render(sample_state()))
     assert value(fams, "allocsampler_up") == 1
-    assert value(fams, "allocsampler_process_rss_bytes", pid="101", comm="python3", tier="attach") == 3 << 30
-    # quotes, backslashes and newlines in comm survive the round trip; undecodable bytes become "?"
-    assert value(fams, "allocsampler_process_rss_bytes", pid="202", comm=WEIRD_COMM, tier="rss") == 1 << 20
-    assert value(fams, "allocsampler_process_rss_bytes", pid="303", comm="bad?name", tier="preload") == 7
-    assert value(fams, "allocsampler_process_outstanding_bytes", pid="101", comm="python3", source="malloc") == 1.5e9
-    assert value(fams, "allocsampler_process_outstanding_stderr_bytes", pid="202", comm=WEIRD_COMM,
-                 source="fault") == 1e5
-    assert value(fams, "allocsampler_process_growth_bytes_per_second", pid="101", comm="python3") == 12345.5
-    assert value(fams, "allocsampler_process_gpu_memory_bytes", pid="101", comm="python3", kind="used") == 8 << 30
+    assert value(fams, "allocsampler_process_rss_bytes", pid="101", tier="attach") == 3 << 30
+    # names only on the info series: quotes, backslashes and newlines in comm survive the round
+    # trip; undecodable bytes become "?"
+    assert series(fams, "allocsampler_process_info") == {
+        (("comm", "python3"), ("pid", "101")): 1, (("comm", WEIRD_COMM), ("pid", "202")): 1,
+        (("comm", "bad?name"), ("pid", "303")): 1}
+    assert value(fams, "allocsampler_process_rss_bytes", pid="202", tier="rss") == 1 << 20
+    assert value(fams, "allocsampler_process_rss_bytes", pid="303", tier="preload") == 7
+    assert value(fams, "allocsampler_process_outstanding_bytes", pid="101", source="malloc") == 1.5e9
+    assert value(fams, "allocsampler_process_outstanding_stderr_bytes", pid="202", source="fault") == 1e5
+    assert value(fams, "allocsampler_process_growth_bytes_per_second", pid="101") == 12345.5
+    assert value(fams, "allocsampler_process_gpu_memory_bytes", pid="101", kind="used") == 8 << 30
     # unknown figures are absent, never a made-up 0
     assert len(series(fams, "allocsampler_process_growth_bytes_per_second")) == 1
     assert len(series(fams, "allocsampler_process_arena_bloat_bytes")) == 1
@@ -216,7 +229,7 @@ def test_render_values_and_escaping():
     assert value(fams, "allocsampler_lost_events_total") == 3
     assert value(fams, "allocsampler_samples_total") == 75
     assert value(fams, "allocsampler_vm_events_suppressed_total") == 100_000
-    assert value(fams, "allocsampler_process_sample_mean_bytes", pid="101", comm="python3") == 4 << 20
+    assert value(fams, "allocsampler_process_sample_mean_bytes", pid="101") == 4 << 20
     assert len(series(fams, "allocsampler_process_sample_mean_bytes")) == 1
     assert value(fams, "allocsampler_live_table_fill_ratio") == 0.25
     assert value(fams, "allocsampler_cpu_seconds_total") == 12.25
@@ -265,7 +278,7 @@ def test_gpu_metrics_from_recorder_rows():
 
     fams = parse(render(daemon.metrics.snapshot()))
     assert_published(fams)
-    ids = {"pid": "101", "comm": "python3"}
+    ids = {"pid": "101"}
     assert series(fams, "allocsampler_process_gpu_memory_bytes") == {
         tuple(sorted({**ids, "kind": k}.items())): v
         for k, v in (("used", 7 << 30), ("reserved", 3 << 30), ("pinned", 256 << 20), ("allocated", torch_bytes))}
@@ -306,7 +319,7 @@ def test_special_float_values():
                                         growth_bytes_per_second=float("-inf"),
                                         outstanding={"malloc": Estimate(float("nan"), float("inf"))})])
     text = render(state)
-    assert 'allocsampler_process_growth_bytes_per_second{pid="1",comm="x"} -Inf\n' in text
+    assert 'allocsampler_process_growth_bytes_per_second{pid="1"} -Inf\n' in text
     assert 'source="malloc"} NaN\n' in text and 'source="malloc"} +Inf\n' in text
     parse(text)
 
@@ -323,12 +336,61 @@ def test_per_process_cap():
     assert min(rss.values()) == 50 * 4096            # the 200 largest
     assert len(series(fams, "allocsampler_process_outstanding_bytes")) == 200
     assert value(fams, "allocsampler_processes_omitted") == 50
-    assert all(dict(k)["comm"] != "reused" for k in rss)
+    assert len(series(fams, "allocsampler_process_info")) == 200
+    assert all(dict(k)["comm"] != "reused" for k in series(fams, "allocsampler_process_info"))
 
     state.max_processes = 0
     fams = parse(render(state))
     assert series(fams, "allocsampler_process_rss_bytes") == {}
     assert value(fams, "allocsampler_processes_omitted") == 250
+
+
+def test_comm_control_characters_and_quotes_are_escaped():
+    """The format's escapes for backslash, quote and newline; "?" for every other character that
+    is not printable; long names cut. Nothing in the text but line ends splits a line, for any
+    line splitter (str.splitlines, as `allocsampler status` reads it, splits on \\r, \\x85, \\u2028...)."""
+    comm = 'q"\\\n' + "\r\t\x00\x1b\x7f\x85\u2028\x1c\u200b\udcfe" + "é名" + "x" * 300
+    state = MetricsState()
+    state.set_processes([ProcessMetrics(pid=7, comm=comm, tier="attach", rss_bytes=1)])
+    text = render(state)
+    assert all(c == "\n" or c.isprintable() for c in text)
+    assert text.splitlines() == text.split("\n")[:-1]
+    shown = 'q"\\\n' + "?" * 10 + "é名" + "x" * (MAX_COMM - 16)
+    assert len(shown) == MAX_COMM
+    assert series(parse(text), "allocsampler_process_info") == {(("comm", shown), ("pid", "7")): 1}
+    # the library's own parser reads the same
+    (info,) = [f for f in text_string_to_metric_families(text) if f.name == "allocsampler_process_info"]
+    assert [s.labels for s in info.samples] == [{"pid": "7", "comm": shown}]
+
+
+def test_renaming_does_not_grow_series():
+    """A process that renames itself changes its one info series; every other series stays the same."""
+    def series_keys(suffix: str) -> set[tuple]:
+        state = sample_state()
+        state.set_processes([dataclasses.replace(p, comm=p.comm + suffix) for p in state.processes])
+        return {(name, key) for name, f in parse(render(state)).items() for key in f["samples"]}
+
+    before, after = series_keys(""), series_keys("-renamed")
+    assert len(before) == len(after)
+    changed = before ^ after
+    assert {name for name, _ in changed} == {"allocsampler_process_info"} and len(changed) == 2 * 3
+
+
+def test_series_are_bounded():
+    """Whatever the number of targets: at most max_processes processes with series, a fixed number
+    each, the largest by RSS; the others counted."""
+    full = dict(growth_bytes_per_second=1.0, outstanding={s: Estimate(1, 1) for s in SOURCES}, arena_bloat_bytes=1,
+                gpu_memory_bytes=dict.fromkeys(GPU_KINDS, 1), gpu_memory_stderr_bytes=dict.fromkeys(GPU_KINDS, 1),
+                memory_limit_bytes=1, sample_mean_bytes=1)
+    state = MetricsState(max_processes=50)
+    state.set_processes(ProcessMetrics(pid=i, comm=f"p{i}", tier="attach", rss_bytes=i, **full) for i in range(1000))
+    fams = parse(render(state))
+    per_process = [n for n in fams if n.startswith("allocsampler_process_")]
+    pids = {dict(k)["pid"] for n in per_process for k in series(fams, n)}
+    assert pids == {str(i) for i in range(950, 1000)}
+    # info, rss, limit, growth, 3 sources x 2, bloat, 4 GPU kinds x 2, sample mean
+    assert sum(len(series(fams, n)) for n in per_process) == 50 * 20
+    assert value(fams, "allocsampler_processes_omitted") == 950
 
 
 def test_closed_label_sets_and_immutability():
@@ -390,12 +452,13 @@ def test_server_serves_metrics():
         state.add_interval(samples=5)                # the next scrape sees the daemon's writes
         assert value(parse(get(base + "/metrics?x=1")[2]), "allocsampler_samples_total") == 80
 
-        status, ctype, body = get(base + "/")
-        assert status == 200 and ctype.startswith("text/html") and 'href="/metrics"' in body
-
-        with pytest.raises(urllib.error.HTTPError) as e:
-            get(base + "/nope")
-        assert e.value.code == 404
+        # only GET /metrics: every other path and method is a 404
+        for path, method in (("/", "GET"), ("/nope", "GET"), ("/metricsx", "GET"), ("/metrics", "HEAD"),
+                             ("/metrics", "POST"), ("/metrics", "PUT")):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(base + path, method=method, data=b"x" * 10),
+                                       timeout=5)
+            assert e.value.code == 404, (path, method)
 
         # scrapes concurrent with a writer thread always see a whole, valid state
         stop = threading.Event()
@@ -444,3 +507,143 @@ def test_unknown_address_is_environment_problem():
     with pytest.raises(EnvironmentProblem) as e:
         MetricsServer(MetricsState(), host="192.0.2.1", port=0).start()    # TEST-NET-1: not ours
     assert "\n" not in str(e.value) and "[metrics] listen" in str(e.value)
+
+
+def closed_by_server(s: socket.socket, wait: float) -> bool:
+    """Whether the server closes `s` within `wait` s (end of stream or reset; a refusal's 503 is read past)."""
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        if not select.select([s], [], [], left)[0]:
+            return False
+        try:
+            if not s.recv(4096):
+                return True
+        except ConnectionResetError:
+            return True
+    return False
+
+
+def raw_get(port: int) -> bytes:
+    """A scrape's reply as bytes; b"" when the server reset the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        reply = b""
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+        return reply
+
+
+def test_slowloris_is_cut_off_and_does_not_block_a_scrape():
+    with MetricsServer(sample_state(), port=0, timeout_s=1.0) as server:
+        t0 = time.monotonic()
+        with socket.create_connection(("127.0.0.1", server.port)) as slow:
+            slow.sendall(b"GET /metrics HTTP/1.1\r\n")
+            status, _, body = get(f"http://127.0.0.1:{server.port}/metrics")       # answered meanwhile
+            assert status == 200 and value(parse(body), "allocsampler_up") == 1
+            assert time.monotonic() - t0 < 0.5
+            # a header byte every 0.1 s, never ending the head: a timeout per read would never fire,
+            # the connection's deadline does
+            closed_after = None
+            while closed_after is None and time.monotonic() - t0 < 5:
+                try:
+                    slow.sendall(b"X")
+                except OSError:
+                    closed_after = time.monotonic() - t0
+                if closed_by_server(slow, 0.1):
+                    closed_after = time.monotonic() - t0
+            assert closed_after is not None and 0.9 < closed_after < 2.5, closed_after
+
+
+def test_oversized_request_is_dropped():
+    with MetricsServer(MetricsState(), port=0) as server, \
+            socket.create_connection(("127.0.0.1", server.port)) as s:
+        t0 = time.monotonic()
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            for _ in range(64):
+                s.sendall(b"X-Filler: " + b"a" * 1000 + b"\r\n")
+                time.sleep(0.01)
+        assert closed_by_server(s, 1) and time.monotonic() - t0 < 2
+
+
+def test_connection_flood_is_dropped_quickly_and_a_scrape_still_works():
+    """Idle connections beyond the cap are closed at once, oldest first, long before the timeout;
+    a scrape during the flood gets its answer."""
+    cap, extra = 4, 12
+    with MetricsServer(sample_state(), port=0, timeout_s=30, max_connections=cap) as server:
+        flood = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(cap + extra)]
+        try:
+            t0 = time.monotonic()
+            closed: set[int] = set()
+            while len(closed) < extra and time.monotonic() - t0 < 2:
+                closed |= {i for i, s in enumerate(flood) if i not in closed and closed_by_server(s, 0.01)}
+            assert closed == set(range(extra)), closed         # the oldest, at once
+            assert not any(closed_by_server(s, 0.2) for s in flood[extra:])
+
+            t1 = time.monotonic()
+            status, _, body = get(f"http://127.0.0.1:{server.port}/metrics")
+            assert status == 200 and value(parse(body), "allocsampler_samples_total") == 75
+            assert time.monotonic() - t1 < 2
+            assert closed_by_server(flood[extra], 1)           # the oldest idle one made room
+        finally:
+            for s in flood:
+                s.close()
+
+
+class GatedState(MetricsState):
+    """A state whose snapshot waits for `gate`: scrapes that stay busy as long as a test wants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.waiting, self._count = threading.Event(), 0, threading.Lock()
+
+    def snapshot(self) -> MetricsState:
+        with self._count:
+            self.waiting += 1
+        self.gate.wait(10)
+        return super().snapshot()
+
+
+def test_beyond_the_cap_a_connection_is_refused_while_all_are_answering():
+    state = GatedState()
+    with MetricsServer(state, port=0, timeout_s=10, max_connections=2) as server:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        statuses: list[int] = []
+        busy = [threading.Thread(target=lambda: statuses.append(get(url)[0])) for _ in range(2)]
+        for t in busy:
+            t.start()
+        try:
+            deadline = time.monotonic() + 5
+            while state.waiting < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert state.waiting == 2
+            t0 = time.monotonic()
+            reply = raw_get(server.port)
+            assert reply in (b"", b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            assert time.monotonic() - t0 < 1
+        finally:
+            state.gate.set()
+            for t in busy:
+                t.join()
+        assert statuses == [200, 200]
+        assert raw_get(server.port).startswith(b"HTTP/1.1 200 OK\r\n")     # slots free again
+
+
+def test_rendered_once_per_state_change(monkeypatch):
+    """Scrapes between two writes of the state share one rendering."""
+    calls = []
+    collect = StateCollector.collect
+
+    def counted(self):
+        calls.append(1)
+        return collect(self)
+
+    monkeypatch.setattr(StateCollector, "collect", counted)
+    state = sample_state()
+    with MetricsServer(state, port=0) as server:
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        assert get(url)[2] == get(url)[2] and len(calls) == 1
+        state.add_interval(samples=1)
+        assert value(parse(get(url)[2]), "allocsampler_samples_total") == 76 and len(calls) == 2
