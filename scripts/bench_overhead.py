@@ -56,7 +56,13 @@ Rounds. One warm-up round (discarded), then --rounds measured rounds (default 5)
 every workload runs every variant once, in an order rotated by one position per round (round r
 starts with variant r mod k), so no variant always follows the same one. --quick: tiny loops
 (c 20,000 pairs, python 300 and torch 60 iterations, mt 40,000 allocations), 1 round, no
-warm-up: a smoke test of the machinery (the ratios then mean nothing: loops of milliseconds).
+warm-up, and unless --workloads/--variants are given only the c workload with one variant of
+each kind that the harness starts and waits for differently: unprobed, memleak (an external tool,
+its log and munmap), attach (a recorder, symbol probe sites), preload (the shim, USDT sites),
+preload-idle (the shim alone), rss (the targets file). attach-governed and attach-perf are attach
+with other flags, and the other workloads differ only in their command line; their start-ups
+would double the ~20 s. A smoke test of the machinery: the ratios mean nothing (loops of
+milliseconds), as the report's first line says.
 A full default run starts a recorder ~100 times at ~15 s each (bcc compiles and loads the BPF
 programs) and runs the probed loops (memleak: up to ~10x slower): expect about 40 minutes.
 
@@ -394,6 +400,9 @@ main()
 
 WORKLOADS = ("c", "python", "torch", "mt")
 VARIANTS = ("unprobed", "memleak", "attach", "attach-governed", "preload", "preload-idle", "rss")
+QUICK_WORKLOADS = ("c",)
+QUICK_VARIANTS = ("unprobed", "memleak", "attach", "preload", "preload-idle", "rss")   # one of each kind
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 EXTRA_VARIANTS = ("attach-perf",)                 # only when named in --variants
 ALIASES = {"allocsampler": "attach", "allocsampler-perf": "attach-perf"}   # the script's old names
 ATTACH_TIERS = ("attach", "attach-governed", "attach-perf")
@@ -658,7 +667,7 @@ class Bench:
         if need_rec:
             try:
                 r = subprocess.run([*a.allocsampler_cmd, "record", "--help"], capture_output=True, text=True,
-                                   timeout=120)
+                                   timeout=120, cwd=REPO)
                 helptext = r.stdout if r.returncode == 0 else ""
                 why = "" if helptext else f"`allocsampler record --help` exited {r.returncode}: {_short(r.stderr)}"
             except (OSError, subprocess.TimeoutExpired) as e:
@@ -864,8 +873,9 @@ class Bench:
                 argv += ["--sample-bytes", str(a.sample_mean)]
         else:
             argv = [self.args.memleak, "-p", str(pid), "-T", "5"]
+        # cwd: `python -m sampler.cli.main` (no .venv in this checkout) must import this checkout
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, cwd=REPO)
 
     def wait_ready(self, variant: str, pid: int, tool: subprocess.Popen, rundir: Path, log: Path) -> int:
         """Wait until the tool's probes are in place; returns the number of probe sites checked."""
@@ -1342,13 +1352,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, help="measured rounds (default: 5; 1 with --quick)")
     p.add_argument("--warmup", type=int, help="discarded warm-up rounds (default: 1; 0 with --quick)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma-separated, from {','.join(WORKLOADS)} (default: all)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--workloads",
+                   help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: "
+                   f"{','.join(QUICK_WORKLOADS)})")
+    p.add_argument("--variants",
                    help=f"comma-separated, from {','.join(VARIANTS + EXTRA_VARIANTS)} (default: all but "
-                   f"{','.join(EXTRA_VARIANTS)}); unprobed is added when missing (the ratios need it)")
+                   f"{','.join(EXTRA_VARIANTS)}; --quick: {','.join(QUICK_VARIANTS)}); unprobed is added when "
+                   "missing (the ratios need it)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny loops (a round takes seconds plus tool start-up), 1 round, no warm-up: a smoke test")
+                   help="tiny loops, 1 round, no warm-up, one variant of each kind on the c workload: a smoke test")
     p.add_argument("--c-pairs", type=int, help="malloc/free pairs of the C loop (default: 500,000; --quick: 20,000)")
     p.add_argument("--mt-ops", type=int,
                    help="allocations of the mt stress, all 4 threads together (default: 1,000,000; --quick: 40,000)")
@@ -1391,6 +1403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (datasets, logs)")
     a = p.parse_args(argv)
     a.sample_mean_given = any(x == "--sample-mean" or x.startswith("--sample-mean=") for x in (argv or sys.argv[1:]))
+    a.variants = a.variants or ",".join(QUICK_VARIANTS if a.quick else VARIANTS)
+    a.workloads = a.workloads or ",".join(QUICK_WORKLOADS if a.quick else WORKLOADS)
     a.variants = list(dict.fromkeys(ALIASES.get(v.strip(), v.strip()) for v in a.variants.split(",") if v.strip()))
     a.workloads = list(dict.fromkeys(w.strip() for w in a.workloads.split(",") if w.strip()))
     if bad := [v for v in a.variants if v not in VARIANTS + EXTRA_VARIANTS]:
@@ -1489,7 +1503,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, int]:
     record = {
         "meta": machine_meta(args, bench, argv, started, load0, sizes), "notes": bench.notes, "na": bench.na,
         "failed": [[w, v, why] for (w, v), why in failed.items()], "workloads": args.workloads,
-        "variants": args.variants, "rounds": args.rounds, "runs": [asdict(r) for r in runs],
+        "variants": args.variants, "rounds": args.rounds, "quick": args.quick, "runs": [asdict(r) for r in runs],
     }
     return record, status
 
@@ -1505,6 +1519,8 @@ def report(record: dict, args: argparse.Namespace, write_files: bool) -> None:
         base = args.markdown.resolve().parent if args.markdown else Path.cwd()
         svg_ref = os.path.relpath(args.svg.resolve(), base)
     text = markdown(rows, verdict_lines, meta, svg_ref, record["notes"])
+    if record.get("quick"):         # also in --markdown files and --report-from re-renders
+        text = f"{QUICK_NOTE}\n\n{text}"
     if args.json and not args.report_from:
         args.json.write_text(json.dumps({**record, "summary": rows, "verdicts": verdict_lines}, indent=1,
                                         default=str) + "\n")

@@ -3,7 +3,7 @@
 
 Run as root from the project's virtual environment:
 
-    sudo .venv/bin/python scripts/bench_stacks.py [--workload ext|torch|both] [--samples 2000]
+    sudo .venv/bin/python scripts/bench_stacks.py [--workload ext|torch|both] [--samples 2000] [--quick]
 
 For each workload (tests/workloads/py_leak.py: a -O2 -fomit-frame-pointer C extension called
 from three Python functions, or torch CPU tensor allocations), the BPF programs are attached to
@@ -17,6 +17,9 @@ and then turned into stacks three times while the process waits (its memory stay
 
 Reported: samples, mean and p95 record bytes (header + registers + Python frames + stack copy),
 the fraction of stacks that reach the thread's entry, and per-sample microseconds (median, p95).
+
+--quick: both workloads, a tenth of their allocations (~250 samples each instead of ~2,500) and
+--samples 200: the same capture and passes in seconds, a smoke test whose numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ from sampler.stacks.table import COMPLETE, StackTable  # noqa: E402
 from sampler.stacks.unwind import Unwinder  # noqa: E402
 
 WORKLOADS = REPO / "tests" / "workloads"
+QUICK_SCALE = 0.1        # of the workloads' allocation counts
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 
 def build_ext(d: Path) -> Path:
@@ -121,19 +126,25 @@ def bench(name: str, argv: list[str], env: dict, samples: int, mean: int) -> lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=("ext", "torch", "both"), default="both")
-    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--samples", type=int, help="wait for at least this many (default 2000, --quick 200)")
+    ap.add_argument("--quick", action="store_true", help="a tenth of the allocations: a smoke test")
     args = ap.parse_args()
+    if args.samples is None:
+        args.samples = 200 if args.quick else 2000
+    scale = QUICK_SCALE if args.quick else 1.0
     d = build_ext(Path(tempfile.mkdtemp(prefix="leakext-")))
     env = {"PYTHONPATH": str(d), "PATH": "/usr/bin:/bin"}
     lines = ["| workload | pass | samples | mean record bytes | p95 bytes | reach entry | median µs/sample "
              "| p95 µs/sample |", "|---|---|---|---|---|---|---|---|"]
     py_leak = str(WORKLOADS / "py_leak.py")
     if args.workload in ("ext", "both"):
-        lines += bench("C ext from Python", [sys.executable, py_leak, "ext", "4096", "40000"], env,
+        lines += bench("C ext from Python", [sys.executable, py_leak, "ext", "4096", str(int(40000 * scale))], env,
                        args.samples, 64 << 10)
     if args.workload in ("torch", "both"):
-        lines += bench("torch CPU", [sys.executable, py_leak, "torch", str(64 << 10), "4000"], env,
+        lines += bench("torch CPU", [sys.executable, py_leak, "torch", str(64 << 10), str(int(4000 * scale))], env,
                        args.samples, 64 << 10)
+    if args.quick:
+        lines.append(QUICK_NOTE)
     print("\n".join(lines))
 
 

@@ -6,6 +6,9 @@ interleaved in rounds.
 Both modes share warm unwind tables and probe cost: only sampler/bpf/objcache.py's cache differs.
 
     sudo .venv/bin/python scripts/bench_startup.py --rounds 5
+
+--quick: one round (the priming start, one cold and one warm start: two BPF compiles), a smoke
+test whose numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 
 def start(target: int, cache: Path, out: Path) -> dict[str, float]:
@@ -51,8 +55,11 @@ def start(target: int, cache: Path, out: Path) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, help="default 5, --quick 1")
+    ap.add_argument("--quick", action="store_true", help="one round: a smoke test")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 5
     target = subprocess.Popen(["sleep", "100000"])
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     try:
@@ -77,6 +84,8 @@ def main() -> None:
                 cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
             print(f"| {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | " + " | ".join(cells)
                   + " |")
+        if args.quick:
+            print(QUICK_NOTE)
     finally:
         target.kill()
         shutil.rmtree(work, ignore_errors=True)

@@ -8,9 +8,11 @@ each second, recorded by one `allocsampler record` either alone, with 3 idle att
 targets on the same libc, or with 3 more busy loops; the governor is off (--cpu-budget 0) so that
 the probes stay attached and the cost is the probes' own.
 
-    sudo .venv/bin/python scripts/bench_targets.py [--rounds 2] [--rate 20000] [--seconds 6]
+    sudo .venv/bin/python scripts/bench_targets.py [--rounds 2] [--rate 20000] [--seconds 6] [--quick]
 
 Prints a markdown table (median and max CPU per pair of the measured loop, per scenario).
+--quick: one round of 2 s (one measured second) and no 15-idle scenario (the 3-idle one runs the
+same code with fewer targets): a smoke test whose numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ int main(int argc, char **argv)
 """
 SCENARIOS = {"alone": (0, 0), "with 3 idle targets": (3, 0), "with 3 busy targets": (0, 3),
              "with 15 idle targets": (15, 0)}
+QUICK_SCENARIOS = ("alone", "with 3 idle targets", "with 3 busy targets")
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 
 def start(exe: Path, seconds: int, rate: int) -> subprocess.Popen:
@@ -100,10 +104,18 @@ def run(exe: Path, out: Path, idle: int, busy: int, rate: int, seconds: int) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, help="default 2, --quick 1")
     ap.add_argument("--rate", type=int, default=20000, help="pairs per second of each busy loop")
-    ap.add_argument("--seconds", type=int, default=6)
+    ap.add_argument("--seconds", type=int, help="default 6, --quick 2 (the first second is not counted)")
+    ap.add_argument("--quick", action="store_true", help="one short round, three scenarios: a smoke test")
     a = ap.parse_args()
+    if a.rounds is None:
+        a.rounds = 1 if a.quick else 2
+    if a.seconds is None:
+        a.seconds = 2 if a.quick else 6
+    if a.seconds < 2:
+        ap.error("--seconds must be >= 2 (the first second includes attaching and is not counted)")
+    scenarios = {k: v for k, v in SCENARIOS.items() if not a.quick or k in QUICK_SCENARIOS}
     if os.geteuid() != 0:
         print("bench_targets: needs root (BPF)", file=sys.stderr)
         return 1
@@ -111,9 +123,9 @@ def main() -> int:
         exe = Path(tmp, "loop")
         Path(tmp, "loop.c").write_text(LOOP_C)
         subprocess.run(["cc", "-O2", "-o", str(exe), str(Path(tmp, "loop.c"))], check=True)
-        results: dict[str, list[float]] = {k: [] for k in SCENARIOS}
+        results: dict[str, list[float]] = {k: [] for k in scenarios}
         for r in range(a.rounds):                   # interleaved: drift hits every scenario alike
-            for name, (idle, busy) in SCENARIOS.items():
+            for name, (idle, busy) in scenarios.items():
                 v = run(exe, Path(tmp, f"{r}-{idle}-{busy}"), idle, busy, a.rate, a.seconds)
                 results[name] += v[1:]              # the first second includes attaching
                 print(f"round {r + 1} {name}: {' '.join(f'{x:.2f}' for x in v)} us/pair", file=sys.stderr)
@@ -121,6 +133,8 @@ def main() -> int:
     print("|---|--:|--:|--:|")
     for name, v in results.items():
         print(f"| {name} | {statistics.median(v):.2f} | {max(v):.2f} | {len(v)} |")
+    if a.quick:
+        print(QUICK_NOTE)
     return 0
 
 

@@ -1,0 +1,146 @@
+"""The benchmarks in scripts/ keep running: each one's --quick mode, run as a user runs it
+(`python scripts/bench_x.py --quick` from the repository root), must exit 0 and print its table
+with the rows and columns of a full run. The numbers are not checked (quick runs are too small
+to mean anything), only that they are there and parse.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from sampler.dataset.schema import PROCESSES, STR, TABLES
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
+
+
+def run_quick(script: str) -> str:
+    """stdout of `python scripts/<script> --quick`, which must exit 0 and say that it was quick."""
+    r = subprocess.run([sys.executable, f"scripts/{script}", "--quick"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, f"{script} exited {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    assert QUICK_NOTE in r.stdout
+    return r.stdout
+
+
+def _cells(line: str) -> list[str]:
+    # between the first and the last pipe: bench_startup writes a remark after its header
+    return [c.strip() for c in line[line.index("|") + 1:line.rindex("|")].split("|")]
+
+
+def md_table(text: str, first: str) -> tuple[list[str], list[dict[str, str]]]:
+    """The markdown table whose header starts with `| first |`: its header and one dict per row."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith(f"| {first} ")), None)
+    assert start is not None, f"no table with a `{first}` column in:\n{text}"
+    header = _cells(lines[start])
+    assert set(lines[start + 1]) <= set("|-: ") and len(_cells(lines[start + 1])) == len(header)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = _cells(line)
+        assert len(cells) == len(header), f"{line!r} has {len(cells)} cells, the header {len(header)}"
+        rows.append(dict(zip(header, cells, strict=True)))
+    return header, rows
+
+
+def num(cell: str) -> float:
+    """A table cell's (first) number: `1,234.5`, `+12.3%`, `4.10 (4.10-4.10)`."""
+    return float(cell.split()[0].rstrip("%").replace(",", ""))
+
+
+# -- bench_analysis: no BPF ------------------------------------------------------------------------
+
+def test_bench_analysis_quick() -> None:
+    out = run_quick("bench_analysis.py")
+    rows = re.search(r"^wrote ([\d,]+) outstanding rows in \d+ s$", out, re.M)
+    assert rows and int(rows[1].replace(",", "")) > 0, out
+    m = re.search(r"^analyze: ([\d.]+) s, peak RSS (\d+) MiB, findings (\{.*\})$", out, re.M)
+    assert m, out
+    assert float(m[1]) > 0 and int(m[2]) > 0
+    # each synthetic process has one leaking stack (and a cache, churn and a steady pool that are not leaks)
+    assert ast.literal_eval(m[3]) == {"persistent_growth": 2}
+
+
+def _bench_analysis_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_analysis", ROOT / "scripts" / "bench_analysis.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_analysis_writes_the_schema_types() -> None:
+    """Its synthetic tables take every type from the schema, whatever pandas infers (an all-null
+    column is float64 to pandas), and a column the schema lacks is refused, not dropped."""
+    arrow = _bench_analysis_module().arrow
+    ts = pd.to_datetime(["2026-11-01T00:00:00Z", "2026-11-01T00:00:10Z"])
+    for table in TABLES.values():
+        assert arrow(table, pd.DataFrame(index=range(2))).schema == table.schema
+    t = arrow(PROCESSES, pd.DataFrame({"ts": ts, "tier": [None, None], "rss": [1.0, 2.0]}))
+    assert t.schema.field("tier").type == STR and t.schema.field("rss").type == pa.int64()
+    with pytest.raises(ValueError, match="no columns"):
+        arrow(PROCESSES, pd.DataFrame({"ts": ts, "no_such_column": [1, 2]}))
+
+
+# -- the BPF benchmarks ----------------------------------------------------------------------------
+
+@pytest.mark.bpf
+def test_bench_overhead_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_overhead.py"), "workload")
+    assert header[:4] == ["workload", "variant", "median loop s", "ratio vs unprobed"]
+    assert len(header) == 13 and header[-1] == "tool peak RSS MiB"
+    # one variant of each kind the harness starts differently, on the c workload only
+    assert [(r["workload"], r["variant"]) for r in rows] == [
+        ("c", v) for v in ("unprobed", "memleak", "attach", "preload", "preload-idle", "rss")]
+    by = {r["variant"]: r for r in rows}
+    assert all(num(r["median loop s"]) >= 0 and num(r["ratio vs unprobed"]) > 0 for r in rows)
+    assert num(by["unprobed"]["ratio vs unprobed"]) == 1
+    for v in ("attach", "preload", "rss"):            # read from the recorder's own dataset
+        assert num(by[v]["probe hits/s"]) >= 0 and num(by[v]["lost events"]) >= 0
+    assert num(by["attach"]["probe hits/s"]) > 0     # every malloc and free of the loop is a hit
+    assert num(by["memleak"]["tool peak RSS MiB"]) > 0
+    assert by["attach"]["our overhead / memleak's"] != "–"
+
+
+@pytest.mark.bpf
+def test_bench_stacks_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_stacks.py"), "workload")
+    assert header == ["workload", "pass", "samples", "mean record bytes", "p95 bytes", "reach entry",
+                      "median µs/sample", "p95 µs/sample"]
+    assert [(r["workload"], r["pass"]) for r in rows] == [
+        (w, p) for w in ("C ext from Python", "torch CPU") for p in ("cold", "warm", "restart")]
+    for r in rows:
+        assert num(r["samples"]) > 0 and num(r["mean record bytes"]) > 0 and num(r["median µs/sample"]) > 0
+        assert 0 <= num(r["reach entry"]) <= 100
+    for w in ("C ext from Python", "torch CPU"):        # the three passes turn the same records into stacks
+        assert len({r["samples"] for r in rows if r["workload"] == w}) == 1
+
+
+@pytest.mark.bpf
+def test_bench_startup_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_startup.py"), "BPF programs")
+    assert header == ["BPF programs", "attached after (s)", "recorder CPU (s)", "recorder RSS (MiB)"]
+    assert [r["BPF programs"] for r in rows] == ["compiled (cold cache)", "loaded from the cache"]
+    for r in rows:
+        for col in header[1:]:
+            assert re.fullmatch(r"[\d.]+ \([\d.]+-[\d.]+\)", r[col]) and num(r[col]) > 0, r
+
+
+@pytest.mark.bpf
+def test_bench_targets_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_targets.py"), "scenario (20000 pairs/s, governor off)")
+    assert header[1:] == ["median us CPU/pair", "max", "seconds"]
+    assert [r[header[0]] for r in rows] == ["alone", "with 3 idle targets", "with 3 busy targets"]
+    for r in rows:
+        assert 0 < num(r["median us CPU/pair"]) <= num(r["max"]) and num(r["seconds"]) == 1
