@@ -19,7 +19,7 @@ import pandas as pd
 
 from analysis.dataset import read_table
 from analysis.export.pprof import stack_frames
-from analysis.units import fmt_bytes
+from sampler.units import fmt_bytes, parse_size
 
 DIFF_SCHEMA = 1
 Z = 3.0                                    # standard errors a change of an estimate must exceed
@@ -29,7 +29,6 @@ METRICS = ("peak_rss", "peak_arena_resident", "peak_outstanding", "final_outstan
 _LABELS = {"peak_rss": "peak RSS", "peak_arena_resident": "peak arena resident",
            "peak_outstanding": "peak outstanding", "final_outstanding": "final outstanding",
            "gpu_reserved": "peak GPU reserved"}
-_SIZES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -57,12 +56,10 @@ def parse_budget(text: str) -> Budget:
             if v < 0 or not math.isfinite(v):
                 raise ValueError
             return Budget(relative=v)
-        t = t.removesuffix("ib").removesuffix("b")
-        suffix = t[-1:] if t[-1:] in _SIZES else ""
-        v = float(t[: len(t) - len(suffix)]) * _SIZES[suffix]
-        if v < 0 or not math.isfinite(v):
+        v = parse_size(t)
+        if v is None:
             raise ValueError
-        return Budget(absolute=v)
+        return Budget(absolute=float(v))
     except ValueError:
         raise ValueError(f"not a budget: {text!r} (e.g. 5% or 64M)") from None
 

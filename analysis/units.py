@@ -1,15 +1,6 @@
-"""Human-readable numbers for reports."""
+"""Human-readable durations for reports (sizes: sampler/units.py)."""
 
 from __future__ import annotations
-
-
-def fmt_bytes(n: float) -> str:
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{sign}{n / scale:.1f} {unit}"
-    return f"{sign}{n:.0f} B"
 
 
 def fmt_hours(h: float) -> str:

@@ -51,7 +51,7 @@ import pyarrow.dataset as pds
 from analysis.dataset import Dataset, read_table
 from analysis.detect.stats import bin_series, normal_sf, theil_sen
 from analysis.findings import Finding
-from analysis.units import fmt_bytes
+from sampler.units import fmt_bytes
 
 HEAP_OVERHEAD = 4096 + 2200           # per heap: heap_info page rounding + sizeof(malloc_state)
 TCACHE_PER_THREAD = 235 << 10         # 64 bins x 7 chunks, 24..1032 B: the most a thread caches

@@ -21,8 +21,9 @@ import pandas as pd
 from analysis.dataset import Dataset, read_table
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
-from analysis.units import fmt_bytes, fmt_hours
+from analysis.units import fmt_hours
 from sampler.dataset.schema import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
+from sampler.units import fmt_bytes
 
 MiB = 1 << 20
 _WHAT = {**dict.fromkeys(DEVICE_SOURCES, "device memory"), **dict.fromkeys(HOST_SOURCES, "pinned host memory"),

@@ -32,7 +32,8 @@ import pandas as pd
 from analysis.dataset import Dataset
 from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
-from analysis.units import fmt_bytes, fmt_hours
+from analysis.units import fmt_hours
+from sampler.units import fmt_bytes
 
 MiB = 1 << 20
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis.report.top import fmt_bytes
+from sampler.units import fmt_bytes
 
 Frame = tuple[str, str]          # (function, or module+address when unsymbolized; module)
 

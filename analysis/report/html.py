@@ -22,7 +22,7 @@ from analysis.detect import gpu
 from analysis.findings import Finding
 from analysis.report import flamegraph
 from analysis.report.charts import Series, chart, seconds, thin
-from analysis.report.top import fmt_bytes
+from sampler.units import fmt_bytes
 
 TOP_STACKS = 8
 PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")

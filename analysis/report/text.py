@@ -7,7 +7,8 @@ import textwrap
 from analysis.dataset import Dataset
 from analysis.findings import Finding
 from analysis.report.html import trim_frames
-from analysis.units import fmt_bytes, fmt_hours
+from analysis.units import fmt_hours
+from sampler.units import fmt_bytes
 
 _NEXT = {
     "persistent_growth": "Find who keeps references to these allocations (the innermost frames are the allocation "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis.dataset import latest_outstanding, read_table
-from analysis.units import fmt_bytes
+from sampler.units import fmt_bytes
 
 
 def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10):

@@ -344,8 +344,8 @@ def _export(args) -> int:
 
     from analysis.export.collapsed import collapsed_lines
     from analysis.export.pprof import Window, profile_values, stack_frames, write_pprof
-    from analysis.units import fmt_bytes
     from sampler.errors import UsageError
+    from sampler.units import fmt_bytes
 
     if not args.pprof and not args.collapsed:
         raise UsageError("nothing to write: give --pprof OUT.pb.gz and/or --collapsed OUT.txt")
@@ -407,8 +407,8 @@ def _status(args) -> int:
 
 
 def _import_torch(args) -> int:
-    from analysis.units import fmt_bytes
     from sampler.dataset.torch_import import import_snapshot
+    from sampler.units import fmt_bytes
     s = import_snapshot(args.snapshot, args.out, pid=args.pid, comm=args.comm)
     print(f"imported {args.snapshot} into {args.out} as recording {s.recording_id}: {s.points} point(s), "
           f"{s.stacks} stacks, reserved {fmt_bytes(s.reserved_bytes)}, allocated {fmt_bytes(s.allocated_bytes)}")

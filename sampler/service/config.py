@@ -26,6 +26,7 @@ from typing import Any
 
 from sampler.errors import EnvironmentProblem, UsageError
 from sampler.proc.process import ProcView
+from sampler.units import format_size, parse_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,30 +44,7 @@ COMM_LEN = 15                    # the kernel keeps the first 15 bytes of a proc
 SELECTORS = ("name", "regex", "cgroup", "user", "all")
 UID_MAX = (1 << 32) - 2          # (uid_t)-1 means "no uid"
 
-# Sizes are powers of 1024, as in the CLI's --sample-bytes. sampler.cli.main._size is not reused: it raises
-# argparse errors, and cli.py imports config.py for the daemon command (a circular import).
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?)(?:i?b)?", re.IGNORECASE)
 _SIZE_META = {"size": True}      # dataclass field metadata: to_dict writes these as "512K"
-
-
-def parse_size(text: str) -> int | None:
-    """Bytes in "512K", "1.5G", "64MiB", "4096"; None when it is not a size."""
-    m = _SIZE_RE.fullmatch(text.strip())
-    if m is None:
-        return None
-    try:
-        return int(float(m[1]) * _UNITS[m[2].lower()])
-    except OverflowError:           # hundreds of digits: not a size either
-        return None
-
-
-def format_size(n: int) -> str:
-    """The largest unit that divides n exactly, so that parse_size(format_size(n)) == n."""
-    for unit in "PTGMK":
-        if n and n % _UNITS[unit.lower()] == 0:
-            return f"{n // _UNITS[unit.lower()]}{unit}"
-    return str(n)
 
 
 # --- the configuration ----------------------------------------------------------------------------

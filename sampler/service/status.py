@@ -13,6 +13,7 @@ from pathlib import Path
 from sampler.errors import EnvironmentProblem
 from sampler.service.config import DEFAULT_PATH, Config
 from sampler.service.config import load as load_config
+from sampler.units import fmt_bytes
 
 STATUS_FILE = ".status.json"      # sampler.service.daemon.STATUS_FILE (not imported: that module is heavier)
 
@@ -82,13 +83,13 @@ def render(doc: dict, live: dict[str, float]) -> str:
     disk = doc.get("disk", {})
     used = disk.get("dataset_bytes")
     free = disk.get("free_bytes")
-    lines.append(f"  disk: dataset {_size(used)} of {_size(disk.get('max_bytes'))} budget; {_size(free)} free "
-                 f"(min {_size(disk.get('min_free_bytes'))})")
+    lines.append(f"  disk: dataset {fmt_bytes(used)} of {fmt_bytes(disk.get('max_bytes'))} budget; "
+                 f"{fmt_bytes(free)} free (min {fmt_bytes(disk.get('min_free_bytes'))})")
     d = doc.get("daemon", {})
     bounded = d.get("bounded_rss_bytes")
-    shared = (f" ({_size(bounded)} less bcc's compiler pages that other processes share)"
+    shared = (f" ({fmt_bytes(bounded)} less bcc's compiler pages that other processes share)"
               if bounded and d.get("rss_bytes") and bounded < d["rss_bytes"] - (1 << 20) else "")
-    lines.append(f"  daemon: RSS {_size(d.get('rss_bytes'))}{shared}, max_rss {_size(d.get('max_rss'))}; CPU "
+    lines.append(f"  daemon: RSS {fmt_bytes(d.get('rss_bytes'))}{shared}, max_rss {fmt_bytes(d.get('max_rss'))}; CPU "
                  f"{100 * (d.get('cpu_fraction') or 0):.1f}% of a {100 * (d.get('cpu_budget') or 0):g}% budget "
                  f"(throttled {d.get('throttled_s', 0):g} s)")
     h = doc.get("health", {})
@@ -106,7 +107,7 @@ def render(doc: dict, live: dict[str, float]) -> str:
             if t.get("pre_oom"):
                 tier += "*"
             lines.append(f"    {t.get('pid'):>8}  {str(t.get('comm'))[:16]:<16} {tier:<8} "
-                         f"{_size(t.get('rss_bytes')):>9}  {t.get('rule') or ''}")
+                         f"{fmt_bytes(t.get('rss_bytes')):>9}  {t.get('rule') or ''}")
         if len(targets) > 30:
             lines.append(f"    ... {len(targets) - 30} more (allocsampler status --json)")
         if any(t.get("pre_oom") for t in targets):
@@ -118,7 +119,7 @@ def render(doc: dict, live: dict[str, float]) -> str:
                      f", {s.get('merged_files', 0)} files merged" if kind == "compaction" else "")
             err = f", failed: {s['error']}" if s.get("error") else ""
             child = s.get("max_rss_bytes")
-            peak = f", peak RSS {_size(child)}" if child else ""
+            peak = f", peak RSS {fmt_bytes(child)}" if child else ""
             lines.append(f"  {kind}: last run {s.get('at')} ({s.get('seconds')} s{extra}{peak}{err})")
         else:
             lines.append(f"  {kind}: not run yet")
@@ -129,17 +130,6 @@ def render(doc: dict, live: dict[str, float]) -> str:
             lines.append(f"    {f.get('kind')} pid {f.get('pid')} ({f.get('comm')}), severity "
                          f"{float(f.get('severity') or 0):.0f}: {f.get('summary')}")
     return "\n".join(lines)
-
-
-def _size(n) -> str:
-    if n is None:
-        return "?"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def main(config_path: str = DEFAULT_PATH, as_json: bool = False) -> int:
