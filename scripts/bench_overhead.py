@@ -873,7 +873,7 @@ class Bench:
                 argv += ["--sample-bytes", str(a.sample_mean)]
         else:
             argv = [self.args.memleak, "-p", str(pid), "-T", "5"]
-        # cwd: `python -m sampler.cli.main` (no .venv in this checkout) must import this checkout
+        # cwd: `python -m sampler.cli` (no .venv in this checkout) must import this checkout
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True, cwd=REPO)
 
@@ -1427,7 +1427,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.rounds < 1 or a.warmup < 0:
         p.error("--rounds must be >= 1 and --warmup >= 0")
     exe = a.allocsampler or REPO / ".venv" / "bin" / "allocsampler"
-    a.allocsampler_cmd = [str(exe)] if Path(exe).exists() else [sys.executable, "-m", "sampler.cli.main"]
+    a.allocsampler_cmd = [str(exe)] if Path(exe).exists() else [sys.executable, "-m", "sampler.cli"]
     venv_py = REPO / ".venv" / "bin" / "python"
     a.torch_python = a.torch_python or (str(venv_py) if venv_py.exists() else sys.executable)
     return a

@@ -32,7 +32,7 @@ QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean not
 def start(target: int, cache: Path, out: Path) -> dict[str, float]:
     env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache)}
     t0 = time.monotonic()
-    rec = subprocess.Popen([sys.executable, "-m", "sampler.cli.main", "record", "-p", str(target), "-o", str(out),
+    rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "-p", str(target), "-o", str(out),
                             "-q", "-i", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:

@@ -75,7 +75,7 @@ def run(exe: Path, out: Path, idle: int, busy: int, rate: int, seconds: int) -> 
     measured = start(exe, seconds, rate)
     others = [start(exe, seconds, 0) for _ in range(idle)] + [start(exe, seconds, rate) for _ in range(busy)]
     procs = [measured, *others]
-    cmd = [sys.executable, "-m", "sampler.cli.main", "record", "-o", str(out), "-i", "2", "--cpu-budget", "0", "-q"]
+    cmd = [sys.executable, "-m", "sampler.cli", "record", "-o", str(out), "-i", "2", "--cpu-budget", "0", "-q"]
     for p in procs:
         cmd += ["--pid", str(p.pid)]
     rec = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)

@@ -135,7 +135,7 @@ def gated():
 
 
 def allocsampler_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "sampler.cli.main", *args]
+    return [sys.executable, "-m", "sampler.cli", *args]
 
 
 class Recording:
@@ -163,6 +163,17 @@ class Recording:
                 return
             time.sleep(0.1)
         raise AssertionError("recorder did not attach in time")
+
+    def wait_snapshots(self, n: int, timeout: float = 60) -> None:
+        """Until the recording has written `n` interval snapshots (its `recorder` rows' files)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(list((self.out / "recorder").glob("date=*/*.parquet"))) >= n:
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
+            time.sleep(0.05)
+        raise AssertionError(f"fewer than {n} snapshots in {timeout} s")
 
     def wait_snapshot(self, after: float, timeout: float = 30) -> None:
         """Wait for an outstanding snapshot file written after the time `after`."""

@@ -18,12 +18,13 @@ def test_leak_flagged_and_bounded_cache_not(workload, record):
     w = workload()
     # 64 KiB mean: the rate is a slope over ~13 noisy points, and at 512 KiB its sampling error
     # alone (~15% per half-window slope) came close to the tolerance below
-    rec = record("--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K")
+    rec = record("--pid", str(w.pid), "-i", "0.5", "--sample-bytes", "64K")
     rec.wait_attached()
-    seconds, rate = 16, 4 * MiB
+    seconds, rate = 8, 8 * MiB
     t0 = time.monotonic()
-    w.start_call("service", seconds, rate, 16 * MiB, 4096)          # the cache is full after ~4 s
-    time.sleep(13)                                                   # stop recording mid-leak
+    w.start_call("service", seconds, rate, 16 * MiB, 4096)          # the cache is full after ~2 s
+    rec.wait_snapshots(13)                                           # stop recording mid-leak
+    elapsed = time.monotonic() - t0
     code, _, err = rec.stop()
     assert code == 0, err
     leaked = w.result()
@@ -38,7 +39,7 @@ def test_leak_flagged_and_bounded_cache_not(workload, record):
     f = growth[0]
     assert f["pid"] == w.pid and f["source"] == "malloc" and 0 < f["confidence"] <= 1
     assert f["growth_bytes_per_hour"] == pytest.approx(pace * 3600, rel=0.3)
-    assert f["outstanding_bytes"] == pytest.approx(pace * 13, rel=0.3)
+    assert f["outstanding_bytes"] == pytest.approx(pace * elapsed, rel=0.3)
     assert f["time_to_oom_hours"] > 0 and f["summary"]
     # the terminal report names it too, and says what to do
     text = subprocess.run(allocsampler_cmd("report", str(rec.out)), capture_output=True, text=True).stdout

@@ -17,7 +17,6 @@ import pytest
 from sampler.bpf import abi, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
-pytestmark = pytest.mark.bpf
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +32,7 @@ def cache(tmp_path_factory, bpf_ready):
     return d, spec, compile_s
 
 
+@pytest.mark.bpf
 def test_second_start_loads_the_cached_programs(cache):
     d, spec, compile_s = cache
     [entry] = d.glob("*.json")
@@ -72,6 +72,7 @@ def test_second_start_loads_the_cached_programs(cache):
         p.close()
 
 
+@pytest.mark.bpf
 def test_loaded_programs_run(cache):
     """Programs loaded from the cache run and report through the ring buffer: the sched
     tracepoint sees this process fork a child, the syscall tracepoints its mmap."""
@@ -99,6 +100,7 @@ def test_loaded_programs_run(cache):
         p.close()
 
 
+@pytest.mark.bpf
 def test_damaged_entry_is_compiled_again(cache, tmp_path):
     d, spec, _ = cache
     [entry] = d.glob("*.json")
@@ -114,6 +116,7 @@ def test_damaged_entry_is_compiled_again(cache, tmp_path):
     assert not list(tmp_path.glob("*.tmp*"))
 
 
+@pytest.mark.bpf
 def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     """Cached programs run in the kernel: an entry (or a cache directory) that another user
     could have written is compiled again instead of loaded, and nothing is stored there."""
@@ -136,6 +139,7 @@ def test_entries_others_can_write_are_not_loaded(cache, tmp_path, monkeypatch):
     assert not list(shared.iterdir())
 
 
+@pytest.mark.bpf
 def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
     """An entry that loads no more (here: a program without its exit) is dropped and compiled
     once; the recorder starts anyway and the entry is good again."""
@@ -155,6 +159,7 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
     assert objcache.build(text, flags, d) == (spec, False)
 
 
+@pytest.mark.bpf
 def test_recorders_starting_together_compile_once(cache, tmp_path, monkeypatch):
     _, spec, _ = cache
     text, flags = program_source(ProbeConfig())
@@ -182,6 +187,7 @@ def test_flags_are_part_of_the_key_and_sizes_are_not():
     assert not any("LIVE_MAX" in f or "RINGBUF" in f for f in flags)
 
 
+@pytest.mark.bpf
 def test_verifier_refusal_names_the_program_and_the_reason(bpf_ready):
     insn = bytes([0xb7, 0, 0, 0, 0, 0, 0, 0])       # r0 = 0, and no exit
     spec = objcache.ObjectSpec("GPL", 0, (), (objcache.ProgSpec("no_exit", insn, ()),))

@@ -26,7 +26,6 @@ from conftest import allocsampler_cmd, compile_c
 
 from analysis.dataset import read_table
 
-pytestmark = pytest.mark.bpf
 MiB = 1 << 20
 
 WORK_C = r"""
@@ -460,6 +459,7 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
 
 # -- the daemon ---------------------------------------------------------------------------------
 
+@pytest.mark.bpf
 def test_discovery_by_name_and_regex_finalizes_exits(daemon, bins):
     """New processes are picked up within a few scans with their configured tier (name: attach,
     regex: always-on), reported in status and metrics, and finalized when they exit. Data is
@@ -497,6 +497,7 @@ def test_discovery_by_name_and_regex_finalizes_exits(daemon, bins):
     assert all((p.stat().st_mode & 0o777) == 0o750 for p in data.glob("*/date=*"))
 
 
+@pytest.mark.bpf
 def test_exec_and_pid_reuse(daemon, bins):
     """exec into a selected name is picked up; exec out of it detaches; a pid reused by a new
     selected process (its exit seen or not) is a new target with its own rows."""
@@ -547,6 +548,7 @@ def test_exec_and_pid_reuse(daemon, bins):
     print(f"\n[pid reuse] pid {pid}: {seq}")
 
 
+@pytest.mark.bpf
 def test_metrics_endpoint_and_status(daemon, bins):
     """Per-process metrics (RSS by tier, outstanding by source, growth, limit, arena bloat) and the
     recorder's health (events, lost events, live table fill, own CPU and RSS, targets per tier);
@@ -580,6 +582,7 @@ def test_metrics_endpoint_and_status(daemon, bins):
     assert j["status"] == "running" and j["live_metrics"]["allocsampler_up"] == 1
 
 
+@pytest.mark.bpf
 def test_findings_of_a_leaking_target(daemon):
     """The periodic analysis (a child process) finds the leak: a `findings` row and one log line."""
     leak = daemon.targets[0]
@@ -601,6 +604,7 @@ def test_findings_of_a_leaking_target(daemon):
           f"{st['analysis']['max_rss_bytes'] / MiB:.0f} MiB; {logged[0]}")
 
 
+@pytest.mark.bpf
 def test_burst_is_governed_and_the_daemon_keeps_its_cpu_budget(daemon, bins):
     """1M malloc/free pairs per second: the governor moves the target off allocator probes within
     seconds, after which it pays what it pays unprobed; the daemon stays within its CPU budget
@@ -645,6 +649,7 @@ def test_burst_is_governed_and_the_daemon_keeps_its_cpu_budget(daemon, bins):
     assert daemon.alive()
 
 
+@pytest.mark.bpf
 def test_pre_oom_capture(daemon, bins):
     """A target whose cgroup passes pre_oom_fraction (50%) of its memory limit: a snapshot at
     once and after the window, `pre_oom` rows and log lines."""
@@ -697,6 +702,7 @@ def test_pre_oom_capture(daemon, bins):
                 time.sleep(0.1)
 
 
+@pytest.mark.bpf
 def test_storm_of_short_lived_processes(daemon, bins):
     """200 processes living 3 s each, 25 started per second: the daemon stays up, every probe
     it attached is closed again (BPF link and perf event descriptors back to where they were),
@@ -745,6 +751,7 @@ def test_storm_of_short_lived_processes(daemon, bins):
     assert rss1[1] <= 256 * MiB and rss1[0] - rss0[0] <= 24 * MiB, (rss0, rss1)
 
 
+@pytest.mark.bpf
 def test_full_disk_pauses_writing_and_recovers(daemon, tmpfs):
     """The data file system fills up (another file takes the space): the daemon stops writing,
     says so once, keeps serving metrics, and writes again once space is back."""
@@ -777,6 +784,7 @@ def test_full_disk_pauses_writing_and_recovers(daemon, tmpfs):
     print(f"\n[full disk] {[ln for ln in daemon.log().splitlines() if 'writing' in ln]}")
 
 
+@pytest.mark.bpf
 def test_kill9_then_restart_cleans_up_and_keeps_a_tiny_budget(daemon, tmpfs):
     """kill -9 mid-run: every file reads, at most about one interval is lost; the next start
     removes temporaries and compaction work areas, resumes writing in a new recording, and a

@@ -378,7 +378,7 @@ def test_torch_snapshot_without_trace_and_hostile_pickles(tmp_path):
 
 
 def test_command_line(tmp_path, capsys):
-    from sampler.cli.main import build_parser, main
+    from sampler.cli import build_parser, main
     assert build_parser().parse_args(["record", "--no-gpu", "--pid", "1"]).gpu is False
     assert build_parser().parse_args(["record", "--pid", "1"]).gpu is True
     assert build_parser().parse_args(["analyze", "d", "--source", "cuda-driver"]).source == ["cuda-driver"]

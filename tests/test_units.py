@@ -15,7 +15,7 @@ import pytest
 from sampler.bpf import abi
 from sampler.bpf.abi import EvType
 from sampler.bpf.events import HEADER, STACK, decode
-from sampler.cli.main import _size
+from sampler.cli.args import size as _size
 from sampler.control import weights
 from sampler.dataset.schema import OUTSTANDING, TABLES
 from sampler.dataset.writer import DatasetWriter

@@ -1,0 +1,34 @@
+"""The `allocsampler` command line: one module per command (prepare_parser + run), as memray does."""
+
+from __future__ import annotations
+
+import sys
+
+from sampler import __version__
+from sampler.cli import analyze, check, daemon, diff, export, import_torch, preload_path, record, report, status, top
+from sampler.cli.args import Parser
+from sampler.errors import AllocsamplerError
+
+COMMANDS = {"record": record, "top": top, "analyze": analyze, "report": report, "export": export, "diff": diff,
+            "check": check, "daemon": daemon, "status": status, "preload-path": preload_path,
+            "import-torch": import_torch}
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="allocsampler", description="eBPF memory allocation sampler writing Parquet.")
+    p.add_argument("--version", action="version", version=f"allocsampler {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, mod in COMMANDS.items():
+        mod.prepare_parser(sub.add_parser(name, help=mod.HELP))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except AllocsamplerError as e:
+        print(f"allocsampler: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

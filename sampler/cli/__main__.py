@@ -2,6 +2,6 @@
 
 import sys
 
-from sampler.cli.main import main
+from sampler.cli import main
 
 sys.exit(main())

@@ -1,0 +1,92 @@
+"""Argument types and the parser class the commands share: each bad value is one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+
+from sampler.dataset.sources import GPU_SOURCES, MALLOC, MMAP
+from sampler.errors import EXIT_USAGE, UsageError
+from sampler.units import parse_size
+
+SOURCES = (MALLOC, MMAP, *GPU_SOURCES)     # --source choices
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
+        print(f"allocsampler: error: {message} (see allocsampler {self.prog.split()[-1]} --help)",
+              file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def size(text: str) -> int:
+    n = parse_size(text)
+    if n is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512K, 2M)")
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= v <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"must be in 0..1000000: {text!r}")
+    return v
+
+
+def positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return v
+
+
+def when(text: str) -> dt.datetime:
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO time: {text!r} (e.g. 2026-11-22T10:00)") from None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+def duration(text: str) -> float:
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        return float(text[:-1]) * units[text[-1]] if text[-1:] in units else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 2h)") from None
+
+
+def add_window(p: argparse.ArgumentParser) -> None:
+    """The dataset selection of analyze and report."""
+    p.add_argument("dir", help="dataset directory (record --out, or the daemon's data directory)")
+    p.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+    p.add_argument("--source", action="append", default=[], choices=SOURCES, help="only these allocation sources")
+    p.add_argument("--since", type=when, help="start of the window (ISO time, UTC if no zone)")
+    p.add_argument("--until", type=when, help="end of the window (ISO time)")
+    p.add_argument("--last", type=duration, metavar="DURATION", help="only the last DURATION of the data, e.g. 30m, 2h")
+
+
+def load_window(args):
+    """The dataset that add_window's arguments select."""
+    from analysis.dataset import load, read_table
+
+    since = args.since
+    if args.last:
+        procs = read_table(args.dir, "processes", columns=["ts", "pid"])
+        if args.pid:
+            procs = procs[procs["pid"].isin(args.pid)]
+        if not procs.empty:     # the last DURATION of the selected processes' data
+            since = procs["ts"].max().to_pydatetime() - dt.timedelta(seconds=args.last)
+    try:
+        return load(args.dir, pids=args.pid or None, sources=args.source or None, since=since, until=args.until)
+    except FileNotFoundError:
+        raise UsageError(f"no dataset at {args.dir}: give the directory passed to `record --out`") from None
