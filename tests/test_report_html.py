@@ -19,9 +19,10 @@ import pytest
 
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding
+from analysis.frames import stack_frames, trim_frames
 from analysis.report import flamegraph
 from analysis.report.charts import byte_ticks, time_ticks
-from analysis.report.html import format_detail, render_html, trim_frames
+from analysis.report.html import format_detail, render_html
 
 CHROMIUM = "/usr/bin/chromium"
 KiB = 1024
@@ -62,7 +63,7 @@ def flame_frames(doc: str) -> list[list[tuple[float, float, int, str]]]:
 
 def test_flame_graph_layout_widths_are_bytes_and_children_nest():
     ds = synthetic()
-    stacks = flamegraph.stack_frames(ds.frames)
+    stacks = stack_frames(ds.frames)
     assert [f["function"] for f in stacks[1]] == ["alloc_a", "parse", "main"]      # innermost first
     last = ds.outstanding[ds.outstanding["ts"] == ds.outstanding["ts"].max()].set_index("stack_id")
     root = flamegraph.tree_from_values(last["outstanding_bytes"], stacks, "all malloc")
@@ -106,7 +107,7 @@ def test_empty_inputs():
     assert flamegraph.layout(flamegraph.build_tree([])) == []
     assert flamegraph.layout(flamegraph.build_tree([([("f", "m")], 0.0), ([("g", "m")], -5.0)])) == []
     assert "nothing to show" in flamegraph.render_svg(flamegraph.build_tree([]))
-    assert flamegraph.stack_frames(pd.DataFrame()) == {}
+    assert stack_frames(pd.DataFrame()) == {}
     bare = pd.DataFrame()
     no_rows = synthetic()
     no_rows.outstanding, no_rows.processes = no_rows.outstanding.iloc[0:0], no_rows.processes.iloc[0:0]

@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from analysis.report.top import fmt_bytes
+from analysis.frames import Stacks
+from analysis.units import fmt_bytes
 
 Frame = tuple[str, str]          # (function, or module+address when unsymbolized; module)
 
@@ -73,20 +74,6 @@ def layout(root: Node, min_fraction: float = 0.0) -> list[Rect]:
     return rects
 
 
-def stack_frames(frames: pd.DataFrame) -> dict[int, list[dict[str, Any]]]:
-    """stack_id -> its frames innermost first, as dicts of the `frames` columns (the shape of a
-    finding's `frames`, plus `offset`)."""
-    cols = [c for c in ("function", "module", "file", "line", "kind", "offset") if c in frames]
-    if frames.empty or not {"stack_id", "depth"} <= set(frames.columns):
-        return {}
-    f = frames.sort_values(["stack_id", "depth"])
-    f = f[["stack_id", *cols]].astype(object).where(f[["stack_id", *cols]].notna(), None)
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in f.to_dict("records"):
-        out.setdefault(int(row.pop("stack_id")), []).append(row)
-    return out
-
-
 def frame_key(f: dict[str, Any]) -> Frame:
     """How a frame is named in the graph: its function, else module+address."""
     fn, off, module = f.get("function"), f.get("offset"), str(f.get("module") or "?")
@@ -95,8 +82,8 @@ def frame_key(f: dict[str, Any]) -> Frame:
     return (f"{module}+{int(off):#x}" if off is not None else f"{module}+?"), module
 
 
-def tree_from_values(values: pd.Series, stacks: dict[int, list[dict[str, Any]]], root_name: str) -> Node:
-    """Tree of bytes per stack (`values` indexed by stack_id, `stacks` from stack_frames); stacks
+def tree_from_values(values: pd.Series, stacks: Stacks, root_name: str) -> Node:
+    """Tree of bytes per stack (`values` indexed by stack_id, `stacks` from analysis.frames.stack_frames); stacks
     without frames go under one `[no stack]` frame so that the total stays right."""
     def path(sid: int) -> list[Frame]:
         frames = stacks.get(int(sid))

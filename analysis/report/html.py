@@ -10,31 +10,20 @@ import datetime as dt
 import html
 import json
 import math
-import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset
-from analysis.detect import gpu
 from analysis.findings import Finding
-from analysis.report import flamegraph
-from analysis.report.charts import Series, chart, seconds, thin
-from analysis.report.top import fmt_bytes
+from analysis.frames import Stacks, frame_text, stack_frames, trim_frames
+from analysis.report import gpu
+from analysis.report.charts import seconds
+from analysis.report.sections import arena_chart, flame_graphs, memory_breakdown, top_stacks
+from analysis.units import fmt_bytes, fmt_duration, fmt_utc
+from sampler.dataset.sources import GPU_SOURCES
 
-TOP_STACKS = 8
-PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
-# memory parts of the breakdown chart, bottom first; absent columns are left out
-MEMORY_PARTS = (("heap_rss", "heap (brk)", "#4e79a7"), ("arena_rss", "glibc arenas", "#f28e2b"),
-                ("anon_rss", "other anonymous", "#76b7b2"), ("file_rss", "file-backed", "#bab0ac"),
-                ("stack_rss", "thread stacks", "#b07aa1"))       # GPU memory: its own chart (analysis/detect/gpu.py)
-# frames that say nothing about who allocated: the allocator's own and the program's entry
-ALLOCATOR_MODULES = re.compile(r"^(libc\.so|libc-|libstdc\+\+|libjemalloc|libtcmalloc|libmimalloc|ld-linux)")
-ENTRY_FUNCTIONS = {"_start", "__libc_start_main", "__libc_start_call_main", "__libc_start_main_impl",
-                   "start_thread", "clone", "clone3", "__clone3"}
-SHOWN_FRAMES = 6
 DETAIL_LABELS = {"growth_bytes_per_hour": "growth", "outstanding_bytes": "outstanding",
                  "time_to_oom_hours": "time to OOM", "resident_bytes": "resident", "live_bytes": "live",
                  "bloat_bytes": "bloat", "trimmable_bytes": "trimmable", "first_seen": "first seen",
@@ -49,7 +38,7 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
     title = title or f"allocsampler report: {ds.root.name or ds.root}"
     findings = sorted(findings, key=lambda f: -f.severity)
     pids = _process_order(ds, findings)
-    stacks = flamegraph.stack_frames(ds.frames)
+    stacks = stack_frames(ds.frames)
     tables = _ByPid(ds)
     charted = pids[:max_processes]
     sections = [_process_section(tables, pid, stacks, [f for f in findings if f.pid == pid]) for pid in charted]
@@ -69,24 +58,6 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
 
 # --- header ------------------------------------------------------------------------------------
 
-def _ts(v: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
-    if v is None or (not isinstance(v, str) and pd.isna(v)):
-        return "–"
-    t = pd.Timestamp(v)
-    t = t.tz_localize("UTC") if t.tzinfo is None else t.tz_convert("UTC")
-    return t.strftime(fmt) + " UTC"
-
-
-def _duration(s: float) -> str:
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 7200:
-        return f"{s / 60:.1f} min"
-    if s < 2 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
-
-
 def _window(ds: Dataset) -> tuple[pd.Timestamp, pd.Timestamp] | None:
     ts = [df["ts"] for df in (ds.outstanding, ds.processes) if "ts" in df and len(df)]
     return (min(t.min() for t in ts), max(t.max() for t in ts)) if ts else None
@@ -96,8 +67,8 @@ def _header(ds: Dataset, findings: list[Finding], pids: list[int]) -> str:
     win = _window(ds)
     when = "no data"
     if win is not None:
-        end = _ts(win[1], "%H:%M:%S" if _ts(win[0], "%F") == _ts(win[1], "%F") else "%Y-%m-%d %H:%M:%S")
-        when = f"{_ts(win[0])} – {end} ({_duration((win[1] - win[0]).total_seconds())})"
+        end = fmt_utc(win[1], "%H:%M:%S" if fmt_utc(win[0], "%F") == fmt_utc(win[1], "%F") else "%Y-%m-%d %H:%M:%S")
+        when = f"{fmt_utc(win[0])} – {end} ({fmt_duration((win[1] - win[0]).total_seconds())})"
     kinds = pd.Series([f.kind for f in findings]).value_counts()
     counts = ", ".join(f"{n} {html.escape(k)}" for k, n in kinds.items()) or "none"
     return ('<table class="meta">'
@@ -117,8 +88,8 @@ def _recordings(ds: Dataset) -> str:
             used |= set(df["recording_id"].astype(str))
     if used:
         rec = rec[rec["recording_id"].astype(str).isin(used)]
-    cols = (("recording_id", "recording", str), ("host", "host", str), ("started", "started", _ts),
-            ("ended", "ended", _ts), ("interval_s", "interval", lambda v: f"{v:g} s"),
+    cols = (("recording_id", "recording", str), ("host", "host", str), ("started", "started", fmt_utc),
+            ("ended", "ended", fmt_utc), ("interval_s", "interval", lambda v: f"{v:g} s"),
             ("sample_mean_bytes", "sample mean", fmt_bytes), ("probe_mode", "probes", str),
             ("kernel", "kernel", str), ("sampler_version", "version", str))
     cols = tuple(c for c in cols if c[0] in rec)
@@ -254,7 +225,7 @@ def format_detail(key: str, v: Any) -> str:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "–"
     if isinstance(v, dt.datetime | pd.Timestamp):
-        return _ts(v)
+        return fmt_utc(v)
     if isinstance(v, bool):
         return "yes" if v else "no"
     if isinstance(v, int | float):
@@ -263,13 +234,13 @@ def format_detail(key: str, v: Any) -> str:
         if key.endswith("_bytes"):
             return fmt_bytes(v)
         if key.endswith("_hours"):
-            return _duration(v * 3600)
+            return fmt_duration(v * 3600)
         if key.endswith("_s"):
-            return _duration(v)
+            return fmt_duration(v)
         return f"{v:,}" if isinstance(v, int) else f"{v:.3g}"
     if isinstance(v, str) and key.endswith(("_seen", "_at", "_time")):
         try:
-            return _ts(pd.Timestamp(v))
+            return fmt_utc(pd.Timestamp(v))
         except ValueError:
             return v
     if isinstance(v, list | dict):
@@ -287,83 +258,17 @@ def _rich(v: Any) -> str:
     return html.escape(str(v))
 
 
-def trim_frames(frames: list[dict[str, Any]], keep: int = SHOWN_FRAMES) -> tuple[list[str], int]:
-    """The interesting frames of a stack (innermost first) as text, and how many were left out:
-    allocator-internal frames at the top and entry frames at the bottom are dropped, runs of
-    unsymbolized frames of one module become one line."""
-    def fn(f: dict) -> str | None:
-        return _text(f.get("function"))
-
-    lo, hi = 0, len(frames)
-    while hi - lo > 1 and ALLOCATOR_MODULES.match(str(frames[lo].get("module") or "")):
-        lo += 1
-    while hi - lo > 1 and fn(frames[hi - 1]) in ENTRY_FUNCTIONS:
-        hi -= 1
-    lines: list[str] = []
-    run_module, run = None, 0
-    for f in frames[lo:hi]:
-        module = str(f.get("module") or "?")
-        if fn(f) is None:
-            if run and module == run_module:
-                run += 1
-                lines[-1] = f"[{run} frames in {module}]"
-            else:
-                run_module, run = module, 1
-                lines.append(f"{module}+{_hex(f.get('offset'))}" if _finite(f.get("offset")) else f"? ({module})")
-            continue
-        run = 0
-        text = _frame_text(f)
-        if f.get("kind") != "python" and _text(f.get("file")):
-            line = f.get("line")
-            text += f"  {Path(f['file']).name}" + (f":{int(line)}" if _finite(line) else "")
-        lines.append(text)
-    dropped = len(frames) - (hi - lo)
-    return lines[:keep], max(0, len(lines) - keep) + dropped
-
-
-def _text(v: Any) -> str | None:
-    """A non-empty string, else None (frames from DataFrames carry NaN for nulls)."""
-    return v if isinstance(v, str) and v else None
-
-
-def _hex(v: Any) -> str:
-    return f"{int(v):#x}" if _finite(v) else "?"
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
-
-
 def _stack_html(frames: list[dict[str, Any]]) -> str:
     shown, hidden = trim_frames(frames)
     items = "".join(f"<li>{html.escape(s)}</li>" for s in shown)
     out = f'<ol class="stack">{items}</ol>'
     if hidden:
-        full = "".join(f"<li>{html.escape(_frame_text(f))}</li>" for f in frames)
+        full = "".join(f"<li>{html.escape(frame_text(f))}</li>" for f in frames)
         out += f'<details><summary>all {len(frames)} frames</summary><ol class="stack">{full}</ol></details>'
     return out
 
 
-def _frame_text(f: dict[str, Any]) -> str:
-    name = _text(f.get("function")) or _hex(f.get("offset"))
-    if f.get("kind") == "python" and _finite(f.get("line")):
-        return f"{name} ({f.get('module') or '?'}:{int(f['line'])})"
-    return f"{name} ({f.get('module') or '?'})"
-
-
 # --- per process -------------------------------------------------------------------------------
-
-Stacks = dict[int, list[dict[str, Any]]]       # stack_id -> frames innermost first
-
-
-def _stack_label(stacks: Stacks, sid: int) -> tuple[str, str]:
-    """(short label, full summary) of a stack for legends."""
-    frames = stacks.get(int(sid))
-    if not frames:
-        return "[no stack]", f"stack {sid}"
-    shown, _ = trim_frames(frames, keep=3)
-    return " < ".join(shown), " < ".join(_frame_text(f) for f in frames)
-
 
 def _process_section(tables: _ByPid, pid: int, stacks: Stacks, findings: list[Finding]) -> str:
     p = tables.rows("processes", pid)
@@ -384,117 +289,13 @@ def _process_section(tables: _ByPid, pid: int, stacks: Stacks, findings: list[Fi
     out = [f'<section id="pid-{pid}"><h2>{html.escape(comm)} (pid {pid})</h2>',
            f'<p class="meta">{" · ".join(meta)}</p>']
     times = np.unique(np.concatenate([seconds(df["ts"]) for df in (p, o) if "ts" in df and len(df)] or [[]]))
-    host = o[~o["source"].astype(str).isin(gpu.GPU_SOURCES)] if "source" in o else o
-    out.append(_top_stacks(host, times, stacks))
+    host = o[~o["source"].astype(str).isin(GPU_SOURCES)] if "source" in o else o
+    out.append(top_stacks(host, times, stacks))
     out.append('<div class="two">')
-    out.append(f"<div>{_memory_breakdown(p)}</div><div>{_arena_chart(p)}</div></div>")
-    out.append(gpu.process_section(p, o, times, stacks))
-    out.append(_flame_graphs(o, times, stacks))
+    out.append(f"<div>{memory_breakdown(p)}</div><div>{arena_chart(p)}</div></div>")
+    out.append(gpu.process_charts(p, o, times, stacks))
+    out.append(flame_graphs(o, times, stacks))
     out.append("</section>")
-    return "\n".join(out)
-
-
-def _top_stacks(o: pd.DataFrame, times: np.ndarray, stacks: Stacks,
-                head: str = "<h3>Top stacks: outstanding bytes</h3>") -> str:
-    need = {"ts", "source", "stack_id", "outstanding_bytes"}
-    if o.empty or not need <= set(o.columns):
-        return head + '<p class="empty">No sampled allocations.</p>'
-    times = times[thin(len(times))]             # the chart shows no more: pivot no more
-    o = o.assign(t=seconds(o["ts"]))
-    o = o[np.isin(o["t"].to_numpy(), times)].assign(source=lambda d: d["source"].astype(str))
-    if "outstanding_stderr_bytes" not in o:
-        o = o.assign(outstanding_stderr_bytes=0.0)
-    # a stack without a row in a snapshot had nothing live: zero
-    final = o[o["t"] == times[-1]].groupby(["source", "stack_id"])["outstanding_bytes"].sum()
-    peak = o.groupby(["source", "stack_id"])["outstanding_bytes"].max()
-    rank = pd.DataFrame({"peak": peak, "final": final.reindex(peak.index).fillna(0)})
-    rank = rank[rank["peak"] > 0].sort_values(["final", "peak"], ascending=False).head(TOP_STACKS)
-    if rank.empty:
-        return head + '<p class="empty">No sampled allocations.</p>'
-    keys = list(rank.index)
-    sub = o[pd.MultiIndex.from_frame(o[["source", "stack_id"]]).isin(keys)]
-    sub = sub.assign(var=sub["outstanding_stderr_bytes"].fillna(0) ** 2)
-    g = sub.groupby(["t", "source", "stack_id"])[["outstanding_bytes", "var"]].sum().unstack(["source", "stack_id"])
-    val = g["outstanding_bytes"].reindex(index=times, columns=keys).fillna(0)
-    err = np.sqrt(g["var"].reindex(index=times, columns=keys).fillna(0))
-    series, legend = [], []
-    for i, key in enumerate(keys):
-        color = PALETTE[i % len(PALETTE)]
-        short, full = _stack_label(stacks, key[1])
-        y, e = val[key].to_numpy(), err[key].to_numpy()
-        series.append(Series(f"{key[0]}: {short}", color, y, np.maximum(y - 2 * e, 0), y + 2 * e))
-        legend.append(f'<tr><td><i style="background:{color}"></i></td><td>{html.escape(key[0])}</td>'
-                      f'<td class="v">{fmt_bytes(y[-1])} ± {fmt_bytes(2 * e[-1])}</td>'
-                      f'<td class="v">{_signed(y[-1] - y[0])}</td>'
-                      f'<td class="lbl" title="{html.escape(full)}">{html.escape(short)}</td></tr>')
-    return (head + chart(times, series, label="top stacks by outstanding bytes")
-            + '<table class="legend"><tr><th></th><th>source</th><th>at end (±2 s.e.)</th><th>change</th>'
-            + f'<th>stack (innermost first)</th></tr>{"".join(legend)}</table>'
-            + '<p class="note">Shaded: ±2 standard errors of the sampling estimate. Sources overlap '
-            + "(a large malloc is also an mmap): compare them, never add them.</p>")
-
-
-def _signed(v: float) -> str:
-    return ("+" if v >= 0 else "−") + fmt_bytes(abs(v))
-
-
-def _memory_breakdown(p: pd.DataFrame) -> str:
-    head = "<h3>Memory by kind</h3>"
-    parts = [(c, label, color) for c, label, color in MEMORY_PARTS if c in p and p[c].notna().any()]
-    if p.empty or not parts or "ts" not in p:
-        return head + '<p class="empty">No process measurements.</p>'
-    t = seconds(p["ts"])
-    series = [Series(label, color, p[c].fillna(0).to_numpy(dtype=float)) for c, label, color in parts]
-    total = Series("RSS", "#222", p["rss"].to_numpy(dtype=float)) if "rss" in p else None
-    legend = "".join(f'<span><i style="background:{s.color}"></i>{html.escape(s.label)} {fmt_bytes(s.y[-1])}</span>'
-                     for s in reversed(series))
-    if total is not None:
-        legend = f'<span><i class="dash"></i>RSS {fmt_bytes(total.y[-1])}</span>' + legend
-    return head + chart(t, series, width=570, stacked=True, total=total, label="memory by kind") + \
-        f'<div class="keys">{legend}</div>'
-
-
-def _arena_chart(p: pd.DataFrame) -> str:
-    head = "<h3>glibc heap + arenas: resident vs live</h3>"
-    if p.empty or not {"ts", "heap_rss", "arena_rss"} <= set(p.columns):
-        return head + '<p class="empty">No heap measurements.</p>'
-    t = seconds(p["ts"])
-    resident = (p["heap_rss"].fillna(0) + p["arena_rss"].fillna(0)).to_numpy(dtype=float)
-    series = [Series("resident (heap + arenas)", "#f28e2b", resident, fill=True)]
-    legend = f'<span><i style="background:#f28e2b"></i>resident {fmt_bytes(resident[-1])}</span>'
-    if {"heap_live_bytes", "arena_live_bytes"} <= set(p.columns):
-        live = (p["heap_live_bytes"].fillna(0) + p["arena_live_bytes"].fillna(0)).to_numpy(dtype=float)
-        err = p["heap_arena_live_stderr_bytes"].fillna(0).to_numpy(dtype=float) \
-            if "heap_arena_live_stderr_bytes" in p else np.zeros(len(live))
-        series.append(Series("estimated live", "#4e79a7", live, np.maximum(live - 2 * err, 0), live + 2 * err))
-        legend += (f'<span><i style="background:#4e79a7"></i>estimated live {fmt_bytes(live[-1])}</span>'
-                   f"<span>gap {fmt_bytes(max(resident[-1] - live[-1], 0))}</span>")
-    return head + chart(t, series, width=570, label="arena resident vs live") + f'<div class="keys">{legend}</div>'
-
-
-def _flame_graphs(o: pd.DataFrame, times: np.ndarray, stacks: Stacks) -> str:
-    if o.empty or not {"ts", "source", "stack_id", "outstanding_bytes"} <= set(o.columns):
-        return ""
-    o = o.assign(t=seconds(o["ts"]), source=o["source"].astype(str))
-    first, last = times[0], times[-1]
-    end = o[o["t"] == last].groupby(["source", "stack_id"])["outstanding_bytes"].sum()
-    start = o[o["t"] == first].groupby(["source", "stack_id"])["outstanding_bytes"].sum()
-    growth = end.sub(start, fill_value=0).clip(lower=0)
-    t_last, t_first = _ts(pd.Timestamp(last, unit="s")), _ts(pd.Timestamp(first, unit="s"))
-    out = []
-    for what, values, note in (("outstanding", end, f"at the end of the window ({t_last})"),
-                               ("growth", growth, f"from {t_first} to {t_last}, stacks that grew")):
-        for source in sorted(values.index.get_level_values(0).unique()) if len(values) else []:
-            v = values.loc[source]
-            if v.sum() <= 0:
-                continue
-            root = flamegraph.tree_from_values(v, stacks, f"all {source}")
-            out.append(f"<h3>Flame graph: {what} bytes, {html.escape(source)} <small>{note}; "
-                       f"{fmt_bytes(root.value)} in total</small></h3>")
-            out.append(flamegraph.render_svg(root, growth=what == "growth", what=what))
-    if out:
-        out.append('<p class="note">Outermost frame at the top; width is bytes. Hover for details'
-                   '<span class="js-only">, click a frame to zoom, click the top bar to reset</span>.</p>')
     return "\n".join(out)
 
 

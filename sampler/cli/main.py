@@ -342,7 +342,8 @@ def _export(args) -> int:
     from pathlib import Path
 
     from analysis.export.collapsed import collapsed_lines
-    from analysis.export.pprof import Window, profile_values, stack_frames, write_pprof
+    from analysis.export.pprof import Window, profile_values, write_pprof
+    from analysis.frames import read_stack_frames
     from analysis.units import fmt_bytes
     from sampler.errors import UsageError
 
@@ -355,7 +356,7 @@ def _export(args) -> int:
         raise UsageError("--window START END: START must be before END")
     window = Window(start, end)
     values = profile_values(args.dir, window=window, source=args.source, pids=args.pid or None)
-    frames = stack_frames(args.dir)
+    frames = read_stack_frames(args.dir)
     log = sys.stderr if args.collapsed == "-" else sys.stdout
     try:
         if args.pprof:
