@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+from markupsafe import Markup
 
 from analysis.frames import Stacks
 from analysis.units import fmt_bytes
@@ -109,11 +110,12 @@ def label_for(text: str, width_px: float) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str = "outstanding") -> str:
-    """The flame graph as an <svg>; click a frame to zoom (script in the report), the root to reset."""
+def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str = "outstanding") -> Markup:
+    """The flame graph as an <svg>; click a frame to zoom (script in the report), the root to reset.
+    Markup: every text in it is escaped here, so templates insert it as it is."""
     rects = layout(root, MIN_PX / width)
     if not rects:
-        return '<p class="empty">nothing to show</p>'
+        return Markup('<p class="empty">nothing to show</p>')
     depth = max(r.depth for r in rects) + 1
     height = depth * ROW + 2
     parts = [f'<svg class="flame" viewBox="0 0 {width} {height}" width="100%" data-w="{width}" '
@@ -132,4 +134,4 @@ def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str
             f'fill="{_color(n, growth)}" rx="1.5"/>'
             f'<text x="{x + 3:.2f}" y="{y + ROW - 5}">{html.escape(label_for(n.function, w))}</text></g>')
     parts.append("</svg>")
-    return "".join(parts)
+    return Markup("".join(parts))
