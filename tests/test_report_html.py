@@ -3,6 +3,8 @@ report opened in headless Chromium (screenshot not blank, charts and flame graph
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 import os
@@ -171,6 +173,31 @@ def test_findings_ranked_with_units_and_any_details():
     assert 'href="#pid-42"' in table and 'href="#pid-7"' not in doc          # pid 7 has no data to link to
 
 
+def csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def assert_strict_csp(doc: str) -> None:
+    """The page's Content-Security-Policy allows its own style and script, by their hashes, and
+    nothing else: no 'unsafe-inline', and no markup that only 'unsafe-inline' would run."""
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', doc).group(1)
+    assert "'unsafe-inline'" not in csp and "unsafe" not in csp and "nonce" not in csp, csp
+    style = re.findall(r"<style>(.*?)</style>", doc, re.S)
+    script = re.findall(r"<script>(.*?)</script>", doc, re.S)           # the charts' data: type=application/json
+    assert len(style) == 1 and len(script) == 1
+    assert csp == f"default-src 'none'; style-src {csp_source(style[0])}; script-src {csp_source(script[0])}"
+    markup = re.sub(r"<(script|style)\b[^>]*>.*?</\1>", "", doc, flags=re.S)
+    assert not re.search(r"<[^>]*\s(style|on[a-z]+)\s*=", markup, re.I)     # style attributes, inline handlers
+
+
+def test_content_security_policy_has_no_unsafe_inline():
+    frames = [{"function": "f", "module": "svc"}] * 8
+    findings = [Finding("persistent_growth", 42, "svc", 90, 0.95, "leak", {"frames": frames, "recommendation": ["a"]})]
+    bare = pd.DataFrame()
+    for ds in (synthetic(), Dataset(Path("/nowhere"), bare, bare, bare, bare, bare, bare, bare)):
+        assert_strict_csp(render_html(ds, findings))
+
+
 def test_axes_have_units_and_round_ticks():
     ticks, unit, scale = byte_ticks(45 * 2**20)
     assert (unit, scale) == ("MiB", 2**20) and [t / scale for t in ticks] == [0, 10, 20, 30, 40, 50]
@@ -248,15 +275,25 @@ def png_pixels(data: bytes) -> tuple[int, int, np.ndarray]:
 
 
 # clicks a frame of the first flame graph and hovers the first chart, then reports what it saw
-PROBE = """<script>
+PROBE = """
 const gs = [...document.querySelectorAll("svg.flame")[0].querySelectorAll("g.fr")];
 const g = gs.find(e => e.dataset.l === "leak_malloc");
 g.querySelector("rect").dispatchEvent(new MouseEvent("click", {bubbles: true}));
 const svg = document.querySelector(".chartbox svg"), b = svg.getBoundingClientRect();
 svg.dispatchEvent(new MouseEvent("mousemove", {clientX: b.left + b.width / 2, clientY: b.top + 40}));
 document.body.dataset.probe = JSON.stringify({width: +g.querySelector("rect").getAttribute("width"),
-  tip: document.getElementById("tip").textContent});
-</script></body>"""
+  tip: document.getElementById("tip").textContent, h1: getComputedStyle(document.querySelector("h1")).fontSize});
+"""
+# what an injected script would do; the page's CSP must refuse it
+INJECTED = 'document.body.dataset.injected = "ran";'
+
+
+def with_script(doc: str, js: str, *, allowed: bool) -> str:
+    """`doc` with `js` run at the end of its body; `allowed`: its hash joins the CSP's script-src
+    (as a test's own probe), else it stands for a script that slipped in."""
+    if allowed:
+        doc = doc.replace("script-src ", f"script-src {csp_source(js)} ", 1)
+    return doc.replace("</body>", f"<script>{js}</script></body>")
 
 
 @pytest.mark.bpf
@@ -280,6 +317,7 @@ def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
                       {"source": "malloc", "frames": frames, "growth_bytes_per_hour": 20e9,
                        "outstanding_bytes": 64e6, "outstanding_stderr_bytes": 3e6, "classification": "leak"})
     doc = render_html(ds, [finding])
+    assert_strict_csp(doc)
     page = tmp_path / "report.html"
     page.write_text(doc)
 
@@ -305,8 +343,10 @@ def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
         assert text in dom, text
 
     probe = tmp_path / "probe.html"
-    probe.write_text(doc.replace("</body>", PROBE))
+    probe.write_text(with_script(with_script(doc, INJECTED, allowed=False), PROBE, allowed=True))
     dom = chromium(tmp_path, "--dump-dom", probe.as_uri()).stdout
+    assert "data-injected" not in dom                               # the CSP refused the unlisted script
     seen = json.loads(re.search(r'data-probe="([^"]*)"', dom).group(1).replace("&quot;", '"'))
     assert seen["width"] == pytest.approx(1159.5, abs=1)            # zoomed to the full width
     assert "UTC" in seen["tip"] and "leak_malloc" in seen["tip"]
+    assert seen["h1"] == "22px"                                     # the page's style applies under its CSP

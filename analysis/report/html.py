@@ -11,8 +11,10 @@ and the page's own CSS and script.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import functools
+import hashlib
 import html
 import json
 import math
@@ -121,7 +123,7 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
     tables = _ByPid(ds)
     charted = pids[:max_processes]
     return _env().get_template("report.html.j2").render(
-        title=title, css=_inline("report.css"), js=_inline("report.js"),
+        title=title, style=_inline("report.css"), script=_inline("report.js"),
         header=_header(ds, findings, pids),
         findings=[_finding_row(f, set(charted)) for f in findings],
         processes=[_process_row(tables, pid, set(charted), findings) for pid in pids],
@@ -146,10 +148,19 @@ def _escape(v: Any) -> Any:
     return v if hasattr(v, "__html__") else Markup(html.escape(str(v)))
 
 
+@dataclass(frozen=True)
+class Inline:
+    """The page's own style or script, inlined (the report fetches nothing), and the hash by
+    which its Content-Security-Policy allows it and nothing else."""
+
+    text: Markup
+    sha256: str                  # base64, as CSP writes it
+
+
 @functools.cache
-def _inline(name: str) -> Markup:
-    """A package file inlined in the page (the report fetches nothing)."""
-    return Markup("\n" + resources.files("analysis.report").joinpath("templates", name).read_text())
+def _inline(name: str) -> Inline:
+    text = "\n" + resources.files("analysis.report").joinpath("templates", name).read_text()
+    return Inline(Markup(text), base64.b64encode(hashlib.sha256(text.encode()).digest()).decode())
 
 
 # --- header ------------------------------------------------------------------------------------
