@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from analysis.dataset import read_table
-from analysis.export.pprof import stack_frames
+from analysis.frames import read_stack_frames
 from sampler.units import fmt_bytes, parse_size
 
 DIFF_SCHEMA = 1
@@ -139,7 +139,7 @@ def load_side(root: str | Path) -> Side:
                 df[c] = df[c].astype(str)
     out = out[out["source"].isin(SOURCES)]
     out = out.assign(b=out["outstanding_bytes"], var=out["outstanding_stderr_bytes"] ** 2)
-    frames = stack_frames(root)
+    frames = read_stack_frames(root)
     keys = {int(s): stack_key(frames.get(int(s))) for s in out["stack_id"].unique()}
     out["key"] = out["stack_id"].map(keys)
     last = _last_ts(out, procs)

@@ -18,7 +18,6 @@ from sampler.bpf import abi, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
 
-
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory, bpf_ready):
     """A private cache, filled by one compile (the suite's other tests use the host's)."""

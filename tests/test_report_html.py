@@ -3,6 +3,8 @@ report opened in headless Chromium (screenshot not blank, charts and flame graph
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
 import os
@@ -19,9 +21,10 @@ import pytest
 
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding
+from analysis.frames import stack_frames, trim_frames
 from analysis.report import flamegraph
 from analysis.report.charts import byte_ticks, time_ticks
-from analysis.report.html import format_detail, render_html, trim_frames
+from analysis.report.html import format_detail, render_html
 
 CHROMIUM = "/usr/bin/chromium"
 KiB = 1024
@@ -62,7 +65,7 @@ def flame_frames(doc: str) -> list[list[tuple[float, float, int, str]]]:
 
 def test_flame_graph_layout_widths_are_bytes_and_children_nest():
     ds = synthetic()
-    stacks = flamegraph.stack_frames(ds.frames)
+    stacks = stack_frames(ds.frames)
     assert [f["function"] for f in stacks[1]] == ["alloc_a", "parse", "main"]      # innermost first
     last = ds.outstanding[ds.outstanding["ts"] == ds.outstanding["ts"].max()].set_index("stack_id")
     root = flamegraph.tree_from_values(last["outstanding_bytes"], stacks, "all malloc")
@@ -106,7 +109,7 @@ def test_empty_inputs():
     assert flamegraph.layout(flamegraph.build_tree([])) == []
     assert flamegraph.layout(flamegraph.build_tree([([("f", "m")], 0.0), ([("g", "m")], -5.0)])) == []
     assert "nothing to show" in flamegraph.render_svg(flamegraph.build_tree([]))
-    assert flamegraph.stack_frames(pd.DataFrame()) == {}
+    assert stack_frames(pd.DataFrame()) == {}
     bare = pd.DataFrame()
     no_rows = synthetic()
     no_rows.outstanding, no_rows.processes = no_rows.outstanding.iloc[0:0], no_rows.processes.iloc[0:0]
@@ -168,6 +171,31 @@ def test_findings_ranked_with_units_and_any_details():
     assert '<ol class="stack"><li>leak_here (svc)  svc.c:42</li><li>main (svc)</li></ol>' in table
     assert "all 4 frames" in table
     assert 'href="#pid-42"' in table and 'href="#pid-7"' not in doc          # pid 7 has no data to link to
+
+
+def csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+def assert_strict_csp(doc: str) -> None:
+    """The page's Content-Security-Policy allows its own style and script, by their hashes, and
+    nothing else: no 'unsafe-inline', and no markup that only 'unsafe-inline' would run."""
+    csp = re.search(r'<meta http-equiv="Content-Security-Policy" content="([^"]*)">', doc).group(1)
+    assert "'unsafe-inline'" not in csp and "unsafe" not in csp and "nonce" not in csp, csp
+    style = re.findall(r"<style>(.*?)</style>", doc, re.S)
+    script = re.findall(r"<script>(.*?)</script>", doc, re.S)           # the charts' data: type=application/json
+    assert len(style) == 1 and len(script) == 1
+    assert csp == f"default-src 'none'; style-src {csp_source(style[0])}; script-src {csp_source(script[0])}"
+    markup = re.sub(r"<(script|style)\b[^>]*>.*?</\1>", "", doc, flags=re.S)
+    assert not re.search(r"<[^>]*\s(style|on[a-z]+)\s*=", markup, re.I)     # style attributes, inline handlers
+
+
+def test_content_security_policy_has_no_unsafe_inline():
+    frames = [{"function": "f", "module": "svc"}] * 8
+    findings = [Finding("persistent_growth", 42, "svc", 90, 0.95, "leak", {"frames": frames, "recommendation": ["a"]})]
+    bare = pd.DataFrame()
+    for ds in (synthetic(), Dataset(Path("/nowhere"), bare, bare, bare, bare, bare, bare, bare)):
+        assert_strict_csp(render_html(ds, findings))
 
 
 def test_axes_have_units_and_round_ticks():
@@ -247,15 +275,25 @@ def png_pixels(data: bytes) -> tuple[int, int, np.ndarray]:
 
 
 # clicks a frame of the first flame graph and hovers the first chart, then reports what it saw
-PROBE = """<script>
+PROBE = """
 const gs = [...document.querySelectorAll("svg.flame")[0].querySelectorAll("g.fr")];
 const g = gs.find(e => e.dataset.l === "leak_malloc");
 g.querySelector("rect").dispatchEvent(new MouseEvent("click", {bubbles: true}));
 const svg = document.querySelector(".chartbox svg"), b = svg.getBoundingClientRect();
 svg.dispatchEvent(new MouseEvent("mousemove", {clientX: b.left + b.width / 2, clientY: b.top + 40}));
 document.body.dataset.probe = JSON.stringify({width: +g.querySelector("rect").getAttribute("width"),
-  tip: document.getElementById("tip").textContent});
-</script></body>"""
+  tip: document.getElementById("tip").textContent, h1: getComputedStyle(document.querySelector("h1")).fontSize});
+"""
+# what an injected script would do; the page's CSP must refuse it
+INJECTED = 'document.body.dataset.injected = "ran";'
+
+
+def with_script(doc: str, js: str, *, allowed: bool) -> str:
+    """`doc` with `js` run at the end of its body; `allowed`: its hash joins the CSP's script-src
+    (as a test's own probe), else it stands for a script that slipped in."""
+    if allowed:
+        doc = doc.replace("script-src ", f"script-src {csp_source(js)} ", 1)
+    return doc.replace("</body>", f"<script>{js}</script></body>")
 
 
 @pytest.mark.bpf
@@ -279,6 +317,7 @@ def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
                       {"source": "malloc", "frames": frames, "growth_bytes_per_hour": 20e9,
                        "outstanding_bytes": 64e6, "outstanding_stderr_bytes": 3e6, "classification": "leak"})
     doc = render_html(ds, [finding])
+    assert_strict_csp(doc)
     page = tmp_path / "report.html"
     page.write_text(doc)
 
@@ -304,8 +343,10 @@ def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
         assert text in dom, text
 
     probe = tmp_path / "probe.html"
-    probe.write_text(doc.replace("</body>", PROBE))
+    probe.write_text(with_script(with_script(doc, INJECTED, allowed=False), PROBE, allowed=True))
     dom = chromium(tmp_path, "--dump-dom", probe.as_uri()).stdout
+    assert "data-injected" not in dom                               # the CSP refused the unlisted script
     seen = json.loads(re.search(r'data-probe="([^"]*)"', dom).group(1).replace("&quot;", '"'))
     assert seen["width"] == pytest.approx(1159.5, abs=1)            # zoomed to the full width
     assert "UTC" in seen["tip"] and "leak_malloc" in seen["tip"]
+    assert seen["h1"] == "22px"                                     # the page's style applies under its CSP

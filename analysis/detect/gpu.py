@@ -1,4 +1,4 @@
-"""GPU memory findings and charts.
+"""GPU memory findings (their charts: analysis/report/gpu.py).
 
 - `gpu_growth`: a stack whose CUDA allocations (sources cuda, cuda-driver, their pinned-host
   twins, or PyTorch tensors) keep growing to the end of the window: the persistent-growth
@@ -13,16 +13,16 @@
 
 from __future__ import annotations
 
-import html
-
 import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset, read_table
+from analysis.detect.growth import classify_series, time_to_oom_hours
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
+from analysis.frames import frames_json, site
 from analysis.units import fmt_hours
-from sampler.dataset.schema import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
+from sampler.dataset.sources import DEVICE_SOURCES, GPU_SOURCES, HOST_SOURCES, TORCH
 from sampler.units import fmt_bytes
 
 MiB = 1 << 20
@@ -37,7 +37,6 @@ def detect_gpu(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]
     """Every GPU finding of a dataset; `series` is analysis.detect.growth.classify_series(ds) when the
     caller has it already."""
     if series is None:
-        from analysis.detect.growth import classify_series
         series = classify_series(ds)
     return gpu_growth(ds, series) + gpu_fragmentation(ds) + gpu_unexplained_growth(ds)
 
@@ -75,8 +74,6 @@ def _last_process(ds: Dataset, rec: str, pid: int) -> pd.Series | None:
 
 
 def gpu_growth(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
-    from analysis.detect.growth import _site, frames_json, time_to_oom_hours
-
     findings = []
     if not len(series):
         return findings
@@ -99,9 +96,9 @@ def gpu_growth(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
         rate_h = r.rate_bytes_per_s * 3600
         ttoom, basis = time_to_oom_hours(used, limit, 0.0, r.rate_bytes_per_s) if limit else (None, "")
         frames = frames_json(ds, r.stack_id)
-        site = _site(frames)
+        where = site(frames)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
-        text = (f"{site} holds {fmt_bytes(r.outstanding_bytes)} of {_WHAT[source]} ({source}) and grows "
+        text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} of {_WHAT[source]} ({source}) and grows "
                 f"{fmt_bytes(rate_h)}/h to the end of the window"
                 + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
         if ttoom is not None:
@@ -200,67 +197,3 @@ def gpu_unexplained_growth(ds: Dataset) -> list[Finding]:
              "growth_bytes_per_hour": rate_h, "first_seen": first["ts"], "last_seen": last["ts"],
              "device_total_bytes": total or None, "recording_id": rec}))
     return findings
-
-
-# --- report -------------------------------------------------------------------------------------
-
-def process_section(p: pd.DataFrame, o: pd.DataFrame, times: np.ndarray, stacks) -> str:
-    """One process's GPU charts for the HTML report: memory as the driver, the probes and the
-    caching allocator see it, and the top stacks of GPU sources. Empty without GPU data."""
-    from analysis.report.charts import Series, chart, seconds
-    from analysis.report.html import _top_stacks
-
-    cols = [("gpu_used_bytes", "used (NVML)", "#222"), ("gpu_reserved_bytes", "reserved (CUDA calls)", "#59a14f"),
-            ("gpu_allocated_bytes", "allocated (tensors)", "#4e79a7"), ("gpu_pinned_bytes", "pinned host", "#b07aa1")]
-    cols = [c for c in cols if c[0] in p and p[c[0]].notna().any()]
-    has_stacks = "source" in o and o["source"].astype(str).isin(GPU_SOURCES).any()
-    if not cols and not has_stacks:
-        return ""
-    out = ["<h3>GPU memory</h3>"]
-    if cols and "ts" in p:
-        t = seconds(p["ts"])
-        series, keys = [], []
-        for c, label, color in cols:
-            y = p[c].to_numpy(dtype=float)
-            lo = hi = None
-            if c == "gpu_allocated_bytes" and "gpu_allocated_stderr_bytes" in p:
-                e = np.nan_to_num(p["gpu_allocated_stderr_bytes"].to_numpy(dtype=float))
-                lo, hi = np.maximum(np.nan_to_num(y) - 2 * e, 0), np.nan_to_num(y) + 2 * e
-            series.append(Series(label, color, np.nan_to_num(y), lo, hi))
-            last = y[~np.isnan(y)][-1] if (~np.isnan(y)).any() else 0.0
-            keys.append(f'<span><i style="background:{color}"></i>{html.escape(label)} {fmt_bytes(last)}</span>')
-        out.append(chart(t, series, label="GPU memory") + f'<div class="keys">{"".join(keys)}</div>')
-        out.append('<p class="note">Reserved: outstanding device memory of the traced CUDA calls (the larger of '
-                   "the runtime and driver views); allocated: live tensors of PyTorch's caching allocator (sampled, "
-                   "±2 standard errors); used: the driver's figure, which also holds the context.</p>")
-    if has_stacks:
-        g = o[o["source"].astype(str).isin(GPU_SOURCES)]
-        out.append(_top_stacks(g, times, stacks, head="<h3>Top stacks: GPU memory</h3>"))
-    return "\n".join(out)
-
-
-def devices_section(ds: Dataset) -> str:
-    """The devices as NVML saw them: used against total memory, per device."""
-    from analysis.report.charts import Series, chart, seconds
-
-    g = devices(ds)
-    if g.empty:
-        return ""
-    palette = ("#4e79a7", "#f28e2b", "#e15759", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
-    out = ["<h2>GPU devices</h2>"]
-    rows = []
-    for i, (dev, d) in enumerate(g.groupby("device", observed=True)):
-        d = d.groupby("ts", observed=True)[["used_bytes", "total_bytes"]].max().reset_index()
-        color = palette[i % len(palette)]
-        t = seconds(d["ts"])
-        label = f"device {dev}"
-        name = g[g["device"] == dev]["name"].astype(str).iloc[-1]
-        out.append(f"<h3>{html.escape(label)}: {html.escape(name)}</h3>")
-        out.append(chart(t, [Series("used", color, d["used_bytes"].to_numpy(dtype=float), fill=True),
-                             Series("total", "#999", d["total_bytes"].to_numpy(dtype=float))],
-                         label=f"GPU {dev} memory"))
-        rows.append(f"<tr><td>{dev}</td><td>{html.escape(name)}</td><td>{fmt_bytes(d['used_bytes'].iloc[-1])}</td>"
-                    f"<td>{fmt_bytes(d['used_bytes'].max())}</td><td>{fmt_bytes(d['total_bytes'].iloc[-1])}</td></tr>")
-    out.insert(1, '<table class="list"><tr><th>device</th><th>name</th><th>used (last)</th><th>peak used</th>'
-                  f'<th>total</th></tr>{"".join(rows)}</table>')
-    return "\n".join(out)

@@ -22,8 +22,6 @@ Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 poi
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +30,9 @@ import pandas as pd
 from analysis.dataset import Dataset
 from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
+from analysis.frames import frames_json, site
 from analysis.units import fmt_hours
+from sampler.dataset.sources import GPU_SOURCES
 from sampler.units import fmt_bytes
 
 MiB = 1 << 20
@@ -240,23 +240,13 @@ def time_to_oom_hours(rss: float, limit: float, rss_slope: float, leak_rate: flo
     return None, ""
 
 
-def frames_json(ds: Dataset, stack_id: int) -> list[dict]:
-    def val(v):
-        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
-    return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
-             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind)}
-            for r in ds.frames_of(stack_id).itertuples()]
-
-
 def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
     """persistent_growth findings (leaks), and unexplained_growth when RSS grows beyond what the
     sampled allocations account for."""
-    from analysis.detect.gpu import GPU_SOURCES  # GPU sources are gpu_growth findings (analysis/detect/gpu.py)
-
     series = classify_series(ds) if series is None else series
     findings: list[Finding] = []
     trends: dict[tuple, dict] = {}
+    # GPU sources are gpu_growth findings (analysis/detect/gpu.py), with the device as the limit
     leaks = series[(series["classification"] == "leak") & ~series["source"].astype(str).isin(GPU_SOURCES)] \
         if len(series) else series
     for r in leaks.itertuples() if len(leaks) else ():
@@ -265,10 +255,10 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
         ttoom, basis = time_to_oom_hours(pt.get("rss", 0), pt.get("limit", 0), pt.get("rss_slope", 0),
                                          r.rate_bytes_per_s)
         frames = frames_json(ds, r.stack_id)
-        site = _site(frames)
+        where = site(frames)
         limit = pt.get("limit", 0)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
-        text = (f"{site} holds {fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)} "
+        text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)} "
                 f"({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the window"
                 + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
         if ttoom is not None:
@@ -283,29 +273,6 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
              "z": r.z, "recording_id": r.recording_id}))
     findings += _unexplained(ds, series)
     return findings
-
-
-def _site(frames: list[dict]) -> str:
-    """The innermost named frame, and the innermost Python frame above it (the line a Python
-    user recognises), e.g. `alloc_cpu (libc10.so) from train_step (train.py:41)`."""
-    named = next((f for f in frames if f["function"]), None)
-    if named is None:
-        return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
-    site = _where(named)
-    py = [f for f in frames if f.get("kind") == "python"]
-    mine = next((f for f in py if not _LIBRARY_CODE.search(str(f.get("file") or ""))), py[0] if py else None)
-    return site if mine is None or mine is named else f"{site} from {_where(mine)}"
-
-
-# Python code of the interpreter and of installed packages: the user's own frame is the
-# innermost one outside these (torch's `relu` is where, `train_step` is why).
-_LIBRARY_CODE = re.compile(r"/lib/python3[^/]*/|/(site|dist)-packages/|^<frozen ")
-
-
-def _where(f: dict) -> str:
-    if f.get("kind") == "python" and f.get("line"):
-        return f"{f['function']} ({f['module']}:{f['line']})"
-    return f"{f['function']} ({f['module']})"
 
 
 def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from analysis.dataset import read_table
+from analysis.frames import Stacks, read_stack_frames
 
 # (sample type, unit, outstanding column); Go's order, so tools default to the last (inuse_space)
 SAMPLE_TYPES: tuple[tuple[str, str, str], ...] = (
@@ -88,20 +89,6 @@ def profile_values(root: str | Path, *, window: Window | None = None, source: st
         [*keys, "comm", "host", "stack_id", *VALUE_NAMES]]
     values.attrs.update(first_ts=out["ts"].min(), last_ts=out["ts"].max())
     return values
-
-
-def stack_frames(root: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """stack_id -> its frames innermost first, as dicts of the `frames` columns that exist."""
-    frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
-    if frames.empty:
-        return {}
-    want = [c for c in ("function", "module", "path", "offset", "build_id", "file", "line", "kind") if c in frames]
-    f = frames.sort_values(["stack_id", "depth"])[["stack_id", *want]]
-    f = f.astype(object).where(f.notna(), None)
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in f.to_dict("records"):
-        out.setdefault(int(row.pop("stack_id")), []).append(row)
-    return out
 
 
 def sample_period(root: str | Path) -> int:
@@ -248,7 +235,7 @@ def _nanos(t: pd.Timestamp | dt.datetime | None) -> int:
     return int(pd.Timestamp(t).value) if t is not None and not pd.isna(t) else 0
 
 
-def build_profile(values: pd.DataFrame, frames: dict[int, list[dict[str, Any]]], *, source: str,
+def build_profile(values: pd.DataFrame, frames: Stacks, *, source: str,
                   window: Window | None = None, period: int = 0) -> bytes:
     """The serialized Profile of `profile_values()` rows."""
     window = window or Window()
@@ -269,8 +256,8 @@ def build_profile(values: pd.DataFrame, frames: dict[int, list[dict[str, Any]]],
 
 
 def write_pprof(root: str | Path, values: pd.DataFrame, out: str | Path, *, source: str,
-                window: Window | None = None, frames: dict[int, list[dict[str, Any]]] | None = None) -> None:
+                window: Window | None = None, frames: Stacks | None = None) -> None:
     """Write OUT, the gzipped Profile of `profile_values(root, ...)` rows."""
-    frames = stack_frames(root) if frames is None else frames
+    frames = read_stack_frames(root) if frames is None else frames
     data = build_profile(values, frames, source=source, window=window, period=sample_period(root))
     Path(out).write_bytes(gzip.compress(data, mtime=0))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from markupsafe import Markup
 
 MAX_POINTS = 500                 # per series: enough for a 1200 px wide chart
 HEIGHT = 240
@@ -88,12 +89,13 @@ def _utc(t: float, fmt: str) -> str:
 
 
 def chart(t: np.ndarray, series: list[Series], *, width: int = 1160, stacked: bool = False,
-          total: Series | None = None, label: str = "") -> str:
+          total: Series | None = None, label: str = "") -> Markup:
     """An <svg> chart of byte series over time `t` (epoch seconds, ascending).
 
-    stacked: series are stacked areas (bottom first); `total` is then drawn as a dashed line."""
+    stacked: series are stacked areas (bottom first); `total` is then drawn as a dashed line.
+    Markup: every text in it is escaped here, so templates insert it as it is."""
     if len(t) == 0 or not series:
-        return '<p class="empty">no data</p>'
+        return Markup('<p class="empty">no data</p>')
     idx = thin(len(t))
     t = t[idx]
     ys = [np.nan_to_num(s.y[idx].astype(float)) for s in series]
@@ -160,4 +162,4 @@ def chart(t: np.ndarray, series: list[Series], *, width: int = 1160, stacked: bo
     out.append(f'<line class="cursor" x1="0" x2="0" y1="{TOP}" y2="{TOP + plot_h}" visibility="hidden"/></svg>')
     # a raw-text <script> next to the svg: inside svg it would be parsed as markup
     data = json.dumps(hover, separators=(",", ":")).replace("<", "\\u003c")
-    return f'<div class="chartbox">{"".join(out)}<script type="application/json">{data}</script></div>'
+    return Markup(f'<div class="chartbox">{"".join(out)}<script type="application/json">{data}</script></div>')

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+from markupsafe import Markup
 
+from analysis.frames import Stacks
 from sampler.units import fmt_bytes
 
 Frame = tuple[str, str]          # (function, or module+address when unsymbolized; module)
@@ -73,20 +75,6 @@ def layout(root: Node, min_fraction: float = 0.0) -> list[Rect]:
     return rects
 
 
-def stack_frames(frames: pd.DataFrame) -> dict[int, list[dict[str, Any]]]:
-    """stack_id -> its frames innermost first, as dicts of the `frames` columns (the shape of a
-    finding's `frames`, plus `offset`)."""
-    cols = [c for c in ("function", "module", "file", "line", "kind", "offset") if c in frames]
-    if frames.empty or not {"stack_id", "depth"} <= set(frames.columns):
-        return {}
-    f = frames.sort_values(["stack_id", "depth"])
-    f = f[["stack_id", *cols]].astype(object).where(f[["stack_id", *cols]].notna(), None)
-    out: dict[int, list[dict[str, Any]]] = {}
-    for row in f.to_dict("records"):
-        out.setdefault(int(row.pop("stack_id")), []).append(row)
-    return out
-
-
 def frame_key(f: dict[str, Any]) -> Frame:
     """How a frame is named in the graph: its function, else module+address."""
     fn, off, module = f.get("function"), f.get("offset"), str(f.get("module") or "?")
@@ -95,8 +83,8 @@ def frame_key(f: dict[str, Any]) -> Frame:
     return (f"{module}+{int(off):#x}" if off is not None else f"{module}+?"), module
 
 
-def tree_from_values(values: pd.Series, stacks: dict[int, list[dict[str, Any]]], root_name: str) -> Node:
-    """Tree of bytes per stack (`values` indexed by stack_id, `stacks` from stack_frames); stacks
+def tree_from_values(values: pd.Series, stacks: Stacks, root_name: str) -> Node:
+    """Tree of bytes per stack (`values` indexed by stack_id, `stacks` from analysis.frames.stack_frames); stacks
     without frames go under one `[no stack]` frame so that the total stays right."""
     def path(sid: int) -> list[Frame]:
         frames = stacks.get(int(sid))
@@ -122,11 +110,12 @@ def label_for(text: str, width_px: float) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str = "outstanding") -> str:
-    """The flame graph as an <svg>; click a frame to zoom (script in the report), the root to reset."""
+def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str = "outstanding") -> Markup:
+    """The flame graph as an <svg>; click a frame to zoom (script in the report), the root to reset.
+    Markup: every text in it is escaped here, so templates insert it as it is."""
     rects = layout(root, MIN_PX / width)
     if not rects:
-        return '<p class="empty">nothing to show</p>'
+        return Markup('<p class="empty">nothing to show</p>')
     depth = max(r.depth for r in rects) + 1
     height = depth * ROW + 2
     parts = [f'<svg class="flame" viewBox="0 0 {width} {height}" width="100%" data-w="{width}" '
@@ -145,4 +134,4 @@ def render_svg(root: Node, *, width: int = 1160, growth: bool = False, what: str
             f'fill="{_color(n, growth)}" rx="1.5"/>'
             f'<text x="{x + 3:.2f}" y="{y + ROW - 5}">{html.escape(label_for(n.function, w))}</text></g>')
     parts.append("</svg>")
-    return "".join(parts)
+    return Markup("".join(parts))

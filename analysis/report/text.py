@@ -6,7 +6,7 @@ import textwrap
 
 from analysis.dataset import Dataset
 from analysis.findings import Finding
-from analysis.report.html import trim_frames
+from analysis.frames import trim_frames
 from analysis.units import fmt_hours
 from sampler.units import fmt_bytes
 

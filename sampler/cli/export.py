@@ -32,7 +32,8 @@ def prepare_parser(e: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from analysis.export.collapsed import collapsed_lines
-    from analysis.export.pprof import Window, profile_values, stack_frames, write_pprof
+    from analysis.export.pprof import Window, profile_values, write_pprof
+    from analysis.frames import read_stack_frames
     from sampler.units import fmt_bytes
 
     if not args.pprof and not args.collapsed:
@@ -44,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--window START END: START must be before END")
     window = Window(start, end)
     values = profile_values(args.dir, window=window, source=args.source, pids=args.pid or None)
-    frames = stack_frames(args.dir)
+    frames = read_stack_frames(args.dir)
     log = sys.stderr if args.collapsed == "-" else sys.stdout
     try:
         if args.pprof:

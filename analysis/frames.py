@@ -1,0 +1,139 @@
+"""Stacks as lists of frames, and frames as text: shared by the detectors, reports, exports and diff.
+
+A frame is a dict of `frames` table columns (function, module, file, line, kind, ...), a stack a
+list of them innermost first. Missing values are None in `stack_frames()` and `frames_json()`,
+but frames built elsewhere may carry NaN (pandas), so the text helpers accept both.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.dataset import Dataset, read_table
+
+Frame = dict[str, Any]
+Stacks = dict[int, list[Frame]]       # stack_id -> frames innermost first
+
+# the `frames` columns a stack's frames carry, where the table has them
+FRAME_COLUMNS = ("function", "module", "path", "offset", "build_id", "file", "line", "kind")
+SHOWN_FRAMES = 6
+# frames that say nothing about who allocated: the allocator's own and the program's entry
+ALLOCATOR_MODULES = re.compile(r"^(libc\.so|libc-|libstdc\+\+|libjemalloc|libtcmalloc|libmimalloc|ld-linux)")
+ENTRY_FUNCTIONS = {"_start", "__libc_start_main", "__libc_start_call_main", "__libc_start_main_impl",
+                   "start_thread", "clone", "clone3", "__clone3"}
+# Python code of the interpreter and of installed packages: the user's own frame is the
+# innermost one outside these (torch's `relu` is where, `train_step` is why).
+_LIBRARY_CODE = re.compile(r"/lib/python3[^/]*/|/(site|dist)-packages/|^<frozen ")
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def stack_frames(frames: pd.DataFrame) -> Stacks:
+    """stack_id -> its frames innermost first, as dicts of the FRAME_COLUMNS the table has
+    (nulls as None); a (stack_id, depth) written twice counts once."""
+    if frames.empty or not {"stack_id", "depth"} <= set(frames.columns):
+        return {}
+    cols = [c for c in FRAME_COLUMNS if c in frames]
+    f = frames.drop_duplicates(["stack_id", "depth"]).sort_values(["stack_id", "depth"])[["stack_id", *cols]]
+    f = f.astype(object).where(f.notna(), None)
+    out: Stacks = {}
+    for row in f.to_dict("records"):
+        out.setdefault(int(row.pop("stack_id")), []).append(row)
+    return out
+
+
+def read_stack_frames(root: str | Path) -> Stacks:
+    """`stack_frames()` of a dataset directory's `frames` table."""
+    return stack_frames(read_table(root, "frames"))
+
+
+def frames_json(ds: Dataset, stack_id: int) -> list[Frame]:
+    """A stack's frames in the shape of a finding's `frames` detail (JSON-ready)."""
+    def val(v: Any) -> Any:
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
+             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind)}
+            for r in ds.frames_of(stack_id).itertuples()]
+
+
+# --- as text -------------------------------------------------------------------------------------
+
+def site(frames: list[Frame]) -> str:
+    """The innermost named frame, and the innermost Python frame above it (the line a Python
+    user recognises), e.g. `alloc_cpu (libc10.so) from train_step (train.py:41)`."""
+    named = next((f for f in frames if f["function"]), None)
+    if named is None:
+        return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
+    where = _where(named)
+    py = [f for f in frames if f.get("kind") == "python"]
+    mine = next((f for f in py if not _LIBRARY_CODE.search(str(f.get("file") or ""))), py[0] if py else None)
+    return where if mine is None or mine is named else f"{where} from {_where(mine)}"
+
+
+def _where(f: Frame) -> str:
+    if f.get("kind") == "python" and f.get("line"):
+        return f"{f['function']} ({f['module']}:{f['line']})"
+    return f"{f['function']} ({f['module']})"
+
+
+def frame_text(f: Frame) -> str:
+    """One frame on one line: `function (module)`, `function (module:line)` for Python, the
+    address when unsymbolized."""
+    name = _text(f.get("function")) or _hex(f.get("offset"))
+    if f.get("kind") == "python" and _finite(f.get("line")):
+        return f"{name} ({f.get('module') or '?'}:{int(f['line'])})"
+    return f"{name} ({f.get('module') or '?'})"
+
+
+def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES) -> tuple[list[str], int]:
+    """The interesting frames of a stack (innermost first) as text, and how many were left out:
+    allocator-internal frames at the top and entry frames at the bottom are dropped, runs of
+    unsymbolized frames of one module become one line."""
+    def fn(f: Frame) -> str | None:
+        return _text(f.get("function"))
+
+    lo, hi = 0, len(frames)
+    while hi - lo > 1 and ALLOCATOR_MODULES.match(str(frames[lo].get("module") or "")):
+        lo += 1
+    while hi - lo > 1 and fn(frames[hi - 1]) in ENTRY_FUNCTIONS:
+        hi -= 1
+    lines: list[str] = []
+    run_module, run = None, 0
+    for f in frames[lo:hi]:
+        module = str(f.get("module") or "?")
+        if fn(f) is None:
+            if run and module == run_module:
+                run += 1
+                lines[-1] = f"[{run} frames in {module}]"
+            else:
+                run_module, run = module, 1
+                lines.append(f"{module}+{_hex(f.get('offset'))}" if _finite(f.get("offset")) else f"? ({module})")
+            continue
+        run = 0
+        text = frame_text(f)
+        if f.get("kind") != "python" and _text(f.get("file")):
+            line = f.get("line")
+            text += f"  {Path(f['file']).name}" + (f":{int(line)}" if _finite(line) else "")
+        lines.append(text)
+    dropped = len(frames) - (hi - lo)
+    return lines[:keep], max(0, len(lines) - keep) + dropped
+
+
+def _text(v: Any) -> str | None:
+    """A non-empty string, else None (frames from DataFrames carry NaN for nulls)."""
+    return v if isinstance(v, str) and v else None
+
+
+def _hex(v: Any) -> str:
+    return f"{int(v):#x}" if _finite(v) else "?"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
