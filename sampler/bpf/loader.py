@@ -425,29 +425,20 @@ class BpfProbes:
     def set_python(self, pid: int, layout: bytes | None) -> None:
         """The frame-chain layout of a CPython process (sampler/pyruntime.PyLayout), or None."""
         tab = self.bpf["pyprocs"]
-        if layout is None:
-            with contextlib.suppress(KeyError):
-                del tab[tab.Key(pid)]
-        else:
-            tab[tab.Key(pid)] = tab.Leaf.from_buffer_copy(layout)
+        tab.put(tab.Key(pid), None if layout is None else tab.Leaf.from_buffer_copy(layout))
 
     def set_python_threads(self, add: dict[int, int], remove=()) -> None:
         """Thread id -> PyThreadState address, for the BPF Python walk."""
         tab = self.bpf["pythreads"]
         for tid in remove:
-            with contextlib.suppress(KeyError):
-                del tab[tab.Key(tid)]
+            tab.put(tab.Key(tid), None)
         for tid, tstate in add.items():
-            tab[tab.Key(tid)] = tab.Leaf(tstate)
+            tab.put(tab.Key(tid), tab.Leaf(tstate))
 
     def set_stack_hint(self, pid: int, nbytes: int | None) -> None:
         """Stack bytes to copy per sample of `pid` (None: the configured maximum)."""
         tab = self.bpf["stack_hint"]
-        if nbytes is None:
-            with contextlib.suppress(KeyError):
-                del tab[tab.Key(pid)]
-        else:
-            tab[tab.Key(pid)] = tab.Leaf(nbytes)
+        tab.put(tab.Key(pid), None if nbytes is None else tab.Leaf(nbytes))
 
     def forget_live(self, pid: int, addrs) -> None:
         """Drop sampled-live entries of a process that exited or exec'd."""

@@ -395,6 +395,14 @@ class Map:
     def __delitem__(self, key) -> None:
         self._op(sc.MAP_DELETE_ELEM, key)
 
+    def put(self, key, leaf) -> None:
+        """Set `key` to `leaf`; None deletes it (absent or not)."""
+        if leaf is not None:
+            self[key] = leaf
+            return
+        with contextlib.suppress(KeyError):
+            del self[key]
+
     def __iter__(self) -> Iterator:
         key, nxt = None, self.Key()
         while True:

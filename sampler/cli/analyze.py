@@ -16,11 +16,18 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
     a.add_argument("--json", action="store_true", help="print one JSON object (docs/findings.md)")
 
 
+def analyzed(args: argparse.Namespace):
+    """(dataset, findings) of the window the arguments select (analyze and report)."""
+    from analysis import analyze
+
+    ds = load_window(args)
+    return ds, analyze.run(ds)
+
+
 def run(args: argparse.Namespace) -> int:
     from analysis import analyze
     from analysis.report.text import render
 
-    ds = load_window(args)
-    findings = analyze.run(ds)
+    ds, findings = analyzed(args)
     print(json.dumps(analyze.to_document(findings), indent=2) if args.json else render(ds, findings))
     return 0

@@ -29,21 +29,22 @@ def size(text: str) -> int:
     return n
 
 
-def count(text: str) -> int:
+def _number(text: str, kind: type, what: str) -> int | float:
     try:
-        v = int(text)
+        return kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+
+
+def count(text: str) -> int:
+    v = _number(text, int, "a whole number")
     if not 0 <= v <= 1_000_000:
         raise argparse.ArgumentTypeError(f"must be in 0..1000000: {text!r}")
     return v
 
 
 def positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    v = _number(text, float, "a number")
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
     return v

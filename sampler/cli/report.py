@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sampler.cli.args import add_window, load_window
+from sampler.cli.analyze import analyzed
+from sampler.cli.args import add_window
 
 HELP = "a report of the findings (terminal, or one HTML file)"
 
@@ -17,16 +18,14 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from analysis import analyze
-    from analysis.report.text import render
-
-    ds = load_window(args)
-    findings = analyze.run(ds)
+    ds, findings = analyzed(args)
     if args.html:
         from analysis.report.html import render_html
 
         Path(args.html).write_text(render_html(ds, findings))
         print(f"report written to {args.html}")
     else:
+        from analysis.report.text import render
+
         print(render(ds, findings))
     return 0

@@ -37,6 +37,7 @@ from sampler.dataset.schema import int64
 from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 from sampler.probes import usdt
 from sampler.probes.allocators import own_probes
+from sampler.probes.plans import PlanCache
 from sampler.proc.maps import Mapping, open_path
 
 SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = Source.CUDA, Source.CUDA_DRIVER, Source.TORCH
@@ -197,7 +198,7 @@ def torch_spec(p: usdt.UsdtProbe) -> tuple[tuple[usdt.UsdtArg, ...], int]:
     return (p.args[0],), UsdtKind.TORCH_FREE
 
 
-_plans: dict[tuple, CudaLib] = {}
+plans: PlanCache[CudaLib] = PlanCache()
 
 
 def find_libraries(pid: int, maps: list[Mapping]) -> list[tuple[CudaLib, str, Mapping]]:
@@ -214,14 +215,8 @@ def find_libraries(pid: int, maps: list[Mapping]) -> list[tuple[CudaLib, str, Ma
         if layer is None:
             continue
         attach = open_path(pid, m)
-        plan = _plans.get(ident)
-        if plan is None:
-            try:
-                image = ElfImage.open(attach)
-            except (OSError, ValueError):
-                continue
-            plan = _plans[ident] = plan_library(image, layer, m.path)
-        if plan.points:
+        plan = plans.get(ident, attach, lambda image, layer=layer, m=m: plan_library(image, layer, m.path))
+        if plan is not None and plan.points:
             out.append((plan, attach, m))
     return out
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from sampler.binary.elf import ElfImage, Symbol
 from sampler.bpf.abi import FNF_DELEGATES, Fn
+from sampler.probes.plans import PlanCache
 from sampler.probes.sites import ProbeSite, choose_site, forwards_to
 from sampler.proc.maps import Mapping, open_path, read_maps
 
@@ -196,14 +197,7 @@ def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -
     return lib
 
 
-_plan_cache: dict[tuple, AllocatorLib] = {}
-PLANS_MAX = 512             # files planned (each plan is a few probe points)
-
-
-def prune_plans(shed: int = 0) -> None:
-    """Bound the per-file plans: all go above PLANS_MAX, or at `shed` 2 (memory is short)."""
-    if shed >= 2 or len(_plan_cache) > PLANS_MAX:
-        _plan_cache.clear()
+plans: PlanCache[AllocatorLib] = PlanCache()
 
 
 def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[AllocatorLib], list[Mapping]]:
@@ -229,15 +223,9 @@ def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[Allo
         if family is None:
             continue
         attach = open_path(pid, m)
-        key = (ident, family.name)
-        plan = _plan_cache.get(key)
-        if plan is None:
-            try:
-                image = ElfImage.open(attach)
-            except (OSError, ValueError):
-                continue
-            plan = _plan_cache[key] = plan_library(image, family, m.path, attach)
-        if plan.points:
+        plan = plans.get((ident, family.name), attach,
+                         lambda image, f=family, m=m, a=attach: plan_library(image, f, m.path, a))
+        if plan is not None and plan.points:
             libs.append(replace(plan, attach_path=attach))
     return libs, maps
 

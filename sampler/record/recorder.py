@@ -44,6 +44,7 @@ from sampler.dataset.schema import (
 )
 from sampler.dataset.writer import DatasetWriter
 from sampler.errors import EnvironmentProblem, TargetGone
+from sampler.gpu import cuda
 from sampler.gpu.cuda import GpuTracer
 from sampler.probes import allocators
 from sampler.probes.allocators import Family
@@ -303,7 +304,8 @@ class Recorder:
         self.stacks.prune(live, shed)
         if self.python is not None:
             self.python.prune(live)
-        allocators.prune_plans(shed)
+        allocators.plans.prune(shed)
+        cuda.plans.prune(shed)
 
     # targets ----------------------------------------------------------------------------------
     def _add_target(self, info: ProcessInfo, tier: str | None = None) -> None:
