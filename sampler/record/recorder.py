@@ -417,8 +417,10 @@ class Recorder:
             t.table.unmap(ev.addr, ev.size)
         if ok and op == VmOp.MMAP and ev.arg & PROT_EXEC and not (ev.arg >> 32) & MAP_ANONYMOUS:
             # a library is being loaded (dlopen of libcudart, libcuda): look for it at every poll
-            # for a moment, not only at the next snapshot
+            # for a moment, not only at the next snapshot; its samples come after this event (one
+            # ring buffer, in order), and their stacks need the new maps
             t.rescan_until = max(t.rescan_until, time.monotonic() + DLOPEN_RESCAN_S)
+            self.symbolizer.mapped_code(t.pid)
         elif ok and op == VmOp.MREMAP:
             t.table.move(ev.addr, ev.size, ev.ret, ev.arg)
             t.table.unmap(ev.addr, ev.size)

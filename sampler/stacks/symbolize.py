@@ -119,6 +119,13 @@ class Symbolizer:
         """The ELF images of the processes known now (what the unwinder's tables may keep)."""
         return {img for v in self._procs.values() for img in v.images.values() if img is not None}
 
+    def mapped_code(self, pid: int) -> None:
+        """`pid` mapped executable code (its mmap event): the next miss re-reads its maps at once,
+        whatever the rate limit, so that the samples that follow from the new code resolve."""
+        view = self._procs.get(pid)
+        if view is not None:
+            view.read_at = float("-inf")
+
     def forget(self, pid: int) -> None:
         """Drop what is known of `pid` (it exited or exec'd)."""
         self._procs.pop(pid, None)
