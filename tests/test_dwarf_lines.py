@@ -14,8 +14,11 @@ from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 from conftest import WORKLOADS, compile_c
 from elftools.elf.elffile import ELFFile
 
-from sampler.binary.dwarf_lines import SHF_COMPRESSED, LineTables, SourceFrame
+from sampler.binary import dwarf_lines
+from sampler.binary.dwarf_info import DwarfInfo
+from sampler.binary.dwarf_lines import LineTables, SourceFrame
 from sampler.binary.elf import ElfImage
+from sampler.binary.reader import SHF_COMPRESSED
 
 SRC = WORKLOADS / "inline_chain.c"
 
@@ -143,6 +146,25 @@ def test_malformed_dwarf_never_raises(tmp_path, section):
     for pc in pcs + [0, 1, 2**64 - 1]:
         frames = tables.lookup(pc) if tables else []
         assert all(isinstance(fr, SourceFrame) for fr in frames)
+
+
+def test_pyelftools_internals(chain_bin):
+    """The pyelftools internals that dwarf_info.DwarfInfo uses (see its docstring) do what it expects
+    in the installed release: a release that changes them fails here, not in production."""
+    dwarf = DwarfInfo(dwarf_lines._read_sections(str(chain_bin)))
+    info = dwarf._info
+    cu = dwarf.parse_cu(0)
+    assert not info._cu_cache  # parsed anew, not kept
+    top = cu.get_top_DIE()
+    assert dwarf.parsed_dies(cu) == 1
+    children = list(top.iter_children())
+    assert dwarf.parsed_dies(cu) > len(children) > 1
+    prog = dwarf.line_program(cu)
+    assert prog is not None and prog.program_end_offset > prog.program_start_offset
+    assert not info._linetable_cache
+    assert cu["debug_abbrev_offset"] in info._abbrevtable_cache
+    dwarf.forget_abbrevs(cu)
+    assert not info._abbrevtable_cache
 
 
 def section_flags(binary: Path, name: str) -> int | None:

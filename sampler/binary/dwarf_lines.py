@@ -2,34 +2,33 @@
 
 Debug info of big binaries runs to gigabytes, so everything is lazy: the compilation unit (CU) of an
 address comes from a sorted index of .debug_aranges (of CU top DIEs for CUs it lacks), and only that
-CU's line program and the DIEs on the way to the address are parsed. pyelftools parses the DIEs (with
-a few of its internals, for CUs and caches this module can evict: it is pinned); line programs are
-decoded here, 4x faster than through its per-row objects. Uncompressed sections are read in place
-from a mmap; compressed ones (SHF_COMPRESSED, .zdebug_*) are inflated once.
+CU's line program and the DIEs on the way to the address are parsed. pyelftools parses the DIEs, through
+dwarf_info.DwarfInfo (CUs and caches this module can let go); line programs are decoded here, 4x faster
+than through its per-row objects. Uncompressed sections are read in place from a mmap; compressed ones
+(SHF_COMPRESSED, .zdebug_*) are inflated once, up to reader.MAX_INFLATED bytes.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from elftools.dwarf.dwarfinfo import DebugSectionDescriptor, DwarfConfig, DWARFInfo
+from elftools.dwarf.compileunit import CompileUnit
 from elftools.dwarf.ranges import BaseAddressEntry
 
-from sampler.binary.elf import SHDR_DTYPE, SHT_NOBITS, ElfImage
+from sampler.binary.dwarf_info import SECTIONS as _DWARF_SECTIONS
+from sampler.binary.dwarf_info import DwarfInfo, Span
+from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
+from sampler.binary.reader import SHT_NOBITS, ElfReader
 
-SHF_COMPRESSED = 0x800
-ELFCOMPRESS_ZLIB = 1
-# .debug_<name> sections read: CUs, DIE attributes, ranges, line programs, aranges.
-_SECTIONS = ("info", "abbrev", "str", "line", "line_str", "ranges", "rnglists", "addr", "str_offsets", "aranges")
+# .debug_<name> sections read: those pyelftools parses, and the aranges indexed here.
+_SECTIONS = (*_DWARF_SECTIONS, "aranges")
 
 # DIEs whose code ranges nest: the path from a function to an address goes through them.
 _SCOPES = frozenset(
@@ -69,10 +68,10 @@ class LineTables:
             if shed >= 2 or len(cls._cache) > cls.CACHE_MAX:
                 cls._cache.clear()
 
-    def __init__(self, path: str, sections: dict[str, _Section]):
+    def __init__(self, path: str, sections: dict[str, Span]):
         self.path = path
         self._sections = sections
-        self._dwarf = _dwarf_info(sections)
+        self._dwarf = DwarfInfo(sections)
         self._cus = _CuIndex(self._dwarf, sections["aranges"].data() if "aranges" in sections else None)
         self._units: OrderedDict[int, _Unit] = OrderedDict()
         self._memo: OrderedDict[int, tuple[SourceFrame, ...]] = OrderedDict()
@@ -145,7 +144,7 @@ class LineTables:
         unit = self._units.pop(cu_offset, None)
         if unit is None:
             # A CU of our own, not the DWARFInfo's cached one, so that its DIEs go when it does.
-            unit = _Unit(self._dwarf, self._dwarf._parse_CU_at_offset(cu_offset), self._sections)
+            unit = _Unit(self._dwarf, self._dwarf.parse_cu(cu_offset), self._sections)
         self._units[cu_offset] = unit
         # Parsed DIEs (~1 KiB each) are most of the memory: few units, fewer when they are big.
         while len(self._units) > 1 and (
@@ -158,7 +157,7 @@ class LineTables:
 class _Unit:
     """One CU: its line table as sorted arrays, its file names and an index of its functions."""
 
-    def __init__(self, dwarf: DWARFInfo, cu: Any, sections: dict[str, _Section]):
+    def __init__(self, dwarf: DwarfInfo, cu: CompileUnit, sections: dict[str, Span]):
         self.dwarf = dwarf
         self.cu = cu
         top = cu.get_top_DIE()
@@ -170,12 +169,11 @@ class _Unit:
         self.rows = np.empty((0, 2), np.int64)  # (file, line); file -1 ends a sequence
         if "DW_AT_stmt_list" in top.attributes and "line" in sections:
             try:
-                prog = dwarf.line_program_for_CU(cu)
+                prog = dwarf.line_program(cu)
                 self.files = self._file_names(prog.header)
                 sec = sections["line"]
                 start, end = prog.program_start_offset, min(prog.program_end_offset, sec.size)
                 self.addr, self.rows = _decode_line_program(sec.buf[sec.start + start : sec.start + end], prog.header)
-                dwarf._linetable_cache.pop(top.attributes["DW_AT_stmt_list"].value, None)  # decoded: not needed
             except Exception:
                 pass  # a malformed line program: functions and inlined calls, without lines
         self._funcs: _Intervals | None = None
@@ -200,11 +198,10 @@ class _Unit:
         return names if v5 else [None, *names]
 
     def dies(self) -> int:
-        return len(self.cu._dielist)  # pyelftools' cache of the CU's parsed DIEs
+        return self.dwarf.parsed_dies(self.cu)
 
     def drop(self) -> None:
-        """Forget the DWARFInfo's cached abbreviations of this CU (gcc gives each CU its own)."""
-        self.dwarf._abbrevtable_cache.pop(self.cu["debug_abbrev_offset"], None)
+        self.dwarf.forget_abbrevs(self.cu)
 
     def file(self, index: int) -> str | None:
         return self.files[index] if 0 <= index < len(self.files) else None
@@ -277,7 +274,7 @@ class _Unit:
         return _ranges(self.dwarf, self.cu, self.base, die)
 
 
-def _ranges(dwarf: DWARFInfo, cu: Any, base: int, die: Any) -> list[tuple[int, int]]:
+def _ranges(dwarf: DwarfInfo, cu: CompileUnit, base: int, die: Any) -> list[tuple[int, int]]:
     """Code ranges of a DIE; `base` is the CU's low_pc, the base of DWARF 4 range lists."""
     attrs = die.attributes
     low, high = attrs.get("DW_AT_low_pc"), attrs.get("DW_AT_high_pc")
@@ -329,7 +326,7 @@ class _CuIndex:
     """Address -> offset of its CU in .debug_info: .debug_aranges first; the CUs it does not list are
     indexed by the ranges of their top DIE, once, when an address misses."""
 
-    def __init__(self, dwarf: DWARFInfo, aranges: memoryview | None):
+    def __init__(self, dwarf: DwarfInfo, aranges: memoryview | None):
         self.dwarf = dwarf
         lo, hi, off = _parse_aranges(aranges) if aranges is not None else ([], [], [])
         self.known = set(np.unique(off).tolist())
@@ -346,11 +343,11 @@ class _CuIndex:
 
     def _scan_unlisted(self) -> _Intervals:
         lo, hi, off = [], [], []
-        offset, size = 0, self.dwarf.debug_info_sec.size
+        offset, size = 0, self.dwarf.info_size
         try:
             while offset < size:
                 # Not iter_CUs(): the DWARFInfo would keep every CU it parsed.
-                cu = self.dwarf._parse_CU_at_offset(offset)
+                cu = self.dwarf.parse_cu(offset)
                 if offset not in self.known:
                     top = cu.get_top_DIE()
                     for a, b in _ranges(self.dwarf, cu, _int(top.attributes.get("DW_AT_low_pc")), top):
@@ -492,97 +489,17 @@ def _int(attr: Any) -> int:
 # Reading the sections
 
 
-class _Section(NamedTuple):
-    buf: mmap.mmap | bytes  # the file, or the inflated contents
-    start: int
-    size: int
-
-    def data(self) -> memoryview:
-        return memoryview(self.buf)[self.start : self.start + self.size]
-
-
-class _View:
-    """A read-only file over a section, for pyelftools: mmap'ed sections are parsed in place."""
-
-    __slots__ = ("_buf", "_start", "_end", "_pos")
-
-    def __init__(self, sec: _Section):
-        self._buf, self._start, self._end = sec.buf, sec.start, sec.start + sec.size
-        self._pos = sec.start  # absolute, so that a read is one slice of the mmap
-
-    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        self._pos = pos + (self._start if whence == os.SEEK_SET else self._pos if whence == os.SEEK_CUR else self._end)
-        return self._pos - self._start
-
-    def tell(self) -> int:
-        return self._pos - self._start
-
-    def read(self, n: int = -1) -> bytes:
-        start = self._pos
-        end = self._end if n is None or n < 0 else min(start + n, self._end)
-        self._pos = max(end, start)
-        return self._buf[start:end]
-
-
-def _dwarf_info(sections: dict[str, _Section]) -> DWARFInfo:
-    def desc(name: str) -> DebugSectionDescriptor | None:
-        sec = sections.get(name)
-        return None if sec is None else DebugSectionDescriptor(_View(sec), f".debug_{name}", 0, sec.size, 0)
-
-    # ElfImage only opens 64-bit little-endian files.
-    config = DwarfConfig(little_endian=True, machine_arch="x64", default_address_size=8)
-    unused = dict.fromkeys(("debug_aranges_sec", "debug_frame_sec", "eh_frame_sec", "debug_loc_sec",
-                            "debug_pubtypes_sec", "debug_pubnames_sec", "debug_loclists_sec", "debug_sup_sec",
-                            "gnu_debugaltlink_sec", "debug_types_sec"))
-    names = ("info", "abbrev", "str", "line", "ranges", "addr", "str_offsets", "line_str", "rnglists")
-    return DWARFInfo(config=config, **unused, **{f"debug_{n}_sec": desc(n) for n in names})
-
-
-def _read_sections(path: str) -> dict[str, _Section] | None:
+def _read_sections(path: str) -> dict[str, Span] | None:
     """The DWARF sections of `path` (inflated where compressed); None when it has no .debug_info."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    if mm[:4] != b"\x7fELF" or mm[4] != 2 or mm[5] != 1:  # 64-bit little-endian only
-        return None
-    shoff = int.from_bytes(mm[0x28:0x30], "little")
-    shnum, shstrndx = int.from_bytes(mm[0x3C:0x3E], "little"), int.from_bytes(mm[0x3E:0x40], "little")
-    if shoff and shoff + SHDR_DTYPE.itemsize <= len(mm) and (shnum == 0 or shstrndx == 0xFFFF):
-        first = np.frombuffer(mm, SHDR_DTYPE, 1, shoff)[0]  # extended numbering: counts in section 0
-        shnum = shnum or int(first["sh_size"])
-        shstrndx = int(first["sh_link"]) if shstrndx == 0xFFFF else shstrndx
-    if not shoff or shstrndx >= shnum or shoff + shnum * SHDR_DTYPE.itemsize > len(mm):
-        return None
-    headers = np.frombuffer(mm, SHDR_DTYPE, shnum, shoff)
-    names_at = int(headers[shstrndx]["sh_offset"])
-    out: dict[str, _Section] = {}
-    for h in headers:
-        lo = names_at + int(h["sh_name"])
-        name = mm[lo : mm.find(b"\0", lo)].decode("ascii", "replace")
-        gnu_zlib = name.startswith(".zdebug_")
-        key = name[len(".zdebug_") :] if gnu_zlib else name[len(".debug_") :] if name.startswith(".debug_") else ""
-        off, size = int(h["sh_offset"]), int(h["sh_size"])
-        if key not in _SECTIONS or key in out or h["sh_type"] == SHT_NOBITS or off + size > len(mm):
+    elf = ElfReader.open(path)
+    out: dict[str, Span] = {}
+    for sec in elf.sections:
+        key = next((sec.name[len(p) :] for p in (".debug_", ".zdebug_") if sec.name.startswith(p)), "")
+        if key not in _SECTIONS or key in out or sec.type == SHT_NOBITS:
             continue
-        if int(h["sh_flags"]) & SHF_COMPRESSED:
-            data = _inflate(mm[off : off + size])
-        elif gnu_zlib:  # "ZLIB", the size as 8 big-endian bytes, then the zlib stream
-            data = zlib.decompress(mm[off + 12 : off + size]) if mm[off : off + 4] == b"ZLIB" else None
-        else:
-            out[key] = _Section(mm, off, size)
-            continue
-        if data is not None:
-            out[key] = _Section(data, 0, len(data))
+        data = elf.contents(sec)
+        if isinstance(data, memoryview):  # in place: as a range of the mmap, which _Stream slices fastest
+            out[key] = Span(elf.buf, sec.offset, sec.size)
+        elif data is not None:  # inflated; None: a compression ElfReader cannot read (zstd)
+            out[key] = Span(data, 0, len(data))
     return out if "info" in out and "abbrev" in out else None
-
-
-def _inflate(data: bytes) -> bytes | None:
-    """The contents of an SHF_COMPRESSED section: an Elf64_Chdr (type, reserved, size, align), then
-    the stream. zlib only: zstd (binutils >= 2.40 can write it) needs a module the project lacks."""
-    kind, size = int.from_bytes(data[:4], "little"), int.from_bytes(data[8:16], "little")
-    if kind != ELFCOMPRESS_ZLIB:
-        return None
-    out = zlib.decompress(data[24:])
-    return out if len(out) == size else None

@@ -1,21 +1,19 @@
 """ELF images: segments, symbols and PLT stubs of one binary.
 
-pyelftools reads the ELF and program headers and the notes; section headers, symbol tables and
-relocations are read as raw bytes with numpy, names decoded lazily: iterating a big symbol table
-with pyelftools takes tens of seconds.
+Headers and notes come from reader.ElfReader; symbol tables and relocations are read as raw bytes
+with numpy, names decoded lazily: iterating a big symbol table with pyelftools takes tens of seconds.
 """
 
 from __future__ import annotations
 
-import mmap
+import contextlib
 import os
-import stat
 import threading
 from dataclasses import dataclass
 
 import numpy as np
-from elftools.common.exceptions import ELFError
-from elftools.elf.elffile import ELFFile
+
+from sampler.binary.reader import PT_LOAD, SHT_NOBITS, ElfFormatError, ElfReader, Section, open_regular
 
 # Separate debug files, found by build-id as <root>/.build-id/<xx>/<rest>.debug.
 DEBUG_ROOTS: tuple[str, ...] = ("/usr/lib/debug",)
@@ -31,25 +29,9 @@ SYM_DTYPE = np.dtype(
     ]
 )
 RELA_DTYPE = np.dtype([("r_offset", "<u8"), ("r_info", "<u8"), ("r_addend", "<i8")])
-SHDR_DTYPE = np.dtype(
-    [
-        ("sh_name", "<u4"),
-        ("sh_type", "<u4"),
-        ("sh_flags", "<u8"),
-        ("sh_addr", "<u8"),
-        ("sh_offset", "<u8"),
-        ("sh_size", "<u8"),
-        ("sh_link", "<u4"),
-        ("sh_info", "<u4"),
-        ("sh_addralign", "<u8"),
-        ("sh_entsize", "<u8"),
-    ]
-)
-
 SHT_PROGBITS = 1
 SHT_SYMTAB = 2
 SHT_RELA = 4
-SHT_NOBITS = 8
 SHT_DYNSYM = 11
 SHT_GNU_VERSYM = 0x6FFFFFFF
 
@@ -70,10 +52,6 @@ JMP_RIP = b"\xff\x25"  # jmp *disp32(%rip)
 PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
 
 
-class ElfFormatError(ValueError):
-    """The file is not an ELF image this module can read (64-bit little-endian)."""
-
-
 @dataclass(frozen=True)
 class Symbol:
     name: str
@@ -81,105 +59,35 @@ class Symbol:
     size: int
 
 
-@dataclass(frozen=True)
-class _Section:
-    name: str
-    type: int
-    addr: int
-    offset: int
-    size: int
-    link: int
-    entsize: int
-
-
-@dataclass(frozen=True)
-class _Load:
-    vaddr: int
-    offset: int
-    filesz: int
-
-
 class _File:
     """An ELF file mapped read-only, with its section and PT_LOAD tables and build-id."""
 
-    def __init__(self, fd: int, path: str):
-        self.path = path
-        try:
-            # mmap dups the fd, so the file stays readable after the caller closes it, even
-            # when it is deleted.
-            self.mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # empty file
-            raise ElfFormatError(f"{path}: {e}") from e
-        try:
-            elf = ELFFile(self.mm)
-            if elf.elfclass != 64 or not elf.little_endian:
-                raise ElfFormatError(f"{path}: only 64-bit little-endian ELF is supported")
-            self.elf_type = elf["e_type"][len("ET_") :]
-            self.sections = self._read_sections(elf)
-            self.loads = [
-                _Load(p["p_vaddr"], p["p_offset"], p["p_filesz"])
-                for p in elf.iter_segments()
-                if p["p_type"] == "PT_LOAD"
-            ]
-            self.build_id = self._build_id(elf)
-        except (ELFError, EOFError) as e:
-            raise ElfFormatError(f"{path}: {e}") from e
+    def __init__(self, elf: ElfReader):
+        self.path = elf.path
+        self.mm = elf.buf
+        self.elf_type = elf.elf_type
+        self.sections = elf.sections
+        self.loads = [seg for seg in elf.segments if seg.type == PT_LOAD]
+        self.build_id = elf.build_id()
+        self.elf = elf
 
-    def _read_sections(self, elf: ELFFile) -> list[_Section]:
-        # Raw headers, not elf.iter_sections(): that parses every .gnu.hash table on the way
-        # (0.27 s for libLLVM).
-        n, off = elf.num_sections(), elf["e_shoff"]
-        if not n or off + n * SHDR_DTYPE.itemsize > len(self.mm):
-            return []
-        hdrs = np.frombuffer(self.mm, SHDR_DTYPE, n, off)
-        names = hdrs[elf.get_shstrndx()] if elf.get_shstrndx() < n else None
-
-        def name(h: np.void) -> str:
-            if names is None:
-                return ""
-            lo = int(names["sh_offset"]) + int(h["sh_name"])
-            return self.mm[lo : self.mm.find(b"\0", lo)].decode("utf-8", "replace")
-
-        return [
-            _Section(
-                name(h),
-                int(h["sh_type"]),
-                int(h["sh_addr"]),
-                int(h["sh_offset"]),
-                int(h["sh_size"]),
-                int(h["sh_link"]),
-                int(h["sh_entsize"]),
-            )
-            for h in hdrs
-        ]
-
-    def _build_id(self, elf: ELFFile) -> str | None:
-        # PT_NOTE covers the allocated notes; the section is the fallback for files whose program
-        # headers do not list it. Other note sections (stapsdt: thousands of probes) are skipped.
-        notes = [seg for seg in elf.iter_segments() if seg["p_type"] == "PT_NOTE"]
-        notes += [elf.get_section(i) for i, s in enumerate(self.sections) if s.name == ".note.gnu.build-id"]
-        for container in notes:
-            for note in container.iter_notes():
-                # Note types are per owner: a stapsdt note has the build-id's number too.
-                if note["n_name"] == "GNU" and note["n_type"] == "NT_GNU_BUILD_ID":
-                    return note["n_desc"]
-        return None
-
-    def array(self, sec: _Section, dtype: np.dtype) -> np.ndarray:
+    def array(self, sec: Section, dtype: np.dtype) -> np.ndarray:
         # NOBITS sections (stripped data in debug files) have no bytes in the file.
-        if sec.type == SHT_NOBITS or sec.offset + sec.size > len(self.mm):
-            return np.empty(0, dtype)
-        return np.frombuffer(self.mm, dtype, sec.size // dtype.itemsize, sec.offset)
+        data = self.elf.data(sec)
+        return np.frombuffer(data, dtype, len(data) // dtype.itemsize)
 
     def symtabs(self) -> list[_SymTab]:
-        tabs = [
-            self.symtab(i)
-            for i, sec in enumerate(self.sections)
-            if sec.type in (SHT_SYMTAB, SHT_DYNSYM)
+        tabs = [self.symtab(i) for i in range(len(self.sections)) if self.is_symtab(i)]
+        return [t for t in tabs if len(t.syms) > 1]  # entry 0 is always the null symbol
+
+    def is_symtab(self, i: int) -> bool:
+        """Section i is a symbol table this module can read, with a string table."""
+        sec = self.sections[i]
+        return (
+            sec.type in (SHT_SYMTAB, SHT_DYNSYM)
             and sec.entsize == SYM_DTYPE.itemsize
             and sec.link < len(self.sections)
-        ]
-        return [t for t in tabs if len(t.syms) > 1]  # entry 0 is always the null symbol
+        )
 
     def symtab(self, i: int) -> _SymTab:
         versym = next((s for s in self.sections if s.type == SHT_GNU_VERSYM and s.link == i), None)
@@ -189,13 +97,13 @@ class _File:
 class _SymTab:
     """One symbol table (.symtab or .dynsym) with its string table."""
 
-    def __init__(self, file: _File, sec: _Section, strtab: _Section, versym: _Section | None):
+    def __init__(self, file: _File, sec: Section, strtab: Section, versym: Section | None):
         self.file = file
         self.is_symtab = sec.type == SHT_SYMTAB
         self.syms = file.array(sec, SYM_DTYPE)
         self.versym = file.array(versym, np.dtype("<u2")) if versym else None
         self._str_lo = strtab.offset
-        self._str_hi = strtab.offset + strtab.size
+        self._str_hi = strtab.offset + strtab.file_size
 
     def raw_name(self, i: int) -> str:
         """The name as stored; .symtab names of versioned symbols carry '@VER' or '@@VER'."""
@@ -327,10 +235,7 @@ class ElfImage:
 
     @classmethod
     def open(cls, path: str) -> ElfImage:
-        # Processes map device files (/dev/nvidia*) whose open() has side effects: never open one.
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise ElfFormatError(f"{path}: not a regular file")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
         try:
             st = os.fstat(fd)
             key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -338,7 +243,7 @@ class ElfImage:
                 img = cls._by_file.get(key)
             if img is not None:
                 return img
-            main = _File(fd, path)
+            main = _File(ElfReader.from_fd(fd, path))
         finally:
             os.close(fd)
         bid = main.build_id
@@ -382,20 +287,14 @@ class ElfImage:
         `.debug_frame` is not loaded at run time, so strip moves it to the separate debug file:
         it is looked up there too.
         """
-        files = [self._main]
+        files = [self._main.elf]
         if name == ".debug_frame" and self.debug_path:
-            try:
-                fd = os.open(self.debug_path, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    files.append(_File(fd, self.debug_path))
-                finally:
-                    os.close(fd)
-            except (OSError, ElfFormatError):
-                pass
+            with contextlib.suppress(OSError, ElfFormatError):
+                files.append(ElfReader.open(self.debug_path))
         for f in files:
             for sec in f.sections:
-                if sec.name == name and sec.type != SHT_NOBITS and sec.offset + sec.size <= len(f.mm):
-                    return sec.addr, memoryview(f.mm)[sec.offset : sec.offset + sec.size]
+                if sec.name == name and sec.type != SHT_NOBITS:
+                    return sec.addr, f.data(sec)
         return None
 
     # Symbols
@@ -469,7 +368,7 @@ class ElfImage:
             if sec.name not in PLT_SECTIONS or sec.type != SHT_PROGBITS:
                 continue
             stride = sec.entsize if sec.entsize in (8, 16) else 16
-            code = main.mm[sec.offset : sec.offset + sec.size]
+            code = bytes(main.elf.data(sec))
             for pos in range(0, len(code) - 5, stride):
                 # Stubs: [endbr64;] [bnd] jmp *GOT(%rip). endbr64 with IBT (.plt.sec, .plt.got);
                 # lazy .plt entries then only push and jump to PLT0, and do not match.
@@ -478,7 +377,9 @@ class ElfImage:
                     p += 1
                 if code[p : p + 2] == JMP_RIP and p + 6 <= len(code):
                     disp = int.from_bytes(code[p + 2 : p + 6], "little", signed=True)
-                    stub_slot[sec.addr + pos] = sec.addr + p + 6 + disp
+                    slot = sec.addr + p + 6 + disp
+                    if 0 <= slot < 1 << 64:  # else a malformed jump
+                        stub_slot[sec.addr + pos] = slot
         if not stub_slot:
             return {}
         slot_name = self._got_slot_names(np.array(sorted(set(stub_slot.values())), np.uint64))
@@ -489,13 +390,14 @@ class ElfImage:
         main = self._main
         out: dict[int, str] = {}
         for sec in main.sections:
-            if sec.type != SHT_RELA or not 0 < sec.link < len(main.sections):
+            if sec.type != SHT_RELA or not (sec.link < len(main.sections) and main.is_symtab(sec.link)):
                 continue
             dynsym = main.symtab(sec.link)
             rela = main.array(sec, RELA_DTYPE)
             rtype = rela["r_info"] & 0xFFFFFFFF
             sym = rela["r_info"] >> np.uint64(32)
             keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
+            keep &= sym < len(dynsym.syms)  # else a malformed relocation
             keep &= np.isin(rela["r_offset"], slots)
             for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
                 out[off] = dynsym.name(s)
@@ -506,15 +408,9 @@ def _debug_file(build_id: str) -> _File | None:
     for root in DEBUG_ROOTS:
         path = os.path.join(root, ".build-id", build_id[:2], build_id[2:] + ".debug")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            debug = _File(ElfReader.open(path))
+        except (OSError, ElfFormatError):
             continue
-        try:
-            debug = _File(fd, path)
-        except ElfFormatError:
-            continue
-        finally:
-            os.close(fd)
         if debug.build_id == build_id:
             return debug
     return None

@@ -18,6 +18,7 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 
+from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment
 from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, UsdtArgKind
 
 PROVIDER = "otel_memory"
@@ -103,29 +104,6 @@ def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
     return SPEC.pack(*fields, len(args), kind)
 
 
-def _sections(fd: int) -> dict[str, tuple[int, int, int]] | None:
-    # A header-only reader rather than elf.ElfImage: every executable mapping of every target is
-    # checked for notes, and ElfImage also loads symbol tables and looks for debug files.
-    """name -> (sh_addr, sh_offset, sh_size) of a 64-bit little-endian ELF file, else None."""
-    head = os.pread(fd, 64, 0)
-    if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-        return None
-    shoff, = struct.unpack_from("<Q", head, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", head, 0x3A)
-    if not shoff or shentsize != 64 or not shnum or shstrndx >= shnum:
-        return None
-    raw = os.pread(fd, shnum * 64, shoff)
-    if len(raw) < shnum * 64:
-        return None
-    hdrs = [struct.unpack_from("<IIQQQQIIQQ", raw, i * 64) for i in range(shnum)]
-    strtab = os.pread(fd, hdrs[shstrndx][5], hdrs[shstrndx][4])
-    out = {}
-    for name_off, _type, _flags, addr, off, size, *_ in hdrs:
-        end = strtab.find(b"\0", name_off)
-        out[strtab[name_off:end].decode(errors="replace")] = (addr, off, size)
-    return out
-
-
 def read_probes(path: str) -> tuple[UsdtProbe, ...]:
     """USDT probes of a file (empty when it has none or is not an ELF file). Cached by identity."""
     try:
@@ -137,37 +115,26 @@ def read_probes(path: str) -> tuple[UsdtProbe, ...]:
 
 @lru_cache(maxsize=4096)
 def _read_probes(path: str, _dev: int, _ino: int, _size: int, _mtime: int) -> tuple[UsdtProbe, ...]:
+    # ElfReader, not elf.ElfImage: every executable mapping of every target is checked for notes, and
+    # ElfImage also loads symbol tables and looks for debug files.
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+        elf = ElfReader.open(path)
+        sec = elf.section(".note.stapsdt")
+        notes = list(elf.notes(sec)) if sec is not None else []
+    except (OSError, ElfFormatError):
         return ()
-    try:
-        secs = _sections(fd)
-        if not secs or ".note.stapsdt" not in secs:
-            return ()
-        _, off, size = secs[".note.stapsdt"]
-        notes = os.pread(fd, size, off)
-        loads = _loads(fd)
-    finally:
-        os.close(fd)
-    base_sec = secs.get(".stapsdt.base")
+    loads = [seg for seg in elf.segments if seg.type == PT_LOAD]
+    base_sec = elf.section(".stapsdt.base")
     probes = []
-    pos = 0
-    while pos + 12 <= len(notes):
-        namesz, descsz, ntype = struct.unpack_from("<III", notes, pos)
-        pos += 12
-        owner = notes[pos : pos + namesz]
-        pos += (namesz + 3) & ~3
-        desc = notes[pos : pos + descsz]
-        pos += (descsz + 3) & ~3
-        if ntype != NT_STAPSDT or owner.rstrip(b"\0") != b"stapsdt" or len(desc) < 24:
+    for owner, ntype, desc in notes:
+        if ntype != NT_STAPSDT or owner != b"stapsdt" or len(desc) < 24:
             continue
         pc, base, sem = struct.unpack_from("<QQQ", desc)
         provider, name, argstr = (desc[24:].split(b"\0") + [b"", b"", b""])[:3]
         if base_sec and base:          # prelinked: move pc and semaphore with .stapsdt.base
-            pc += base_sec[0] - base
+            pc += base_sec.addr - base
             if sem:
-                sem += base_sec[0] - base
+                sem += base_sec.addr - base
         file_off = _file_offset(loads, pc)
         sem_off = _file_offset(loads, sem) if sem else 0
         if file_off is None or sem_off is None:
@@ -182,22 +149,8 @@ def _read_probes(path: str, _dev: int, _ino: int, _size: int, _mtime: int) -> tu
     return tuple(probes)
 
 
-def _loads(fd: int) -> list[tuple[int, int, int]]:
-    """(vaddr, offset, filesz) of the PT_LOAD segments."""
-    head = os.pread(fd, 64, 0)
-    phoff, = struct.unpack_from("<Q", head, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
-    raw = os.pread(fd, phentsize * phnum, phoff)
-    out = []
-    for i in range(phnum):
-        ptype, _flags, off, vaddr, _paddr, filesz = struct.unpack_from("<IIQQQQ", raw, i * phentsize)
-        if ptype == 1:
-            out.append((vaddr, off, filesz))
-    return out
-
-
-def _file_offset(loads: list[tuple[int, int, int]], vaddr: int) -> int | None:
-    return next((o + vaddr - v for v, o, n in loads if v <= vaddr < v + n), None)
+def _file_offset(loads: list[Segment], vaddr: int) -> int | None:
+    return next((s.offset + vaddr - s.vaddr for s in loads if s.vaddr <= vaddr < s.vaddr + s.filesz), None)
 
 
 def memory_probes(path: str) -> list[UsdtProbe]:
