@@ -13,7 +13,8 @@ import capstone
 import pytest
 
 from sampler.binary import elf
-from sampler.binary.elf import ElfFormatError, ElfImage
+from sampler.binary.elf import ElfImage
+from sampler.binary.reader import ElfFormatError
 
 LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
 

@@ -4,6 +4,7 @@ cap (ALLOCSAMPLER_MAX_SAMPLES_PER_S). No BPF needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -18,6 +19,7 @@ from conftest import compile_c
 
 from sampler.control.weights import inclusion_probability, unbiased_weight
 from sampler.errors import EnvironmentProblem, UsageError
+from sampler.inprocess import build as builder
 from sampler.inprocess import preload
 
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
@@ -90,6 +92,7 @@ def scratch_source(tmp_path, monkeypatch) -> Path:
     (tmp_path / "preload").mkdir()
     src = tmp_path / "preload" / preload.SOURCE.name
     shutil.copy(preload.SOURCE, src)
+    shutil.copy(preload.SOURCE.parent / "sampling.h", src.parent)
     monkeypatch.setattr(preload, "SOURCE", src)
     monkeypatch.setattr(preload, "BUILD_DIR", tmp_path / "build")
     return src
@@ -118,13 +121,13 @@ def test_shim_path_builds_atomically_and_rebuilds_when_stale(scratch_source, tmp
 
 def test_build_problems_name_cause_and_fix(scratch_source, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
-        m.setattr(preload.shutil, "which", lambda name: None)
+        m.setattr(builder.shutil, "which", lambda name: None)
         with pytest.raises(EnvironmentProblem, match="no C compiler.*apt install gcc"):
             preload.shim_path()
     text = scratch_source.read_text()
     scratch_source.write_text("#include <sys/sdt.h>\n" + text)
     with monkeypatch.context() as m:
-        m.setattr(preload, "CFLAGS", [*preload.CFLAGS, "-nostdinc"])
+        m.setattr(preload, "SHIM", dataclasses.replace(preload.SHIM, cflags=(*preload.CFLAGS, "-nostdinc")))
         with pytest.raises(EnvironmentProblem, match=r"sdt\.h.*apt install systemtap-sdt-dev"):
             preload.shim_path()
     scratch_source.write_text(text + "\nthis is not C;\n")
@@ -310,12 +313,14 @@ int main(int argc, char **argv) {
 
     void (*stats)(unsigned long *, double *) =
         (void (*)(unsigned long *, double *))dlsym(RTLD_DEFAULT, "allocsampler_preload_stats");
-    unsigned long *dropped = dlsym(RTLD_DEFAULT, "allocsampler_preload_dropped");
-    CHECK(stats && dropped);
-    unsigned long sampled;
+    void (*counts)(unsigned long *, unsigned long *) =
+        (void (*)(unsigned long *, unsigned long *))dlsym(RTLD_DEFAULT, "allocsampler_preload_counts");
+    CHECK(stats && counts);
+    unsigned long sampled, dropped;
     double weighted;
     stats(&sampled, &weighted);
-    printf("ok sampled=%lu dropped=%lu\n", sampled, *dropped);
+    counts(NULL, &dropped);
+    printf("ok sampled=%lu dropped=%lu\n", sampled, dropped);
     return 0;
 }
 """
@@ -451,7 +456,8 @@ static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_barrier_t bar;
 static long (*lib_work)(int, unsigned);
 static void (*stats)(unsigned long *, double *);
-static unsigned long *freed, *dropped;
+static void (*counts)(unsigned long *, unsigned long *);
+static unsigned long counted(int which) { unsigned long v[2]; counts(&v[0], &v[1]); return v[which]; }
 static volatile int failed;
 
 static void fail(const char *what) { fprintf(stderr, "FAIL %s\n", what); failed = 1; }
@@ -494,7 +500,7 @@ static int pop(struct blk *b, uint64_t r) {
     return ok;
 }
 
-static void live(unsigned long *out) { unsigned long s; stats(&s, NULL); *out = s - *freed; }
+static void live(unsigned long *out) { unsigned long s; stats(&s, NULL); *out = s - counted(0); }
 
 static void child_work(uint64_t seed) {
     unsigned long l0, l1;
@@ -571,9 +577,8 @@ int main(int argc, char **argv) {
     if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 2; }
     lib_work = (long (*)(int, unsigned))dlsym(lib, "lib_work");
     stats = (void (*)(unsigned long *, double *))dlsym(RTLD_DEFAULT, "allocsampler_preload_stats");
-    freed = dlsym(RTLD_DEFAULT, "allocsampler_preload_freed");
-    dropped = dlsym(RTLD_DEFAULT, "allocsampler_preload_dropped");
-    if (!lib_work || !stats || !freed || !dropped) return 2;
+    counts = (void (*)(unsigned long *, unsigned long *))dlsym(RTLD_DEFAULT, "allocsampler_preload_counts");
+    if (!lib_work || !stats || !counts) return 2;
     qb = malloc(sizeof(struct blk) * QCAP);
     pthread_barrier_init(&bar, NULL, THREADS + 1);
     pthread_t t[THREADS];
@@ -591,7 +596,7 @@ int main(int argc, char **argv) {
     pthread_barrier_wait(&bar);
     for (int i = 0; i < THREADS; i++) pthread_join(t[i], NULL);
     free(qb);
-    printf("failed=%d sampled=%lu live_delta=%ld dropped=%lu\n", failed, s1 - s0, (long)(l1 - l0), *dropped);
+    printf("failed=%d sampled=%lu live_delta=%ld dropped=%lu\n", failed, s1 - s0, (long)(l1 - l0), counted(1));
     return failed;
 }
 """
@@ -656,9 +661,10 @@ def test_table_full_drops_samples_and_stays_consistent(tmp_path):
 int main(void) {
     void (*stats)(unsigned long *, double *) =
         (void (*)(unsigned long *, double *))dlsym(RTLD_DEFAULT, "allocsampler_preload_stats");
-    unsigned long *freed = dlsym(RTLD_DEFAULT, "allocsampler_preload_freed");
-    unsigned long *dropped = dlsym(RTLD_DEFAULT, "allocsampler_preload_dropped");
-    unsigned long s0, s1, s2, f0 = *freed;
+    void (*counts)(unsigned long *, unsigned long *) =
+        (void (*)(unsigned long *, unsigned long *))dlsym(RTLD_DEFAULT, "allocsampler_preload_counts");
+    unsigned long s0, s1, s2, f0, f1, dropped;
+    counts(&f0, NULL);
     stats(&s0, NULL);
     char **v = malloc(N * sizeof *v);
     for (int i = 0; i < N; i++) { v[i] = malloc(64); if (!v[i]) return 2; v[i][63] = 1; }
@@ -666,7 +672,8 @@ int main(void) {
     for (int i = 0; i < N; i++) free(v[i]);
     stats(&s2, NULL);
     free(v);
-    printf("%lu %lu %lu %lu\n", s1 - s0, s2 - s1, *freed - f0, *dropped);
+    counts(&f1, &dropped);
+    printf("%lu %lu %lu %lu\n", s1 - s0, s2 - s1, f1 - f0, dropped);
     return 0;
 }
 """)
@@ -753,8 +760,9 @@ int main(int argc, char **argv) {
     per_thread = atol(argv[2]);
     void (*stats)(unsigned long *, double *) =
         (void (*)(unsigned long *, double *))dlsym(RTLD_DEFAULT, "allocsampler_preload_stats");
-    unsigned long *dropped = dlsym(RTLD_DEFAULT, "allocsampler_preload_dropped");
-    if (!stats || !dropped) return 2;
+    void (*counts)(unsigned long *, unsigned long *) =
+        (void (*)(unsigned long *, unsigned long *))dlsym(RTLD_DEFAULT, "allocsampler_preload_counts");
+    if (!stats || !counts) return 2;
     pthread_t t[64];
     unsigned long s0, s1;
     double w0, w1;
@@ -765,7 +773,9 @@ int main(int argc, char **argv) {
         for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
     }
     stats(&s1, &w1);
-    printf("%lu %.17g %lu\n", s1 - s0, w1 - w0, *dropped);
+    unsigned long dropped;
+    counts(NULL, &dropped);
+    printf("%lu %.17g %lu\n", s1 - s0, w1 - w0, dropped);
     return 0;
 }
 """
@@ -964,32 +974,32 @@ MEAN_SWITCH_C = r"""
  * sizes, taken exactly as the inline fast paths take them, while the process-wide mean is switched
  * between T and 16 T after every K-th sample. */
 #include "SOURCE"
-API void mean_switch_selftest(long n, unsigned long t, long k, double out[4])
+API void mean_switch_selftest(long n, unsigned long t0, long k, double out[4])
 {
-    STORE(&g_max_per_s, 0); /* this driver changes the mean itself */
-    STORE(&g_base_mean, t);
-    STORE(&g_cur_mean, t);
-    t_remaining = 0;
+    SMP_STORE(&g.max_per_s, 0); /* this driver changes the mean itself */
+    SMP_STORE(&g.base_mean, t0);
+    SMP_STORE(&g.cur_mean, t0);
+    t.remaining = 0;
     double truth = 0, est = 0, var = 0, samples = 0;
     for (long i = 0; i < n; i++) {
         size_t size = 16 + (size_t)((i * 7919) % 99985);
         truth += (double)size;
         /* p of this allocation given everything before it: the current gap's mean (the first
          * gap is drawn at the first decision, with the process-wide mean) */
-        uint64_t gap_mean = t_remaining ? t_mean : LOAD(&g_cur_mean);
-        double p = one_minus_exp_neg((double)size / (double)gap_mean);
+        uint64_t gap_mean = t.remaining ? t.mean : SMP_LOAD(&g.cur_mean);
+        double p = smp_one_minus_exp_neg((double)size / (double)gap_mean);
         var += (double)size * (double)size * (1 - p) / p;
-        if (size < t_remaining) {
-            t_remaining -= size;
+        if (size < t.remaining) {
+            t.remaining -= size;
             continue;
         }
         uint64_t m = decide(size);
         if (!m)
             continue;
-        est += weight_for(size, m); /* what report_alloc does */
+        est += smp_weight(size, m); /* what report_alloc does */
         samples += 1;
         if ((long)samples % k == 0)
-            STORE(&g_cur_mean, LOAD(&g_cur_mean) == t ? 16 * t : t);
+            SMP_STORE(&g.cur_mean, SMP_LOAD(&g.cur_mean) == t0 ? 16 * t0 : t0);
     }
     out[0] = truth; out[1] = est; out[2] = var; out[3] = samples;
 }

@@ -14,15 +14,13 @@ gap was drawn with, so estimates stay unbiased.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 from sampler.errors import EnvironmentProblem, UsageError
+from sampler.inprocess import build as builder
 
-SOURCE = Path(__file__).resolve().parent / "preload.c"
-BUILD_DIR = Path(__file__).resolve().parents[2] / "build"     # <repo>/build
+SOURCE = builder.HERE / "preload.c"
+BUILD_DIR = builder.BUILD_DIR
 LIB_NAME = "liballocsampler_preload.so"
 ENV_SAMPLE_MEAN = "ALLOCSAMPLER_SAMPLE_MEAN"
 DEFAULT_SAMPLE_MEAN = 512 * 1024
@@ -39,64 +37,24 @@ CFLAGS = [
     "-Wl,--build-id", "-Wl,-z,now", "-Wl,-z,relro",
 ]
 
+SHIM = builder.Artifact("the preload shim", LIB_NAME, SOURCE.name, tuple(CFLAGS), ("sampling.h",))
+
 EXPORTED = frozenset({
     "malloc", "free", "calloc", "realloc", "reallocarray", "posix_memalign", "aligned_alloc",
     "memalign", "valloc", "pvalloc",
     "allocsampler_preload_weight", "allocsampler_preload_stats", "allocsampler_preload_sampling",
-    "allocsampler_preload_dropped", "allocsampler_preload_freed",
+    "allocsampler_preload_counts",
 })
-
-
-def _compiler() -> str:
-    for name in ("cc", "gcc"):
-        path = shutil.which(name)
-        if path:
-            return path
-    raise EnvironmentProblem("no C compiler to build the preload shim: apt install gcc, or run scripts/setup.sh")
-
-
-def _build(out: Path) -> None:
-    cc = _compiler()
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{LIB_NAME}.", suffix=".tmp")
-    except OSError as e:
-        raise EnvironmentProblem(
-            f"cannot write the preload shim into {out.parent} ({e.strerror}): make it writable, "
-            "or run scripts/setup.sh as its owner") from e
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if r.returncode != 0:
-            err = r.stderr
-            if "sys/sdt.h" in err:
-                raise EnvironmentProblem(
-                    "<sys/sdt.h> is missing to build the preload shim: apt install systemtap-sdt-dev, "
-                    "or run scripts/setup.sh")
-            first = next((ln for ln in err.splitlines() if "error" in ln), err.strip()[:200])
-            raise EnvironmentProblem(f"building the preload shim with {cc} failed ({first.strip()}): "
-                                     "install gcc and libc6-dev, or run scripts/setup.sh")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)   # atomic: concurrent users see the old file or the whole new one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def shim_path(build: bool = True) -> Path:
     """Path of the built shim, `<repo>/build/liballocsampler_preload.so`.
 
-    With `build`, compiles it first when it is missing or older than its source.
+    With `build`, compiles it first when it is missing or older than its sources.
     """
-    out = BUILD_DIR / LIB_NAME
-    if build:
-        try:
-            fresh = out.stat().st_mtime >= SOURCE.stat().st_mtime
-        except FileNotFoundError:
-            fresh = False
-        if not fresh:
-            _build(out)
-    return out
+    if not build:
+        return BUILD_DIR / LIB_NAME
+    return builder.build(SHIM, SOURCE.parent, BUILD_DIR)
 
 
 def preload_env(sample_mean: int, base: dict | None = None,

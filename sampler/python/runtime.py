@@ -17,7 +17,8 @@ import struct
 import time
 from dataclasses import dataclass, field, replace
 
-from sampler.binary.elf import ElfFormatError, ElfImage
+from sampler.binary.elf import ElfImage
+from sampler.binary.reader import ElfFormatError
 from sampler.bpf.abi import PY_LAYOUT
 from sampler.proc.maps import Mapping, open_path, read_maps
 

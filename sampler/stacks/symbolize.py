@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from sampler.binary.dwarf_lines import LineTables
-from sampler.binary.elf import ElfFormatError, ElfImage
+from sampler.binary.elf import ElfImage
+from sampler.binary.reader import ElfFormatError
 from sampler.proc.maps import Mapping, find_mapping, open_path, read_maps
 
 

@@ -1,0 +1,90 @@
+"""Building the code that runs inside targets (C, compiled here): the preload shim, the injected
+sampler and the helper that places it. Each is built into <repo>/build when missing or older than
+its sources, atomically (a concurrent user sees the old file or the whole new one).
+
+    python -m sampler.inprocess.build      # builds all of them (scripts/setup.sh runs this)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sampler.errors import EnvironmentProblem
+
+HERE = Path(__file__).resolve().parent
+BUILD_DIR = HERE.parents[1] / "build"     # <repo>/build
+
+
+@dataclass(frozen=True)
+class Artifact:
+    what: str                       # for messages: "the preload shim"
+    name: str                       # file name in the build directory
+    source: str                     # the C file, beside this module
+    cflags: tuple[str, ...]
+    headers: tuple[str, ...] = ()   # headers it includes from beside it (part of "stale")
+
+
+def compiler() -> str:
+    for name in ("cc", "gcc"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise EnvironmentProblem("no C compiler to build allocsampler's in-process code: apt install gcc, "
+                             "or run scripts/setup.sh")
+
+
+def build(a: Artifact, source_dir: Path = HERE, build_dir: Path = BUILD_DIR) -> Path:
+    """The artifact's path, compiled first when missing or older than its sources."""
+    out = build_dir / a.name
+    sources = [source_dir / a.source, *(source_dir / h for h in a.headers)]
+    try:
+        fresh = out.stat().st_mtime >= max(s.stat().st_mtime for s in sources)
+    except FileNotFoundError:
+        fresh = False
+    if not fresh:
+        _compile(a, sources[0], out)
+    return out
+
+
+def _compile(a: Artifact, source: Path, out: Path) -> None:
+    cc = compiler()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{a.name}.", suffix=".tmp")
+    except OSError as e:
+        raise EnvironmentProblem(f"cannot write {a.what} into {out.parent} ({e.strerror}): make it writable, "
+                                 "or run scripts/setup.sh as its owner") from e
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *a.cflags, "-o", tmp, str(source)], capture_output=True, text=True)
+        if r.returncode != 0:
+            err = r.stderr
+            if "sys/sdt.h" in err:
+                raise EnvironmentProblem(f"<sys/sdt.h> is missing to build {a.what}: apt install "
+                                         "systemtap-sdt-dev, or run scripts/setup.sh")
+            first = next((ln for ln in err.splitlines() if "error" in ln), err.strip()[:200])
+            raise EnvironmentProblem(f"building {a.what} with {cc} failed ({first.strip()}): install gcc and "
+                                     "libc6-dev, or run scripts/setup.sh")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+if __name__ == "__main__":
+    import sys
+
+    from sampler.errors import AllocsamplerError
+    from sampler.inprocess import inject, preload
+    try:
+        for path in (preload.shim_path(), *inject.built()):
+            print(path)
+    except AllocsamplerError as e:
+        print(f"allocsampler: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
