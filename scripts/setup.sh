@@ -95,6 +95,7 @@ if [ ! -e "$stamp" ] || ! "$venv/bin/python" -c 'import sampler' 2>/dev/null; th
     rm -f "$venv"/.installed-*
     touch "$stamp"
 fi
-# The LD_PRELOAD sampling shim (build/liballocsampler_preload.so); rebuilt only when its source changed.
-"$venv/bin/python" -m sampler.inprocess.preload >/dev/null || die "building the preload shim failed: see the message above"
+# In-process code (build/): the LD_PRELOAD shim, the injected sampler and its placement helper;
+# rebuilt only when their sources changed.
+"$venv/bin/python" -m sampler.inprocess.build >/dev/null || die "building the in-process samplers failed: see the message above"
 log "ready: $venv/bin/allocsampler"

@@ -404,6 +404,43 @@ class ElfImage:
         return out
 
 
+def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
+    """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
+    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache)."""
+    f = _File(elf)
+    out: list[tuple[int, str]] = []
+    for sec in f.sections:
+        if sec.type != SHT_RELA or not (sec.link < len(f.sections) and f.is_symtab(sec.link)):
+            continue
+        dynsym = f.symtab(sec.link)
+        rela = f.array(sec, RELA_DTYPE)
+        rtype = rela["r_info"] & 0xFFFFFFFF
+        sym = rela["r_info"] >> np.uint64(32)
+        # a file's own definitions count too: glibc calls its malloc through its GOT (strdup, stdio)
+        keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0) & (sym < len(dynsym.syms))
+        for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
+            name = dynsym.name(s)
+            if name in names:
+                out.append((off, name))
+    return out
+
+
+def exported_function(elf: ElfReader, name: str) -> int | None:
+    """The st_value of `name` as a defined, global or weak, non-IFUNC function of the file's .dynsym
+    (what the dynamic linker binds others to); None when the file does not export it."""
+    f = _File(elf)
+    for i in range(len(f.sections)):
+        if f.sections[i].type != SHT_DYNSYM or not f.is_symtab(i):
+            continue
+        tab = f.symtab(i)
+        for row in tab.find(name):
+            info = int(tab.syms["st_info"][row])
+            if (tab.defined()[row] and info & 0xF == STT_FUNC and info >> 4 in (STB_GLOBAL, STB_WEAK)
+                    and not tab.compat(row) and tab.syms["st_value"][row]):
+                return int(tab.syms["st_value"][row])
+    return None
+
+
 def _debug_file(build_id: str) -> _File | None:
     for root in DEBUG_ROOTS:
         path = os.path.join(root, ".build-id", build_id[:2], build_id[2:] + ".debug")

@@ -27,6 +27,10 @@ def prepare_parser(r: argparse.ArgumentParser) -> None:
                    help="extra allocator library to probe, e.g. libmyalloc or libjemalloc:je_")
     r.add_argument("--syscalls-only", action="store_true",
                    help="record only mmap/munmap/brk/... (no allocator probes)")
+    r.add_argument("--attach-mode", choices=("auto", "inject", "uprobe"), default="auto",
+                   help="inject: place the in-process sampler into each process and redirect its allocator "
+                        "calls (no restart; only sampled calls trap); uprobe: a probe on every allocator "
+                        "call; auto: inject, else uprobe with the reason in the targets table (default)")
     r.add_argument("--probe-mode", choices=("auto", "session", "perf"), default="auto",
                    help="session: uprobe_multi sessions (Linux >= 6.13, return probe only for sampled "
                         "calls); perf: classic uprobes (default: auto)")
@@ -110,7 +114,8 @@ def options(args: argparse.Namespace):
     return RecordOptions(
         out=args.out, pids=args.pid, command=cmd, duration=args.duration, interval=args.interval,
         sample_mean=args.sample_bytes, children=args.children, allocators=families,
-        syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, live_max=args.live_max,
+        syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, attach_mode=args.attach_mode,
+        live_max=args.live_max,
         max_frames=args.max_frames, stack_bytes=args.stack_bytes, python=args.python,
         interpreter_frames=args.interpreter_frames, rss=args.rss, fault_period=args.fault_period,
         cgroups=args.cgroup, all_processes=args.all_processes, preload=args.preload,

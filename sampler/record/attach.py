@@ -1,6 +1,11 @@
 """Attach policy: which probes a recorded process gets in its tier, and moving it between tiers.
 
-- attach: uprobes on the malloc family of every allocator library it maps (sampler/probes);
+- inject (the default for a dynamically linked process): the preload shim's sampling placed into
+  the running process (sampler/inprocess/inject.py); its allocator calls go through the injected
+  sampler, and only sampled ones reach a probe: the preload tier's events, without a restart;
+- attach: uprobes on the malloc family of every allocator library it maps (sampler/probes), when
+  injection is refused or impossible (a static binary, ptrace forbidden, a debugger attached) or
+  --attach-mode uprobe;
 - preload: a process that carries otel_memory USDT probes samples itself; its allocator uprobes
   would count those samples again, so it gets the USDT probes instead;
 - rss and syscalls: no allocator probes (page faults and mmap-family syscalls only).
@@ -10,20 +15,23 @@ their frame layout pushed to BPF. Libraries appear later (exec, dlopen): `rescan
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from collections.abc import Callable
 
+from sampler.binary.reader import ElfFormatError
 from sampler.bpf.abi import TargetFlag
 from sampler.bpf.loader import BpfProbes
 from sampler.control.governor import Governor
 from sampler.gpu.cuda import GpuTracer
+from sampler.inprocess import inject
 from sampler.probes import usdt
 from sampler.probes.allocators import Family, find_allocators
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.python.targets import PythonTargets
-from sampler.record.target import ATTACH, PRELOAD, RSS, SYSCALLS, Target
+from sampler.record.target import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS, Target
 from sampler.record.vm_events import VmClassifier
 
 EXEC_RESCAN_S = 5.0     # after an exec the new image maps its libraries over a moment
@@ -36,8 +44,10 @@ class Attacher:
     def __init__(self, probes: BpfProbes, *, allocators: tuple[Family, ...], fault_period: int,
                  fault_all: bool, fault_cgroups: list[int], gpu: GpuTracer | None,
                  python: PythonTargets | None, governor: Governor | None,
-                 note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool):
+                 note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool,
+                 attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000):
         self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
+        self.attach_mode, self.sample_mean, self.max_samples_per_s = attach_mode, sample_mean, max_samples_per_s
         self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
         self.gpu, self.python, self.governor = gpu, python, governor
         self.note, self.warn, self.quiet = note, warn, quiet
@@ -49,6 +59,8 @@ class Attacher:
         if t.tier == RSS:
             self.enable_faults()
         self.probes.add_target(t.pid, TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0))
+        if t.tier == ATTACH and self.attach_mode != "uprobe":
+            self._inject(t)
         if self.governor is not None and t.tier == ATTACH:
             self.governor.add(t.pid, time.monotonic())
         self._attach_gpu(t, self._attach_allocators(t))
@@ -72,6 +84,13 @@ class Attacher:
         self._detect_python(t, final=not t.rescan_until)
         if len(t.libs) > n or new_gpu:
             self.note(t, "attach", t.attach_detail())
+
+    def release(self, t: Target) -> None:
+        """The process stops being recorded (alive): its redirected slots get their functions back."""
+        if t.injection is not None:
+            with contextlib.suppress(OSError):
+                t.injection.restore()
+            t.injection = None
 
     def leave_attach(self, t: Target, tier: str, why: str) -> None:
         """Move a target out of the attach tier: its allocator probes go, and with them the
@@ -101,6 +120,12 @@ class Attacher:
         self.probes.forget_live(pid, t.table.live_addresses())
         self.probes.forget_mappings(pid)
         t.table.clear()
+        if t.tier == INJECT:                 # the sampler went with the old image: inject again
+            self.probes.detach_probes(pid)
+            t.injection, t.inject_refused = None, None
+            t.usdt.clear()
+            t.usdt_labels = []
+            t.tier = ATTACH
         t.vm = VmClassifier()
         self.probes.detach_gpu(pid)          # the new image maps its own CUDA, if any
         if self.gpu is not None:
@@ -132,11 +157,52 @@ class Attacher:
             if why:
                 self.warn(t, why)
 
+    def _inject(self, t: Target) -> None:
+        """Place (or adopt) the injected sampler; the target moves to the inject tier, or stays in
+        the attach tier with the reason (said once)."""
+        if t.injection is not None or t.inject_refused is not None:
+            return
+        try:
+            if self._emits_otel_memory(t):
+                return                      # samples itself already (the preload shim): never twice
+            t.injection = inject.inject(t.pid, self.sample_mean, self.max_samples_per_s)
+        except (inject.Refused, OSError, ElfFormatError) as e:
+            if isinstance(e, ProcessLookupError) or not os.path.exists(f"/proc/{t.pid}"):
+                raise ProcessLookupError(t.pid) from None
+            t.inject_refused = str(e) or type(e).__name__
+            if self.attach_mode == "inject":
+                t.tier = SYSCALLS
+                self.warn(t, f"the sampler could not be injected ({t.inject_refused}); --attach-mode inject: "
+                             "no allocator probes, only mmap/brk are recorded")
+            else:
+                self.note(t, "tier", f"attach: uprobes on the allocator, the sampler could not be injected "
+                                     f"({t.inject_refused})")
+            return
+        t.tier = INJECT
+        i = t.injection
+        how = ("adopted from an earlier recording" if i.adopted
+               else f"placed (one thread stopped {i.stop_ns / 1000:.0f} us)")
+        self.note(t, "tier", f"inject: in-process sampler at {i.base:#x} {how}")
+
+    def _emits_otel_memory(self, t: Target) -> bool:
+        for m in read_maps(t.pid):
+            if m.executable and m.file_backed and not m.path.startswith(inject.MEMFD_NAME) \
+                    and usdt.memory_probes(open_path(t.pid, m)):
+                return True
+        return False
+
     def _attach_allocators(self, t: Target) -> list[Mapping] | None:
         """Returns the maps it read, for _attach_gpu (None: this tier reads none)."""
         pid = t.pid
         if t.tier in (RSS, SYSCALLS):
             return None
+        if t.tier == INJECT:
+            maps = read_maps(pid)
+            if self._attach_usdt(t, maps) and t.usdt:
+                n = t.injection.redirect()     # only once its probe sites are watched
+                if n and t.rescan_until == 0.0 and len(t.injection.slots) > n:
+                    self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
+            return maps
         libs, maps = find_allocators(pid, self.allocators)
         if self._attach_usdt(t, maps) or t.tier == PRELOAD:
             return maps

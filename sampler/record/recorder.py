@@ -80,6 +80,7 @@ class RecordOptions:
     allocators: tuple[Family, ...] = ()
     syscalls_only: bool = False
     probe_mode: str = "auto"
+    attach_mode: str = "auto"             # auto | inject | uprobe (sampler/record/attach.py)
     live_max: int = 262144
     max_frames: int = 127                 # native frames unwound per stack
     stack_bytes: int = 16 << 10           # user stack copied per sampled event
@@ -189,7 +190,9 @@ class Recorder:
         self.attacher = Attacher(self.probes, allocators=o.allocators, fault_period=o.fault_period,
                                  fault_all=o.all_processes, fault_cgroups=[cgroup_id(c) for c in o.cgroups],
                                  gpu=self.gpu, python=self.python, governor=self.governor,
-                                 note=self._target_row, warn=self._warn, quiet=o.quiet)
+                                 note=self._target_row, warn=self._warn, quiet=o.quiet,
+                                 attach_mode=o.attach_mode, sample_mean=o.sample_mean,
+                                 max_samples_per_s=o.max_samples_per_s)
         self.controls = Controls(self.probes, self.governor, SampleRate(o.max_samples_per_s), o.sample_mean,
                                  self.attacher, self._target_row)
         if o.rss or o.all_processes or o.cgroups:
@@ -279,6 +282,11 @@ class Recorder:
         return t is not None and self.controls.raise_detail(t, until, sample_mean)
 
     def sample_mean(self, pid: int) -> int:
+        """The process's sampling mean now: the injected sampler's own when it has one."""
+        t = self.targets.get(pid)
+        if t is not None and t.injection is not None:
+            with contextlib.suppress(OSError):
+                return t.injection.counters()["cur_mean"]
         return self.controls.sample_mean(pid)
 
     def snapshot_now(self) -> None:
@@ -340,6 +348,8 @@ class Recorder:
 
     def _drop_target(self, pid: int, why: str, exited: bool = False) -> None:
         t = self.targets.pop(pid, None)
+        if t is not None:
+            self.attacher.release(t)        # slots back before the probes go
         # an exited process makes no more hits: its links may close in the background
         self.probes.detach(pid, wait=not exited)
         self.controls.forget(pid)
@@ -408,6 +418,8 @@ class Recorder:
 
     def _on_vm(self, t: Target, ev: Event) -> None:
         op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
+        if t.injection is not None and t.injection.owns(ev.ret if op == VmOp.MMAP else ev.addr):
+            return                          # the injected sampler's own mappings, made by us
         sid = self._intern(ev) if ev.weight else None
         if ok and op == VmOp.MMAP:
             t.table.unmap(ev.ret, ev.size)          # whatever was mapped there is gone

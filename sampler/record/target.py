@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sampler.inprocess.inject import Injection
 from sampler.probes.allocators import AllocatorLib
 from sampler.proc.process import ProcessInfo
 from sampler.record.outstanding import ProcessTable
 from sampler.record.vm_events import VmClassifier
 
 # Tiers (processes.tier): how a process's allocations are seen (README: "Tiers").
-ATTACH, PRELOAD, RSS, SYSCALLS = "attach", "preload", "rss", "syscalls"
+ATTACH, INJECT, PRELOAD, RSS, SYSCALLS = "attach", "inject", "preload", "rss", "syscalls"
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Target:
     hits: int = 0                                            # probe hits at the last snapshot
     hit_rate: float = 0.0                                    # per second, last interval
     allocs_on: bool = True                                   # allocation probes attached (governor)
+    injection: Injection | None = None                       # the injected sampler (inject tier)
+    inject_refused: str | None = None                        # why it was not injected (said once)
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,402 @@
+"""Attach at in-process cost: the preload shim's sampling placed into a running process, no restart.
+
+1. Placement (place.c, a separate helper process): one thread is stopped with PTRACE_SEIZE +
+   PTRACE_INTERRUPT and executes memfd_create, mmap and close at a `syscall` instruction of its
+   vDSO; the sampler's code (inject.c, built freestanding) goes into the memfd, mapped private and
+   read+exec (uprobes can sit in it), its data anonymous right after; the thread gets its
+   registers back and runs on. No code of ours runs in the target, no thread, no file in its
+   namespace, no dlopen.
+2. Configuration: the data (`inj`, inject_abi.h) is written through /proc/PID/mem: the functions
+   to forward to, the sampling mean and cap, the vDSO's clock. Its magic is written last.
+3. The recorder attaches its otel_memory USDT program to the sampler's probe sites (the preload
+   tier's path: same events, same stacks, same Parquet), then
+4. Redirection: each GOT slot of the process's objects that binds to the allocator's malloc family
+   gets the sampler's function, with one aligned 8-byte write through /proc/PID/mem (the kernel
+   copies it in one store: a concurrent call sees the old or the new function, never a mix;
+   tests/test_inject.py measures it). Objects loaded later are redirected when they appear.
+Detaching restores every slot that still holds our function. The code stays mapped (a thread may be
+between loading a slot and returning from it, and copies of slots taken as function pointers keep
+calling in): it keeps forwarding correctly for the process's life, its probe sites trap for nobody.
+A later recorder finds it by its memfd name and magic and adopts it instead of placing a second.
+
+Everything read from the target (its maps, its files, its memory) is checked before it is used: a
+slot is redirected only when it holds the allocator's function (or its own lazy-binding stub), and
+restored only while it still holds ours.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sampler.binary.elf import ElfImage, exported_function, import_slots
+from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
+from sampler.bpf.abi import Layout
+from sampler.errors import EnvironmentProblem
+from sampler.inprocess import build as builder
+from sampler.proc.maps import Mapping, open_path, read_maps
+
+MEMFD_NAME = "/memfd:allocsampler"
+PLACE_TIMEOUT_S = 10.0
+
+# inject_abi.h (tests/test_inject.py checks these against the header) --------------------------
+INJ_MAGIC = 0x31504D53434F4C41
+INJ_VERSION = 1
+INJ_DATA_OFFSET = 0x20000
+INJ_SLOTS_LOG2 = 14
+INJ_SLOT_SHIFT = 16
+INJ_PY_SMALL = 512
+FUNCTIONS = ("malloc", "free", "calloc", "realloc", "posix_memalign", "aligned_alloc", "memalign", "valloc",
+             "pvalloc")                    # enum inj_fn, in order
+INJ_NFN = len(FUNCTIONS)
+PY_DOMAINS = ("mem", "obj")                # enum inj_py_domain
+SMP_THREAD = Layout("smp_thread", [("remaining", "Q"), ("mean", "Q"), ("rng", "Q"), ("seeded", "Q")])
+SMP_PROCESS = Layout("smp_process", [(n, "Q") for n in (
+    "base_mean", "cur_mean", "max_per_s", "win_start", "win_count", "mean_changes", "sampled", "freed", "dropped",
+    "weight_bits", "var_bits", "seed_counter")])
+INJ_PY_ALLOCATOR = Layout("inj_py_allocator", [(n, "Q") for n in ("ctx", "malloc", "calloc", "realloc", "free")])
+INJ_DATA = Layout("inj_data", [
+    ("magic", "Q"), ("version", "I"), ("pad", "I"), ("owner", "Q"), ("clock", "Q"), ("real", ("Q", INJ_NFN)),
+    ("py", (INJ_PY_ALLOCATOR, len(PY_DOMAINS))), ("reserved", ("Q", 8)), ("proc", (SMP_PROCESS, 1)),
+    ("slots", (SMP_THREAD, 1)),
+], tail="slots")
+
+CFLAGS = ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidden", "-fno-stack-protector",
+          "-fno-builtin", "-fasynchronous-unwind-tables", "-fcf-protection=none", "-Wall", "-Wextra",
+          "-nostdlib", "-shared", f"-Wl,-T,{builder.HERE / 'inject.ld'}", "-Wl,--build-id",
+          "-Wl,--eh-frame-hdr", "-Wl,-z,noexecstack", "-Wl,-z,norelro", "-Wl,--hash-style=gnu")
+SAMPLER = builder.Artifact("the injected sampler", "allocsampler-inject.so", "inject.c", CFLAGS,
+                           ("sampling.h", "inject_abi.h", "inject.ld"))
+PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c", ("-O2", "-Wall", "-Wextra"))
+
+
+class Refused(Exception):
+    """Injection is impossible or refused for this process: the message says why, in one line."""
+
+
+def built() -> tuple[Path, Path]:
+    """(the sampler's code file, the placement helper), built when missing or stale."""
+    return builder.build(SAMPLER), builder.build(PLACE)
+
+
+@dataclass(frozen=True)
+class CodeLayout:
+    """Where things are in the built sampler (its own ELF, trusted: we built it)."""
+
+    path: Path
+    code_span: int                  # the code mapping (INJ_DATA_OFFSET)
+    total_span: int                 # code + data
+    data: int                       # `inj`, relative to the base
+    table: int                      # `inj_table`
+    entries: dict[str, int]         # as_* functions
+
+    @classmethod
+    def of(cls, path: Path) -> CodeLayout:
+        img = ElfImage.open(str(path))
+        elf = ElfReader.open(str(path))
+        data_end = max(s.vaddr + s.memsz for s in elf.segments if s.type == PT_LOAD)
+        entries = {}
+        for name in (*FUNCTIONS, *(f"py_{d}_{f}" for d in PY_DOMAINS for f in ("malloc", "calloc", "realloc", "free"))):
+            sym = img.symbol(f"as_{name}")
+            if sym is None:
+                raise EnvironmentProblem(f"{path} lacks as_{name}: rebuild it (python -m sampler.inprocess.build)")
+            entries[name] = sym.value
+        data, table = img.symbol("inj"), img.symbol("inj_table")
+        if data is None or table is None or path.stat().st_size > INJ_DATA_OFFSET:
+            raise EnvironmentProblem(f"{path} is not a sampler this recorder knows: rebuild it")
+        return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries)
+
+
+@dataclass
+class Slot:
+    addr: int
+    name: str
+    original: int                   # what it held (the function, or its object's lazy stub)
+    path: str                       # the object it belongs to
+
+
+@dataclass
+class Injection:
+    """The sampler in one process, and the slots it redirects."""
+
+    pid: int
+    base: int
+    layout: CodeLayout
+    originals: dict[str, int]
+    adopted: bool = False
+    stop_ns: int | None = None      # how long the placing thread was stopped
+    slots: dict[int, Slot] = field(default_factory=dict)
+    seen: set[tuple] = field(default_factory=set)      # objects looked at (dev, inode, path)
+    skipped: list[str] = field(default_factory=list)   # why some slots were left alone
+
+    def owns(self, addr: int) -> bool:
+        """`addr` lies in the sampler's own mappings (code and data)."""
+        return self.base <= addr < self.base + self.layout.total_span
+
+    def wrapper(self, name: str) -> int:
+        return self.base + self.layout.entries[name]
+
+    def redirect(self) -> int:
+        """Redirect the slots of objects not looked at yet; returns how many slots changed."""
+        maps = read_maps(self.pid)
+        changed = 0
+        with _Memory(self.pid) as mem:
+            for obj, bias, m in _objects(self.pid, maps):
+                if obj in self.seen:
+                    continue
+                self.seen.add(obj)
+                if m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+                    continue
+                if self._owner_of_malloc(maps) == obj and "libc.so" not in os.path.basename(m.path):
+                    continue    # the allocator's own calls stay inside it (glibc's: see docs)
+                try:
+                    found = import_slots(ElfReader.open(open_path(self.pid, m)), set(FUNCTIONS))
+                except (OSError, ElfFormatError):
+                    continue
+                own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
+                for off, name in found:
+                    changed += self._redirect_one(mem, bias + off, name, m.path, own)
+        return changed
+
+    def _redirect_one(self, mem: _Memory, addr: int, name: str, path: str, own: list[tuple[int, int]]) -> int:
+        if addr % 8 or addr in self.slots or name not in self.originals:
+            return 0
+        value = mem.u64(addr)
+        wrapper = self.wrapper(name)
+        if value == wrapper:                        # redirected by an earlier recorder: ours now
+            self.slots[addr] = Slot(addr, name, self.originals[name], path)
+            return 0
+        lazy = any(lo <= value < hi for lo, hi in own)
+        if value != self.originals[name] and not lazy:
+            self.skipped.append(f"{name} in {os.path.basename(path)} is bound to {value:#x}, not the allocator")
+            return 0
+        mem.write_u64(addr, wrapper)
+        self.slots[addr] = Slot(addr, name, value, path)
+        return 1
+
+    def restore(self) -> int:
+        """Every slot that still holds our function gets back what it held; returns how many."""
+        restored = 0
+        try:
+            mem = _Memory(self.pid)
+        except OSError:
+            return 0                                # the process is gone: nothing to restore
+        with mem:
+            for s in self.slots.values():
+                with contextlib.suppress(OSError):
+                    if mem.u64(s.addr) == self.wrapper(s.name):
+                        mem.write_u64(s.addr, s.original)
+                        restored += 1
+        self.slots.clear()
+        self.seen.clear()
+        return restored
+
+    def counters(self) -> dict[str, int]:
+        """The sampler's own counts (smp_process), read from the process."""
+        with _Memory(self.pid) as mem:
+            raw = mem.read(self.base + self.layout.data + INJ_DATA.offsets["proc"], SMP_PROCESS.struct.size)
+        return dict(zip((n for n, _ in SMP_PROCESS.fields), SMP_PROCESS.struct.unpack(raw), strict=True))
+
+    def _owner_of_malloc(self, maps: list[Mapping]) -> tuple | None:
+        m = next((x for x in maps if x.file_backed and x.start <= self.originals.get("malloc", 0) < x.end), None)
+        return (m.dev, m.inode, m.path) if m is not None else None
+
+
+def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
+    """Place (or adopt) the sampler in `pid` and configure it; the slots are redirected by
+    Injection.redirect(), once the recorder's probes are on the sampler. Raises Refused."""
+    code, helper = built()
+    layout = CodeLayout.of(code)
+    try:
+        maps = read_maps(pid)
+    except ProcessLookupError:
+        raise Refused("the process exited") from None
+    originals = _originals(pid, maps)
+    if "malloc" not in originals or "free" not in originals:
+        raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
+                      "this recorder does not know)")
+    base = _existing(pid, maps, layout)
+    adopted, stop_ns = base is not None, None
+    if base is None:
+        base, stop_ns = _place(pid, helper, layout)
+    inj = Injection(pid, base, layout, originals, adopted=adopted, stop_ns=stop_ns)
+    _configure(inj, sample_mean, max_samples_per_s, maps)
+    return inj
+
+
+# -- the steps ------------------------------------------------------------------------------------
+
+def _place(pid: int, helper: Path, layout: CodeLayout) -> tuple[int, int]:
+    try:
+        r = subprocess.run([str(helper), str(pid), str(layout.path), hex(layout.code_span), hex(layout.total_span)],
+                           capture_output=True, text=True, timeout=PLACE_TIMEOUT_S, start_new_session=True)
+    except subprocess.TimeoutExpired:
+        raise Refused(f"placing the sampler took over {PLACE_TIMEOUT_S:g} s") from None
+    line = (r.stdout.strip().splitlines() or [""])[-1]
+    parts = line.split()
+    if r.returncode != 0 or len(parts) != 4 or parts[0] != "ok":
+        raise Refused(line.removeprefix("error ") or f"the placement helper failed ({r.stderr.strip()[:200]})")
+    return int(parts[1], 16), int(parts[3])
+
+
+def _existing(pid: int, maps: list[Mapping], layout: CodeLayout) -> int | None:
+    """The base of a sampler an earlier recorder placed (found by its memfd name and magic, the
+    same code: a different build is refused rather than mixed with)."""
+    for m in maps:
+        if m.path.startswith(MEMFD_NAME) and m.offset == 0 and m.executable:
+            with _Memory(pid) as mem:
+                if mem.u64(m.start + layout.data) != INJ_MAGIC:
+                    continue
+                with open(layout.path, "rb") as f:
+                    ours = f.read(4096)
+                if mem.read(m.start, len(ours)) != ours:
+                    raise Refused("an earlier recorder's sampler of another build is in the process; restart it "
+                                  "to replace it, or record with --attach-mode uprobe")
+            return m.start
+    return None
+
+
+def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: list[Mapping]) -> None:
+    data = inj.base + inj.layout.data
+    o = INJ_DATA.offsets
+    proc = data + o["proc"]
+    p = SMP_PROCESS.offsets
+    with _Memory(inj.pid) as mem:
+        mem.write_u64(data + o["owner"], os.getpid())
+        mem.write_u64(data + o["clock"], _vdso_clock(inj.pid, maps) or 0)
+        for i, name in enumerate(FUNCTIONS):
+            mem.write_u64(data + o["real"] + 8 * i, inj.originals.get(name, 0))
+        if not inj.adopted:
+            mem.write_u64(proc + p["base_mean"], sample_mean)
+            mem.write_u64(proc + p["cur_mean"], sample_mean)
+        mem.write_u64(proc + p["max_per_s"], max_samples_per_s)
+        mem.write(data + o["version"], struct.pack("<I", INJ_VERSION))
+        mem.write_u64(data + o["magic"], INJ_MAGIC)
+
+
+def _originals(pid: int, maps: list[Mapping]) -> dict[str, int]:
+    """The allocator function each name binds to in this process: what the dynamic linker wrote into
+    the GOT slots it resolved (GLOB_DAT slots always are; JUMP_SLOTs once called), else the
+    definition exported by the library that provides malloc, else by libc."""
+    resolved: dict[str, int] = {}
+    with _Memory(pid) as mem:
+        for obj, bias, m in _objects(pid, maps):
+            if m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+                continue
+            try:
+                found = import_slots(ElfReader.open(open_path(pid, m)), set(FUNCTIONS))
+            except (OSError, ElfFormatError):
+                continue
+            own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
+            for off, name in found:
+                if name in resolved:
+                    continue
+                with contextlib.suppress(OSError):
+                    v = mem.u64(bias + off)
+                    if not any(lo <= v < hi for lo, hi in own) and _in_code(maps, v) and not _ours(maps, v):
+                        resolved[name] = v
+    owners = []
+    if "malloc" in resolved:
+        owners.append(next(m for m in maps if m.start <= resolved["malloc"] < m.end))
+    owners += [m for m in maps if m.file_backed and os.path.basename(m.path).startswith("libc.so") and m.offset == 0]
+    for name in FUNCTIONS:
+        if name in resolved:
+            continue
+        for m in owners:
+            bias = _bias(pid, m)
+            with contextlib.suppress(OSError, ElfFormatError):
+                v = exported_function(ElfReader.open(open_path(pid, m)), name)
+                if v is not None and bias is not None:
+                    resolved[name] = bias + v
+                    break
+    return resolved
+
+
+def _vdso_clock(pid: int, maps: list[Mapping]) -> int | None:
+    """The target's __vdso_clock_gettime: the vDSO is the kernel's, the same bytes in every process
+    (checked against ours), at the target's own address."""
+    theirs = next((m for m in maps if m.path == "[vdso]"), None)
+    mine = next((m for m in read_maps(os.getpid()) if m.path == "[vdso]"), None)
+    if theirs is None or mine is None or theirs.end - theirs.start != mine.end - mine.start:
+        return None
+    with _Memory(os.getpid()) as me, _Memory(pid) as them:
+        image = me.read(mine.start, mine.end - mine.start)
+        if them.read(theirs.start, len(image)) != image:
+            return None
+    with contextlib.suppress(ElfFormatError, ValueError):
+        v = exported_function(ElfReader(image, "[vdso]"), "__vdso_clock_gettime")
+        if v is not None:
+            return theirs.start + v         # the vDSO's vaddrs start at 0
+    return None
+
+
+# -- the process ----------------------------------------------------------------------------------
+
+class _Memory:
+    """/proc/PID/mem, for aligned reads and 8-byte writes."""
+
+    def __init__(self, pid: int):
+        self.fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
+
+    def __enter__(self) -> _Memory:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    def read(self, addr: int, n: int) -> bytes:
+        data = os.pread(self.fd, n, addr)
+        if len(data) != n:
+            raise OSError(f"short read at {addr:#x}")
+        return data
+
+    def u64(self, addr: int) -> int:
+        return struct.unpack("<Q", self.read(addr, 8))[0]
+
+    def write(self, addr: int, data: bytes) -> None:
+        if os.pwrite(self.fd, data, addr) != len(data):
+            raise OSError(f"short write at {addr:#x}")
+
+    def write_u64(self, addr: int, value: int) -> None:
+        # One aligned 8-byte write: the kernel copies it with one store (see the module doc).
+        assert addr % 8 == 0
+        self.write(addr, struct.pack("<Q", value))
+
+
+def _objects(pid: int, maps: list[Mapping]):
+    """(identity, load bias, first mapping) of each ELF object mapped, in address order."""
+    seen: set[tuple] = set()
+    for m in maps:
+        obj = (m.dev, m.inode, m.path)
+        if not m.file_backed or m.offset != 0 or obj in seen:
+            continue
+        seen.add(obj)
+        bias = _bias(pid, m)
+        if bias is not None:
+            yield obj, bias, m
+
+
+def _bias(pid: int, m: Mapping) -> int | None:
+    """Load bias of the object whose offset-0 mapping is `m`: its start less the page of its first
+    PT_LOAD (0 for shared objects and PIE; the link address for a non-PIE executable)."""
+    try:
+        loads = [s for s in ElfReader.open(open_path(pid, m)).segments if s.type == PT_LOAD]
+    except (OSError, ElfFormatError):
+        return None
+    return m.start - (min(s.vaddr for s in loads) & ~0xFFF) if loads else None
+
+
+def _in_code(maps: list[Mapping], addr: int) -> bool:
+    return any(m.start <= addr < m.end and m.executable and m.file_backed for m in maps)
+
+
+def _ours(maps: list[Mapping], addr: int) -> bool:
+    return any(m.start <= addr < m.end and m.path.startswith(MEMFD_NAME) for m in maps)
+
+
+def _is_loader(path: str) -> bool:
+    return os.path.basename(path).startswith("ld-linux")

@@ -1,0 +1,58 @@
+/*
+ * The ABI between the injected sampler (inject.c) and the recorder that places it
+ * (sampler/inprocess/inject.py mirrors it in Python; tests/test_inject.py checks them field by
+ * field). The recorder writes everything here through /proc/PID/mem before it redirects a single
+ * call; the sampler only reads the configuration and updates the counters, slots and set.
+ */
+#ifndef ALLOCSAMPLER_INJECT_ABI_H
+#define ALLOCSAMPLER_INJECT_ABI_H
+
+#include "sampling.h"
+
+#define INJ_MAGIC 0x31504d53434f4c41ULL /* "ALOCSMP1": a placed, configured sampler */
+#define INJ_VERSION 1
+/* The data lies this far after the start of the code mapping (inject.ld), so that the code reaches
+ * it RIP-relative without relocations; the code file must be smaller. */
+#define INJ_DATA_OFFSET 0x20000
+/* Per-thread sampling state without TLS: a slot chosen by the stack pointer's 64 KiB block.
+ * Threads' stacks lie megabytes apart; two threads that share a slot only perturb each other's
+ * countdown (a lost update), never memory. */
+#define INJ_SLOTS_LOG2 14
+#define INJ_SLOT_SHIFT 16
+
+/* The functions the sampler stands in for, indexes into `real`. */
+enum inj_fn {
+    INJ_MALLOC = 0, INJ_FREE, INJ_CALLOC, INJ_REALLOC, INJ_POSIX_MEMALIGN, INJ_ALIGNED_ALLOC,
+    INJ_MEMALIGN, INJ_VALLOC, INJ_PVALLOC, INJ_NFN,
+};
+/* CPython's allocator domains it stands in for (PyMemAllocatorEx: ctx, malloc, calloc, realloc,
+ * free), indexes into `py`. */
+enum inj_py_domain { INJ_PY_MEM = 0, INJ_PY_OBJ, INJ_PY_NDOMAINS };
+/* Requests above this go from pymalloc to the raw allocator (malloc): sampled there, not twice. */
+#define INJ_PY_SMALL 512
+
+struct inj_py_allocator {
+    uint64_t ctx;
+    uint64_t malloc;
+    uint64_t calloc;
+    uint64_t realloc;
+    uint64_t free;
+};
+
+struct inj_data {
+    uint64_t magic;             /* INJ_MAGIC once configured (the recorder writes it last) */
+    uint32_t version;
+    uint32_t pad;
+    uint64_t owner;             /* pid of the recorder that configured it last (informative) */
+    uint64_t clock;             /* the vDSO's clock_gettime in this process (0: no rate cap) */
+    uint64_t real[INJ_NFN];     /* the allocator's functions this sampler forwards to */
+    struct inj_py_allocator py[INJ_PY_NDOMAINS];  /* CPython's allocators it forwards to */
+    uint64_t reserved[8];
+    struct smp_process proc;
+    struct smp_thread slots[1 << INJ_SLOTS_LOG2];
+};
+
+/* The set of sampled addresses (SMP_TABLE_BYTES) is the object `inj_table`, after `inj` in the
+ * data segment; the recorder takes both places from the ELF's symbols. */
+
+#endif
