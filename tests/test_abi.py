@@ -4,75 +4,20 @@ struct field, parsed from the header (no compiler needed), in both directions.""
 from __future__ import annotations
 
 import re
-import struct
 from pathlib import Path
 
 import pytest
+from cheader import c_layout, parse_header, strip_comments
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import abi
 
 HEADER = bpf_sources.source("abi.h")
-C_TYPES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "s8": "b", "s16": "h", "s32": "i", "s64": "q"}
-
-
-def _strip_comments(text: str) -> str:
-    return re.sub(r"/\*.*?\*/|//[^\n]*", "", text, flags=re.S)
-
-
-def _eval(expr: str, names: dict[str, int]) -> int:
-    expr = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)(?:ULL|UL|U|LL|L)\b", r"\1", expr)
-    expr = re.sub(r"\b[A-Z_][A-Z0-9_]*\b", lambda m: str(names[m.group(0)]), expr)
-    assert re.fullmatch(r"[\s\d()+\-*<>x0-9a-fA-F]*", expr), expr
-    return int(eval(expr))  # noqa: S307 (digits and operators only, checked above)
-
-
-def parse_header(text: str) -> tuple[dict[str, int], dict[str, dict[str, int]], dict[str, list]]:
-    """(#defines, enums {name: {member: value}}, structs {name: [(field, type, count)]})."""
-    text = _strip_comments(text)
-    defines: dict[str, int] = {}
-    for name, expr in re.findall(r"^\s*#define\s+([A-Z_][A-Z0-9_]*)\s+(.+?)\s*$", text, flags=re.M):
-        defines.setdefault(name, _eval(expr, defines))
-    enums: dict[str, dict[str, int]] = {}
-    for name, body in re.findall(r"enum\s+(\w+)\s*\{(.*?)\}\s*;", text, flags=re.S):
-        members, nxt = {}, 0
-        for item in filter(None, (s.strip() for s in body.split(","))):
-            member, _, value = (s.strip() for s in item.partition("="))
-            nxt = _eval(value, {**defines, **members}) if value else nxt
-            members[member] = nxt
-            nxt += 1
-        enums[name] = members
-    structs: dict[str, list] = {}
-    for name, body in re.findall(r"struct\s+(\w+)\s*\{(.*?)\}\s*;", text, flags=re.S):
-        fields = []
-        for decl in filter(None, (s.strip() for s in body.split(";"))):
-            m = re.fullmatch(r"(struct\s+\w+|\w+)\s+(\w+)\s*(?:\[(.+)\])?", decl)
-            assert m, decl
-            ctype, field, count = m.groups()
-            fields.append((field, ctype, _eval(count, defines) if count else 1))
-        structs[name] = fields
-    return defines, enums, structs
-
-
 DEFINES, ENUMS, STRUCTS = parse_header(HEADER)
 
 
-def c_layout(name: str, structs: dict[str, list]) -> tuple[dict[str, int], int, int]:
-    """(field offsets, size, alignment) of a parsed struct with x86-64 natural alignment."""
-    off, align, offsets = 0, 1, {}
-    for field, ctype, count in structs[name]:
-        if ctype.startswith("struct "):
-            _, size, falign = c_layout(ctype.split()[1], structs)
-        else:
-            size = falign = struct.calcsize(C_TYPES[ctype])
-        off += -off % falign
-        offsets[field] = off
-        off += size * count
-        align = max(align, falign)
-    return offsets, off + -off % align, align
-
-
 def test_every_define_has_the_same_value_in_python():
+    assert len(DEFINES) == len(re.findall(r"^\s*#define\s+[A-Z_][A-Z0-9_]*\s", strip_comments(HEADER), re.M))
     for name, value in DEFINES.items():
         assert getattr(abi, name) == value, name
 
@@ -125,7 +70,7 @@ def test_nothing_else_redefines_the_abi():
     pattern = re.compile(r"^\s*(?:#define\s+|enum\s+\w+\s*\{[^}]*\b)("
                          + "|".join(map(re.escape, DEFINES)) + r")\b", re.M)
     for c in (root / "sampler" / "bpf").glob("*.c"):
-        assert not pattern.search(_strip_comments(c.read_text())), c
+        assert not pattern.search(strip_comments(c.read_text())), c
     names = {*DEFINES, *(m for members in ENUMS.values() for m in members)}
     assign = re.compile(r"^(" + "|".join(map(re.escape, names)) + r")(?:\s*,\s*\w+)*\s*=\s*(?:\d|0x|-|\()", re.M)
     for py in (root / "sampler").rglob("*.py"):

@@ -128,12 +128,13 @@ static COLD void *sampled_ptr(struct smp_thread *t, void *p, size_t bytes)
 /* cold slow path that forwards, decides and reports; `bytes` is what the countdown consumes.  */
 
 #define UNPAREN(...) __VA_ARGS__
+/* do_NAME is the function; as_NAME its exported name (calls inside stay direct: no GOT here). */
 #define WRAP(name, NAME, params, args, bytes)                                                      \
     static COLD void *name##_slow(struct smp_thread *t, size_t bytes_, UNPAREN params)             \
     {                                                                                              \
         return sampled_ptr(t, REAL(name, NAME) args, bytes_);                                      \
     }                                                                                              \
-    API void *as_##name params                                                                     \
+    static inline void *do_##name params                                                           \
     {                                                                                              \
         struct smp_thread *t = slot();                                                             \
         size_t b = (bytes);                                                                        \
@@ -142,6 +143,10 @@ static COLD void *sampled_ptr(struct smp_thread *t, void *p, size_t bytes)
             return REAL(name, NAME) args;                                                          \
         }                                                                                          \
         return name##_slow(t, b, UNPAREN args);                                                    \
+    }                                                                                              \
+    API void *as_##name params                                                                     \
+    {                                                                                              \
+        return do_##name args;                                                                     \
     }
 
 WRAP(malloc, MALLOC, (size_t n), (n), n)
@@ -175,7 +180,7 @@ static COLD void *realloc_slow(struct smp_thread *t, void *p, size_t n)
 {
     uintptr_t a = (uintptr_t)p;
     if (a == 0)
-        return as_malloc(n);
+        return do_malloc(n);
     if (smp_maybe_sampled(table(), a))
         forget_sampled(a);
     if (SMP_LIKELY(n < t->remaining)) {

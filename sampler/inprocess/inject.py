@@ -33,7 +33,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sampler.binary.elf import ElfImage, exported_function, import_slots
+from sampler.binary.elf import SHT_RELA, ElfImage, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.bpf.abi import Layout
 from sampler.errors import EnvironmentProblem
@@ -62,8 +62,7 @@ INJ_PY_ALLOCATOR = Layout("inj_py_allocator", [(n, "Q") for n in ("ctx", "malloc
 INJ_DATA = Layout("inj_data", [
     ("magic", "Q"), ("version", "I"), ("pad", "I"), ("owner", "Q"), ("clock", "Q"), ("real", ("Q", INJ_NFN)),
     ("py", (INJ_PY_ALLOCATOR, len(PY_DOMAINS))), ("reserved", ("Q", 8)), ("proc", (SMP_PROCESS, 1)),
-    ("slots", (SMP_THREAD, 1)),
-], tail="slots")
+], tail="slots")                           # then one SMP_THREAD per slot
 
 CFLAGS = ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidden", "-fno-stack-protector",
           "-fno-builtin", "-fasynchronous-unwind-tables", "-fcf-protection=none", "-Wall", "-Wextra",
@@ -108,6 +107,9 @@ class CodeLayout:
         data, table = img.symbol("inj"), img.symbol("inj_table")
         if data is None or table is None or path.stat().st_size > INJ_DATA_OFFSET:
             raise EnvironmentProblem(f"{path} is not a sampler this recorder knows: rebuild it")
+        if any(s.type == SHT_RELA and s.file_size for s in elf.sections):
+            raise EnvironmentProblem(f"{path} has relocations, which nothing would apply in the target: "
+                                     "rebuild it (python -m sampler.inprocess.build)")
         return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries)
 
 

@@ -36,6 +36,7 @@
 #include <sys/ptrace.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/user.h>
 #include <sys/wait.h>
@@ -182,12 +183,27 @@ static void refuse_unsuitable(void)
         fail("process %d is stopped, traced or a zombie: not touched", g_pid);
 }
 
-/* Waits for the next stop of tid (bounded); returns the status, or fails when it ended. */
+static void on_alarm(int sig)
+{
+    (void)sig; /* only interrupts waitpid */
+}
+
+/* Waits for the next stop of tid (bounded by an alarm, not by polling: each stop is microseconds
+ * away and a sleep would add its timer slack to every one); returns the status, or fails when it
+ * ended or did not stop in time. */
 static int wait_stop(pid_t tid, int64_t deadline)
 {
     for (;;) {
+        int64_t left = deadline - now_ns();
+        if (left <= 0)
+            fail("thread %d did not stop within %lld ms (an uninterruptible wait): released untouched", tid,
+                 STOP_TIMEOUT_NS / 1000000);
+        struct itimerval it = {{0, 0}, {(time_t)(left / 1000000000), (suseconds_t)(left % 1000000000 / 1000 + 1)}};
+        setitimer(ITIMER_REAL, &it, NULL);
         int status;
-        pid_t r = waitpid(tid, &status, __WALL | WNOHANG);
+        pid_t r = waitpid(tid, &status, __WALL);
+        struct itimerval off = {{0, 0}, {0, 0}};
+        setitimer(ITIMER_REAL, &off, NULL);
         if (r == tid) {
             if (WIFEXITED(status) || WIFSIGNALED(status))
                 fail("thread %d ended while being placed into", tid);
@@ -195,11 +211,6 @@ static int wait_stop(pid_t tid, int64_t deadline)
         }
         if (r < 0 && errno != EINTR)
             fail("waitpid(%d): %s", tid, strerror(errno));
-        if (now_ns() > deadline)
-            fail("thread %d did not stop within %lld ms (an uninterruptible wait): released untouched", tid,
-                 STOP_TIMEOUT_NS / 1000000);
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
     }
 }
 
@@ -304,6 +315,8 @@ int main(int argc, char **argv)
     signal(SIGTERM, SIG_IGN);
     signal(SIGHUP, SIG_IGN);
     signal(SIGPIPE, SIG_IGN);
+    struct sigaction alarm_action = {.sa_handler = on_alarm}; /* no SA_RESTART: waitpid returns EINTR */
+    sigaction(SIGALRM, &alarm_action, NULL);
     g_pid = atoi(argv[1]);
     const char *code_file = argv[2];
     uint64_t code_span = strtoull(argv[3], NULL, 0), total_span = strtoull(argv[4], NULL, 0);

@@ -40,6 +40,7 @@ DEFAULT_PATH = "/etc/allocsampler/config.toml"
 
 ALWAYS_ON, ATTACH, PRELOAD_AWARE = "always-on", "attach", "preload-aware"
 TIERS = (ALWAYS_ON, ATTACH, PRELOAD_AWARE)
+ATTACH_MODES = ("auto", "inject", "uprobe")   # how the attach tier attaches (README: Tiers)
 COMM_LEN = 15                    # the kernel keeps the first 15 bytes of a process name (TASK_COMM_LEN - 1)
 SELECTORS = ("name", "regex", "cgroup", "user", "all")
 UID_MAX = (1 << 32) - 2          # (uid_t)-1 means "no uid"
@@ -106,6 +107,7 @@ class DaemonConfig:
     data_dir: str = "/var/lib/allocsampler"
     interval_s: float = 10                                     # snapshot interval
     sample_bytes: int = field(default=512 << 10, metadata=_SIZE_META)   # mean bytes between samples
+    attach_mode: str = "auto"                                  # attach tier: inject, else uprobes
     cpu_budget_percent: float = 3                              # governor: probe cost per target process
     max_samples_per_s: int = 2000                              # per process: its sample mean rises above
     vm_events_per_s: int = 2000                                # per process: unsampled syscall events sent
@@ -325,6 +327,7 @@ _DAEMON: dict[str, Callable[[Any], Any]] = {
     "data_dir": _abs_path,
     "interval_s": _number(1, 3600),
     "sample_bytes": _size(1, 1 << 30),
+    "attach_mode": _choice(ATTACH_MODES),
     "cpu_budget_percent": _number(0, 100),
     "max_samples_per_s": _number(0, 1_000_000, integer=True),
     "vm_events_per_s": _number(0, 1_000_000, integer=True),

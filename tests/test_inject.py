@@ -1,0 +1,358 @@
+"""The inject tier (sampler/inprocess/inject.py, inject.c, place.c): the sampler placed into running
+processes that check their own work, its slots redirected and restored hundreds of times and its
+recorder killed midway; the placement's effect on the stopped thread; what is refused; and the
+data a recording gets, against the workload's own truth and the uprobe tier."""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cheader import c_layout, parse_header
+from conftest import WORKLOADS, compile_c, final_by_site
+
+from sampler.inprocess import build as builder
+from sampler.inprocess import inject
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+MiB = 1 << 20
+
+
+# -- the ABI with the sampler ---------------------------------------------------------------------
+
+def _headers():
+    text = "".join((builder.HERE / h).read_text() for h in ("sampling.h", "inject_abi.h"))
+    return parse_header(text)
+
+
+def test_python_side_matches_inject_abi_h():
+    defines, enums, structs = _headers()
+    for name in ("INJ_MAGIC", "INJ_VERSION", "INJ_DATA_OFFSET", "INJ_SLOTS_LOG2", "INJ_SLOT_SHIFT", "INJ_PY_SMALL"):
+        assert getattr(inject, name) == defines[name], name
+    assert [m.removeprefix("INJ_").lower() for m in enums["inj_fn"] if m != "INJ_NFN"] == list(inject.FUNCTIONS)
+    assert enums["inj_fn"]["INJ_NFN"] == inject.INJ_NFN
+    assert [m.removeprefix("INJ_PY_").lower() for m in enums["inj_py_domain"] if m != "INJ_PY_NDOMAINS"] \
+        == list(inject.PY_DOMAINS)
+    for layout in (inject.SMP_THREAD, inject.SMP_PROCESS, inject.INJ_PY_ALLOCATOR, inject.INJ_DATA):
+        offsets, size, _ = c_layout(layout.name, structs)
+        c_fields = [f for f, _, _ in structs[layout.name]]
+        if layout.tail is not None:
+            assert c_fields[-1] == layout.tail
+            size = offsets.pop(layout.tail)
+            c_fields = c_fields[:-1]
+        assert [f for f, _ in layout.fields if f != layout.tail] == c_fields, layout.name
+        assert {k: v for k, v in layout.offsets.items() if k != layout.tail} == offsets, layout.name
+        assert layout.struct.size == size, layout.name
+
+
+def test_the_sampler_needs_no_relocation_and_has_its_probe_sites():
+    code, helper = inject.built()
+    relocs = subprocess.run(["readelf", "-rW", str(code)], capture_output=True, text=True, check=True).stdout
+    assert "There are no relocations" in relocs
+    notes = subprocess.run(["readelf", "-n", str(code)], capture_output=True, text=True, check=True).stdout
+    probes = set(re.findall(r"Provider: (\S+)\s+Name: (\S+)", notes))
+    assert probes == {("otel_memory", "alloc"), ("otel_memory", "free"), ("allocsampler", "pyalloc")}
+    layout = inject.CodeLayout.of(code)
+    assert code.stat().st_size < layout.code_span <= layout.data < layout.total_span
+    assert os.access(helper, os.X_OK)
+
+
+# -- slot writes are single stores ---------------------------------------------------------------
+
+TEAR_C = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static volatile uint64_t *slot;
+static volatile unsigned long torn, reads;
+#define A 0x1122334455667788ULL
+#define B 0x8877665544332211ULL
+static void *reader(void *x) { (void)x; for (;;) { uint64_t v = *slot; reads++; if (v != A && v != B) torn++; } }
+int main(void) {
+    uint64_t *p = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    p[1] = A;
+    mprotect(p, 4096, PROT_READ);          /* read-only, as a RELRO GOT */
+    slot = &p[1];
+    pthread_t t;
+    pthread_create(&t, NULL, reader, NULL);
+    printf("%lx\n", (unsigned long)(uintptr_t)slot);
+    fflush(stdout);
+    char line[8];
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    printf("%lu %lu\n", reads, torn);
+    return 0;
+}
+"""
+
+
+def test_an_aligned_slot_write_is_seen_whole(tmp_path):
+    """A thread loads a read-only slot in a loop while /proc/PID/mem writes flip it between two values
+    that differ in every byte: no load ever sees a mix (the kernel copies the 8 bytes in one store)."""
+    exe = compile_c(_write(tmp_path, "tear.c", TEAR_C), tmp_path / "tear", "-pthread")
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(p.stdout.readline(), 16)
+        fd = os.open(f"/proc/{p.pid}/mem", os.O_RDWR)
+        values = [struct.pack("<Q", v) for v in (0x8877665544332211, 0x1122334455667788)]
+        writes, end = 0, time.monotonic() + 1.5
+        while time.monotonic() < end:
+            for v in values:
+                os.pwrite(fd, v, addr)
+            writes += 2
+        os.close(fd)
+        p.stdin.write("done\n")
+        p.stdin.flush()
+        reads, torn = map(int, p.stdout.readline().split())
+    finally:
+        p.kill()
+        p.wait()
+    print(f"\n[slot writes] {writes} writes, {reads} concurrent loads, {torn} torn")
+    assert writes > 100_000 and reads > 1_000_000 and torn == 0
+
+
+# -- a workload that checks its own work ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stress(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("stress")
+    exe = compile_c(WORKLOADS / "inject_stress.c", d / "inject_stress", "-pthread", "-ldl")
+    lib = compile_c(WORKLOADS / "inject_lib.c", d / "libinject_lib.so", "-shared", "-fPIC")
+    return exe, lib
+
+
+class Stress:
+    """The stress workload, started and released; result() -> (checksum, signals, forks)."""
+
+    def __init__(self, stress: tuple[Path, Path], iterations: int):
+        self.p = subprocess.Popen([str(stress[0]), str(iterations), str(stress[1])], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert self.p.stdout.readline().strip() == "ready"
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def go(self) -> None:
+        self.p.stdin.write("go\n")
+        self.p.stdin.flush()
+
+    def result(self, timeout: float = 120) -> list[str]:
+        out, _ = self.p.communicate(timeout=timeout)
+        assert self.p.returncode == 0, f"the workload failed (exit {self.p.returncode}): {out!r}"
+        return out.split()
+
+
+def _reference(stress, iterations: int) -> str:
+    s = Stress(stress, iterations)
+    s.go()
+    return s.result()[1]
+
+
+CYCLER = """
+import sys, time
+from sampler.inprocess import inject
+inj = inject.inject(int(sys.argv[1]), 65536, 0)
+print("placed" if not inj.adopted else "adopted", flush=True)
+for i in range(int(sys.argv[2])):
+    inj.redirect()
+    time.sleep(0.002)
+    inj.restore()
+print("done", flush=True)
+"""
+
+
+def test_stress_keeps_its_checksum_through_redirects_restores_and_a_killed_recorder(stress):
+    """8 threads, allocating signal handlers, forks, a dlopen midway, realloc/memalign mixes: 200
+    redirect/restore cycles, a recorder killed with SIGKILL in the middle of its cycles, a second
+    one adopting the sampler; the workload's checksum is the unrecorded run's and it never crashes."""
+    iterations = 1_500_000
+    expected = _reference(stress, iterations)
+    s = Stress(stress, iterations)
+    s.go()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", CYCLER, str(s.pid), "100000"], stdout=subprocess.PIPE,
+                             text=True, env=env)
+    assert first.stdout.readline().strip() == "placed"
+    time.sleep(0.5)                              # cycling
+    first.kill()                                 # SIGKILL: some slots left redirected, some not
+    first.wait()
+    second = subprocess.run([sys.executable, "-c", CYCLER, str(s.pid), "200"], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert second.stdout.split() == ["adopted", "done"], second.stderr
+    ok, checksum, signals, forks = s.result()
+    print(f"\n[stress] checksum {checksum} (expected {expected}), {signals} signal handlers, {forks} forks")
+    assert ok == "ok" and checksum == expected and int(signals) > 0 and int(forks) > 0
+    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert inject.MEMFD_NAME not in maps          # the recorder placed nothing into itself
+
+
+# -- the stopped thread ---------------------------------------------------------------------------
+
+THREADS_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+/* A thread blocked in read(), one in nanosleep(), one computing in its registers: each must
+ * come through any number of placements exactly as if nothing happened. */
+static int fds[2];
+static volatile int stop;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec / 1e9; }
+static void *reader(void *x) {
+    char buf[16] = {0};
+    ssize_t n = read(fds[0], buf, sizeof buf - 1);
+    *(ssize_t *)x = n == 5 && buf[0] == 'h' && buf[4] == 'o' ? 1 : -1;
+    return NULL;
+}
+static void *sleeper(void *x) {
+    double t0 = now();
+    struct timespec ts = {1, 500000000};
+    nanosleep(&ts, NULL);
+    *(double *)x = now() - t0;
+    return NULL;
+}
+static void *spinner(void *x) {
+    uint64_t a = 1, b = 2, c = 3, d = 4, n = 0;
+    while (!stop) {
+        for (int i = 0; i < 1000; i++) {
+            a = a * 6364136223846793005ULL + b; b ^= a >> 7; c += a ^ d; d = c * 3 + n; n++;
+        }
+    }
+    uint64_t e = 1, f = 2, g = 3, h = 4;    /* the same again, unstopped */
+    for (uint64_t i = 0; i < n; i++) { e = e * 6364136223846793005ULL + f; f ^= e >> 7; g += e ^ h; h = g * 3 + i; }
+    *(int *)x = a == e && b == f && c == g && d == h;
+    return NULL;
+}
+int main(void) {
+    if (pipe(fds)) return 2;
+    ssize_t got = 0; double slept = 0; int same = 0;
+    pthread_t r, s, p;
+    pthread_create(&r, NULL, reader, &got);
+    pthread_create(&s, NULL, sleeper, &slept);
+    pthread_create(&p, NULL, spinner, &same);
+    printf("ready\n"); fflush(stdout);
+    char line[8];
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    if (write(fds[1], "hello", 5) != 5) return 2;
+    stop = 1;
+    pthread_join(r, NULL); pthread_join(s, NULL); pthread_join(p, NULL);
+    printf("%zd %.3f %d\n", got, slept, same);
+    return 0;
+}
+"""
+
+
+def test_placement_gives_each_thread_back_its_registers_and_its_system_call(tmp_path):
+    """Placed 20 times into a process whose threads sleep in read() and nanosleep() and compute in
+    their registers: the read gets its data, the sleep lasts its 1.5 s, the computation matches an
+    uninterrupted one, and each placement stopped one thread for well under a second."""
+    exe = compile_c(_write(tmp_path, "threads.c", THREADS_C), tmp_path / "threads", "-pthread", "-O2")
+    code, helper = inject.built()
+    layout = inject.CodeLayout.of(code)
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        stops = []
+        for _ in range(20):
+            r = subprocess.run([str(helper), str(p.pid), str(code), hex(layout.code_span), hex(layout.total_span)],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout
+            stops.append(int(r.stdout.split()[3]))
+        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        assert maps.count(inject.MEMFD_NAME) == 20
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        got, slept, same = p.stdout.readline().split()
+    finally:
+        p.kill()
+        p.wait()
+    stops.sort()
+    print(f"\n[placement] one thread stopped: median {stops[10] / 1000:.0f} us, max {stops[-1] / 1000:.0f} us")
+    assert got == "1" and float(slept) >= 1.5 and same == "1"
+    assert stops[-1] < 1e9
+
+
+def test_what_is_refused_says_why(tmp_path):
+    static = compile_c(WORKLOADS / "static_alloc.c", tmp_path / "static_alloc", "-static")
+    p = subprocess.Popen([str(static)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        with pytest.raises(inject.Refused, match="no dynamically linked malloc"):
+            inject.inject(p.pid, 65536, 0)
+    finally:
+        p.kill()
+        p.wait()
+    # a process that a debugger traces is not touched
+    target = subprocess.Popen(["sleep", "30"])
+    tracer = subprocess.Popen([sys.executable, "-c", TRACER, str(target.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert tracer.stdout.readline().strip() == "tracing"
+        with pytest.raises(inject.Refused, match="already traced"):
+            inject.inject(target.pid, 65536, 0)
+        assert "allocsampler" not in Path(f"/proc/{target.pid}/maps").read_text()
+    finally:
+        tracer.kill()
+        target.kill()
+        tracer.wait()
+        target.wait()
+
+
+TRACER = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+PTRACE_SEIZE = 0x4206
+assert libc.ptrace(PTRACE_SEIZE, int(sys.argv[1]), 0, 0) == 0, ctypes.get_errno()
+print("tracing", flush=True)
+time.sleep(60)
+"""
+
+
+# -- recordings --------------------------------------------------------------------------------------
+
+@pytest.mark.bpf
+def test_record_injects_by_default_and_matches_the_truth(workload, record):
+    """`record --pid` on a process with no restart: the inject tier, its estimates within their
+    standard errors of what the workload leaked, stacks as the uprobe tier gives them."""
+    got = {}
+    for mode in ("auto", "uprobe"):
+        w = workload()
+        rec = record("--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K", "--attach-mode", mode)
+        rec.wait_attached()
+        leaked = w.call("leak_malloc", 4096, 4096) + w.call("leak_calloc", 512, 16384)
+        w.call("churn", 8192, 4096)
+        time.sleep(1.5)
+        code, _, err = rec.stop()
+        assert code == 0, err
+        from analysis.dataset import read_table
+        procs = read_table(rec.out, "processes")
+        tiers = set(procs[procs["pid"] == w.pid]["tier"])
+        assert tiers == ({"inject"} if mode == "auto" else {"attach"}), tiers
+        df = final_by_site(rec.out, w.pid)
+        got[mode] = df.groupby("site_fn")[["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
+        for site, truth in (("leak_malloc", 4096 * 4096), ("leak_calloc", 512 * 16384)):
+            est, se = got[mode].loc[site]
+            assert abs(est - truth) < 4 * se + 0.02 * truth, (mode, site, est, se, truth)
+        assert leaked > 0
+        targets = read_table(rec.out, "targets")
+        if mode == "auto":
+            assert targets["detail"].str.contains("inject: in-process sampler at").any()
+    assert set(got["auto"].index) & {"leak_malloc", "leak_calloc"} == set(got["uprobe"].index) & {
+        "leak_malloc", "leak_calloc"}
+
+
+def _write(d: Path, name: str, text: str) -> Path:
+    p = d / name
+    p.write_text(text)
+    return p
