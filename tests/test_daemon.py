@@ -166,6 +166,7 @@ def write_config(path: Path, data: Path, port: int, *, max_bytes: str = "40M", t
 data_dir = "{data}"
 interval_s = 2
 rescan_s = 1
+attach_mode = "uprobe"
 cpu_budget_percent = 3
 cpu_percent = {CPU_PERCENT}
 [retention]

@@ -76,21 +76,23 @@ def test_command_that_execs_a_static_binary_is_reported(tmp_path, record):
     assert (targets["event"] == "exec").any()
 
 
-def test_cpp_target_keeps_catching_bad_alloc(tmp_path, record, gated):
+@pytest.mark.parametrize("mode", ["uprobe", "inject"])
+def test_cpp_target_keeps_catching_bad_alloc(mode, tmp_path, record, gated):
     """With tcmalloc preloaded, `operator new` is the allocator's own: a return probe on it would
     break exception unwinding. The recorder must leave it alone."""
     exe = tmp_path / "throw"
     subprocess.run(["g++", "-O1", "-o", str(exe), str(WORKLOADS / "throw_bad_alloc.cc")], check=True)
     target = gated([str(exe)], ready="ready",
                    env={"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"})
-    rec = record("--pid", str(target.pid), "-i", "1")
+    rec = record("--pid", str(target.pid), "-i", "1", "--attach-mode", mode)
     rec.wait_attached()
     target.go("g")
     assert target.line() == "caught 5"
     code, _, err = rec.stop()
     assert code == 0, err
     detail = " ".join(read_table(rec.out, "targets")["detail"].dropna())
-    assert "_Znwm (throws" in detail
+    # uprobes: none on a throwing new; injected: operator new is never redirected (only malloc is)
+    assert "_Znwm (throws" in detail if mode == "uprobe" else "inject: in-process sampler" in detail
 
 
 def test_exec_from_a_thread_is_followed(tmp_path, record, gated):

@@ -129,7 +129,7 @@ def test_governor_duty_cycles_allocation_probes_and_keeps_estimates_unbiased(tie
     """20k malloc/free pairs/s at 1 us per hit cost 4% of a CPU: over the 3% budget, the
     governor attaches allocation probes about half the time (frees always), records the
     coverage, and the leak estimate (weights divided by the duty) still matches the truth."""
-    t, rec, truth = run_gated(gated, record, [str(tiers_exe), "rate", "14", "20000"],
+    t, rec, truth = run_gated(gated, record, [str(tiers_exe), "rate", "14", "20000"], "--attach-mode", "uprobe",
                               "--cpu-budget", "3", "--probe-cost", "1000", "--sample-bytes", "64K", "-i", "2")
     procs = read_table(rec.out, "processes").sort_values("ts")
     assert set(procs["tier"].astype(str)) == {"attach"}
@@ -147,8 +147,8 @@ def test_governor_duty_cycles_allocation_probes_and_keeps_estimates_unbiased(tie
 def test_governor_moves_an_overloaded_target_to_the_always_on_tier(tiers_exe, gated, record):
     """At 200k pairs/s even the free probes exceed the budget: the target moves to sampled page
     faults (calibrated cost per hit), the move is recorded, and the target runs on unharmed."""
-    t, rec, truth = run_gated(gated, record, [str(tiers_exe), "rate", "6", "200000"], "--cpu-budget", "3",
-                              "-i", "1")
+    t, rec, truth = run_gated(gated, record, [str(tiers_exe), "rate", "6", "200000"], "--attach-mode", "uprobe",
+                              "--cpu-budget", "3", "-i", "1")
     cost = float(read_table(rec.out, "recordings")["probe_cost_ns"].iloc[-1])
     assert 100 <= cost <= 50_000
     moves = read_table(rec.out, "targets")
@@ -160,22 +160,25 @@ def test_governor_moves_an_overloaded_target_to_the_always_on_tier(tiers_exe, ga
 
 
 # -- preload tier ------------------------------------------------------------------------------
-def test_preload_tier_matches_the_attach_tier_and_the_truth(tiers_exe, gated, record):
-    """The same workload, once under allocator uprobes and once with the shim preloaded (found
-    by its otel_memory USDT probes, no uprobe on malloc): both estimates match the workload's
-    ground truth and each other within sampling error, and both stacks start at the caller."""
+def test_preload_and_inject_tiers_match_the_attach_tier_and_the_truth(tiers_exe, gated, record):
+    """The same workload under allocator uprobes, with the shim preloaded (found by its otel_memory
+    USDT probes, no uprobe on malloc) and with the sampler injected (no restart): all estimates match
+    the workload's ground truth and each other within sampling error, and all stacks start at the
+    caller (no frame of the shim or the injected sampler)."""
     from sampler.inprocess.preload import preload_env
 
     argv = [str(tiers_exe), "sizes", "60000"]
     results = {}
-    for tier, env in (("attach", None), ("preload", preload_env(256 << 10))):
-        t, rec, truth = run_gated(gated, record, argv, "--sample-bytes", "256K", "-i", "1", env=env)
+    for tier, env, mode in (("attach", None, "uprobe"), ("preload", preload_env(256 << 10), "auto"),
+                            ("inject", None, "inject")):
+        t, rec, truth = run_gated(gated, record, argv, "--sample-bytes", "256K", "-i", "1", "--attach-mode", mode,
+                                  "--max-samples-per-s", "0", env=env)
         assert read_table(rec.out, "recorder")["lost_events"].sum() == 0
         procs = read_table(rec.out, "processes")
         assert set(procs["tier"].astype(str)) == {tier}
         probes = [p for ps in read_table(rec.out, "targets")["probes"] for p in ps]
         usdt = [p for p in probes if p.startswith("otel_memory:")]
-        if tier == "preload":
+        if tier in ("preload", "inject"):
             assert usdt and not [p for p in probes if p.startswith("malloc+")], probes
         else:
             assert not usdt and any(p.startswith("malloc+") for p in probes), probes
@@ -184,11 +187,13 @@ def test_preload_tier_matches_the_attach_tier_and_the_truth(tiers_exe, gated, re
         o = read_table(rec.out, "outstanding")
         frames = read_table(rec.out, "frames")
         frames = frames[frames["stack_id"].isin(set(o[o["source"] == "malloc"]["stack_id"]))]
-        assert not frames["module"].astype(str).str.contains("allocsampler_preload").any()   # (its own
+        assert not frames["module"].astype(str).str.contains("allocsampler").any()   # (the shim's own
         # table's mmap is rightly a stack in the shim, under source mmap)
         results[tier] = leak
-    a, p = results["attach"], results["preload"]
-    assert abs(a.bytes - p.bytes) <= 4 * math.sqrt(a["var"] + p["var"]), results
+    a = results["attach"]
+    for other in ("preload", "inject"):
+        p = results[other]
+        assert abs(a.bytes - p.bytes) <= 4 * math.sqrt(a["var"] + p["var"]), results
 
 
 def test_record_preload_command_with_python_frames(tmp_path, bpf_ready):

@@ -428,16 +428,24 @@ def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
 def exported_function(elf: ElfReader, name: str) -> int | None:
     """The st_value of `name` as a defined, global or weak, non-IFUNC function of the file's .dynsym
     (what the dynamic linker binds others to); None when the file does not export it."""
+    found = dynsym_entry(elf, name)
+    return found[1] if found else None
+
+
+def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
+    """(vaddr of st_value in the loaded .dynsym, st_value) of `name` as a defined, global or weak,
+    non-IFUNC, current-version function: the entry the dynamic linker reads to bind others to it."""
     f = _File(elf)
     for i in range(len(f.sections)):
-        if f.sections[i].type != SHT_DYNSYM or not f.is_symtab(i):
+        sec = f.sections[i]
+        if sec.type != SHT_DYNSYM or not f.is_symtab(i) or not sec.addr:
             continue
         tab = f.symtab(i)
         for row in tab.find(name):
             info = int(tab.syms["st_info"][row])
             if (tab.defined()[row] and info & 0xF == STT_FUNC and info >> 4 in (STB_GLOBAL, STB_WEAK)
                     and not tab.compat(row) and tab.syms["st_value"][row]):
-                return int(tab.syms["st_value"][row])
+                return sec.addr + int(row) * SYM_DTYPE.itemsize + 8, int(tab.syms["st_value"][row])
     return None
 
 

@@ -265,6 +265,11 @@ class BpfProbes:
         cuda_call, loaded for uprobe_multi links."""
         return self.bpf.load_func(name, PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
 
+    def load_usdt(self) -> None:
+        """Load the USDT program now (the verifier takes ~0.5 s), not at the first attach: injected
+        samplers need it at once, before the process they went into allocates."""
+        self._multi_prog("usdt_memory")
+
     def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
         """Attach the preload tier's program to a file's otel_memory probe sites for one process
         (sampler/probes/usdt.py UsdtProbe). Raises OSError (the process is gone, or the kernel refuses)."""

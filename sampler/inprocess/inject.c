@@ -174,20 +174,23 @@ API void *as_calloc(size_t n, size_t m)
     return calloc_slow(t, s, n, m);
 }
 
-/* realloc(NULL, n) is a malloc; a sampled block handed to realloc is reported freed before the
- * real realloc runs (the address may be reused at once). */
+/* realloc(NULL, n) is a malloc. A sampled block handed to realloc is reported freed when the real
+ * realloc succeeded (or freed it: size 0), before the new block is reported: a failed realloc
+ * leaves it allocated, as the uprobe tier sees it. (Another thread may get the old address first;
+ * should that block be sampled in those nanoseconds, its sample is taken for the old one's.) */
 static COLD void *realloc_slow(struct smp_thread *t, void *p, size_t n)
 {
     uintptr_t a = (uintptr_t)p;
     if (a == 0)
         return do_malloc(n);
-    if (smp_maybe_sampled(table(), a))
-        forget_sampled(a);
-    if (SMP_LIKELY(n < t->remaining)) {
+    int sampled = smp_maybe_sampled(table(), a);
+    int count = SMP_LIKELY(n < t->remaining);
+    if (count)
         t->remaining -= n;
-        return REAL(realloc, REALLOC)(p, n);
-    }
-    return sampled_ptr(t, REAL(realloc, REALLOC)(p, n), n);
+    void *q = REAL(realloc, REALLOC)(p, n);
+    if (sampled && (q != 0 || n == 0))
+        forget_sampled(a);
+    return count ? q : sampled_ptr(t, q, n);
 }
 
 API void *as_realloc(void *p, size_t n)

@@ -33,11 +33,12 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sampler.binary.elf import SHT_RELA, ElfImage, exported_function, import_slots
+from sampler.binary.elf import SHT_RELA, ElfImage, dynsym_entry, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.bpf.abi import Layout
 from sampler.errors import EnvironmentProblem
 from sampler.inprocess import build as builder
+from sampler.probes.allocators import FAMILIES
 from sampler.proc.maps import Mapping, open_path, read_maps
 
 MEMFD_NAME = "/memfd:allocsampler"
@@ -74,7 +75,12 @@ PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c"
 
 
 class Refused(Exception):
-    """Injection is impossible or refused for this process: the message says why, in one line."""
+    """Injection is impossible or refused for this process: the message says why, in one line.
+    `transient`: it may work a moment later (an image that an exec has not finished mapping)."""
+
+    def __init__(self, why: str, transient: bool = False):
+        super().__init__(why)
+        self.transient = transient
 
 
 def built() -> tuple[Path, Path]:
@@ -132,8 +138,23 @@ class Injection:
     adopted: bool = False
     stop_ns: int | None = None      # how long the placing thread was stopped
     slots: dict[int, Slot] = field(default_factory=dict)
+    symbols: dict[int, Slot] = field(default_factory=dict)   # the allocator's .dynsym values we changed
     seen: set[tuple] = field(default_factory=set)      # objects looked at (dev, inode, path)
+    imports: dict[tuple, list[tuple[int, str]]] = field(default_factory=dict)   # their slots, per file
+    biases: dict[tuple, int | None] = field(default_factory=dict)
+    symbol_plan: list[tuple[int, str, int, str, int]] | None = None
     skipped: list[str] = field(default_factory=list)   # why some slots were left alone
+
+    @property
+    def allocator(self) -> str:
+        """`family:path` of the library the sampler forwards malloc to (as `targets.allocators` says)."""
+        with contextlib.suppress(OSError, ProcessLookupError):
+            m = next((x for x in read_maps(self.pid) if x.start <= self.originals["malloc"] < x.end), None)
+            if m is not None:
+                base = os.path.basename(m.path)
+                family = next((f.name for f in FAMILIES if f.library.search(base)), "other")
+                return f"{family}:{m.path}"
+        return "unknown"
 
     def owns(self, addr: int) -> bool:
         """`addr` lies in the sampler's own mappings (code and data)."""
@@ -143,28 +164,41 @@ class Injection:
         return self.base + self.layout.entries[name]
 
     def redirect(self) -> int:
-        """Redirect the slots of objects not looked at yet; returns how many slots changed."""
+        """Redirect the slots of objects not looked at yet; returns how many slots changed. An object
+        still being loaded (its data not mapped, or not relocated yet) is looked at again next time.
+        The first call also points the allocator's exported symbols at the sampler, so that objects
+        loaded later (dlopen) bind to it from their first call, before any rescan."""
         maps = read_maps(self.pid)
         changed = 0
+        owner = self._owner_of_malloc(maps)
         with _Memory(self.pid) as mem:
-            for obj, bias, m in _objects(self.pid, maps):
+            if not self.symbols:
+                self._bind_symbols(mem, maps)
+            for obj, bias, m in _objects(self.pid, maps, self.biases):
                 if obj in self.seen:
                     continue
-                self.seen.add(obj)
-                if m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+                if m.path.startswith(MEMFD_NAME) or _is_loader(m.path) \
+                        or (obj == owner and "libc.so" not in os.path.basename(m.path)):
+                    self.seen.add(obj)  # the allocator's own calls stay inside it (glibc's: see docs)
                     continue
-                if self._owner_of_malloc(maps) == obj and "libc.so" not in os.path.basename(m.path):
-                    continue    # the allocator's own calls stay inside it (glibc's: see docs)
-                try:
-                    found = import_slots(ElfReader.open(open_path(self.pid, m)), set(FUNCTIONS))
-                except (OSError, ElfFormatError):
+                found = self._imports(obj, m)
+                if found is None:
+                    self.seen.add(obj)
                     continue
                 own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
-                for off, name in found:
-                    changed += self._redirect_one(mem, bias + off, name, m.path, own)
+                try:
+                    done = [self._redirect_one(mem, bias + off, name, m.path, own) for off, name in found]
+                except OSError:
+                    continue            # its data is not mapped yet
+                if None not in done:
+                    self.seen.add(obj)
+                changed += sum(d for d in done if d)
         return changed
 
-    def _redirect_one(self, mem: _Memory, addr: int, name: str, path: str, own: list[tuple[int, int]]) -> int:
+    def _redirect_one(self, mem: _Memory, addr: int, name: str, path: str,
+                      own: list[tuple[int, int]]) -> int | None:
+        """1 when the slot was redirected, 0 when not (ours already, or bound elsewhere), None when
+        it is not relocated yet."""
         if addr % 8 or addr in self.slots or name not in self.originals:
             return 0
         value = mem.u64(addr)
@@ -174,28 +208,92 @@ class Injection:
             return 0
         lazy = any(lo <= value < hi for lo, hi in own)
         if value != self.originals[name] and not lazy:
+            if value < 1 << 32:
+                return None                         # not relocated yet (0, or a link-time offset)
             self.skipped.append(f"{name} in {os.path.basename(path)} is bound to {value:#x}, not the allocator")
             return 0
         mem.write_u64(addr, wrapper)
         self.slots[addr] = Slot(addr, name, value, path)
         return 1
 
+    def _imports(self, obj: tuple, m: Mapping) -> list[tuple[int, str]] | None:
+        """The object's slots for our functions (read from its file once); None: not readable."""
+        if obj not in self.imports:
+            try:
+                self.imports[obj] = import_slots(ElfReader.open(open_path(self.pid, m)), set(FUNCTIONS))
+            except (OSError, ElfFormatError):
+                return None
+        return self.imports[obj]
+
+    def _bind_symbols(self, mem: _Memory, maps: list[Mapping]) -> None:
+        """The allocator's .dynsym values (st_value, relative to its load bias) of each function we
+        redirect become our function's: the dynamic linker binds every later lookup, a dlopen'ed
+        object's relocations and a lazy slot's first call alike, to the sampler. Checked against the
+        file and the resolved function before anything is written."""
+        if self.symbol_plan is None:
+            self.symbol_plan = self._plan_symbols(maps)
+        for addr, name, value, path, bias in self.symbol_plan:
+            ours = (self.wrapper(name) - bias) % (1 << 64)
+            with contextlib.suppress(OSError):
+                if mem.u64(addr) in (value, ours):
+                    mem.write_u64(addr, ours)
+                    self.symbols[addr] = Slot(addr, name, value, path)
+
+    def _plan_symbols(self, maps: list[Mapping]) -> list[tuple[int, str, int, str, int]]:
+        """(address of st_value, name, its value in the file, path, bias) for each function's entry."""
+        plan = []
+        objects = list(_objects(self.pid, maps, self.biases))
+        for name in FUNCTIONS:
+            target = self.originals.get(name)
+            holder = next((x for x in maps if target is not None and x.start <= target < x.end), None)
+            obj = next(((o, b, m) for o, b, m in objects
+                        if holder is not None and o == (holder.dev, holder.inode, holder.path)), None)
+            if obj is None:
+                continue
+            _o, bias, m = obj
+            with contextlib.suppress(OSError, ElfFormatError):
+                entry = dynsym_entry(ElfReader.open(open_path(self.pid, m)), name)
+                if entry is not None and bias + entry[1] == target and (bias + entry[0]) % 8 == 0:
+                    plan.append((bias + entry[0], name, entry[1], m.path, bias))
+        return plan
+
     def restore(self) -> int:
-        """Every slot that still holds our function gets back what it held; returns how many."""
+        """The allocator's symbols, then every slot that holds our function (also those of objects
+        that bound to it through our symbols), get back what they held; returns how many slots."""
         restored = 0
         try:
             mem = _Memory(self.pid)
         except OSError:
             return 0                                # the process is gone: nothing to restore
         with mem:
+            for s in self.symbols.values():
+                with contextlib.suppress(OSError):
+                    mem.write_u64(s.addr, s.original)
+            with contextlib.suppress(OSError, ProcessLookupError):
+                self._find_slots(mem)
             for s in self.slots.values():
                 with contextlib.suppress(OSError):
                     if mem.u64(s.addr) == self.wrapper(s.name):
                         mem.write_u64(s.addr, s.original)
                         restored += 1
         self.slots.clear()
+        self.symbols.clear()
         self.seen.clear()
         return restored
+
+    def _find_slots(self, mem: _Memory) -> None:
+        """Slots that hold one of our functions without our having written them (objects loaded since
+        the last redirect, bound through our symbols): they get the allocator's function back too."""
+        wrappers = {self.wrapper(n): n for n in FUNCTIONS}
+        maps = read_maps(self.pid)
+        for obj, bias, m in _objects(self.pid, maps, self.biases):
+            if obj in self.seen or m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+                continue                # (the objects we redirected: their slots are in self.slots)
+            for off, name in self._imports(obj, m) or ():
+                addr = bias + off
+                with contextlib.suppress(OSError):
+                    if addr not in self.slots and name in self.originals and wrappers.get(mem.u64(addr)) == name:
+                        self.slots[addr] = Slot(addr, name, self.originals[name], m.path)
 
     def counters(self) -> dict[str, int]:
         """The sampler's own counts (smp_process), read from the process."""
@@ -220,7 +318,7 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
     originals = _originals(pid, maps)
     if "malloc" not in originals or "free" not in originals:
         raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
-                      "this recorder does not know)")
+                      "this recorder does not know)", transient=True)
     base = _existing(pid, maps, layout)
     adopted, stop_ns = base is not None, None
     if base is None:
@@ -369,17 +467,21 @@ class _Memory:
         self.write(addr, struct.pack("<Q", value))
 
 
-def _objects(pid: int, maps: list[Mapping]):
-    """(identity, load bias, first mapping) of each ELF object mapped, in address order."""
+def _objects(pid: int, maps: list[Mapping], biases: dict | None = None):
+    """(identity, load bias, first mapping) of each ELF object mapped, in address order; `biases`
+    keeps them across calls (per mapping: a file mapped again elsewhere gets its own)."""
     seen: set[tuple] = set()
+    biases = {} if biases is None else biases
     for m in maps:
         obj = (m.dev, m.inode, m.path)
         if not m.file_backed or m.offset != 0 or obj in seen:
             continue
         seen.add(obj)
-        bias = _bias(pid, m)
-        if bias is not None:
-            yield obj, bias, m
+        key = (*obj, m.start)
+        if key not in biases:
+            biases[key] = _bias(pid, m)
+        if biases[key] is not None:
+            yield obj, biases[key], m
 
 
 def _bias(pid: int, m: Mapping) -> int | None:

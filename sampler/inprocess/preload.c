@@ -11,8 +11,8 @@
  *       after the allocator returned a sampled block; size is the requested size, weighted_bytes
  *       the bytes the sample stands for (size / p, rounded).
  *   otel_memory:free(u64 ptr)
- *       before a sampled block is freed, or handed to realloc (before the real realloc runs, since
- *       another thread may receive the address as soon as it does).
+ *       before a sampled block is freed; for realloc, after the real realloc succeeded and before
+ *       the new block's alloc (a failed realloc leaves the block allocated).
  *
  * Environment (read once, at start-up):
  *   ALLOCSAMPLER_SAMPLE_MEAN  mean bytes between samples T, decimal; default 524288; 0, an invalid
@@ -462,6 +462,19 @@ API void *calloc(size_t n, size_t m)
     return calloc_slow(n, m, s);
 }
 
+/* A sampled block handed to realloc is reported freed when the real realloc succeeded (or freed
+ * it: size 0), before the new block is reported: a failed realloc leaves it allocated. */
+static COLD void *realloc_sampled(struct smp_bucket *tab, void *p, size_t n)
+{
+    int count = SMP_LIKELY(n < t.remaining);
+    if (count)
+        t.remaining -= n;
+    void *q = REAL(realloc)(p, n);
+    if (q != NULL || n == 0)
+        forget_sampled(tab, (uintptr_t)p);
+    return count ? q : sampled_ptr(q, n);
+}
+
 static COLD void *realloc_slow(void *p, size_t n)
 {
     return sampled_ptr(REAL(realloc)(p, n), n);
@@ -486,7 +499,7 @@ static inline void *do_realloc(void *p, size_t n)
         return realloc_boot(p, n);
     struct smp_bucket *tab = SMP_LOAD(&g_table);
     if (tab != NULL && smp_maybe_sampled(tab, a))
-        forget_sampled(tab, a); /* before the real realloc: the address may be reused at once */
+        return realloc_sampled(tab, p, n);
     FAST(realloc, n, (p, n));
     return realloc_slow(p, n);
 }

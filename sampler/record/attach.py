@@ -76,6 +76,11 @@ class Attacher:
 
     def rescan(self, t: Target) -> None:
         """Look for libraries mapped since the last look (a new `attach` row when there are)."""
+        if t.tier == ATTACH and self.attach_mode != "uprobe":
+            try:
+                self._inject(t)         # after an exec: the new image is injected once it is mapped
+            except ProcessLookupError:
+                return
         n = len(t.libs)
         try:
             new_gpu = self._attach_gpu(t, self._attach_allocators(t))
@@ -120,9 +125,10 @@ class Attacher:
         self.probes.forget_live(pid, t.table.live_addresses())
         self.probes.forget_mappings(pid)
         t.table.clear()
+        t.inject_refused = None              # a new image: a new chance
         if t.tier == INJECT:                 # the sampler went with the old image: inject again
             self.probes.detach_probes(pid)
-            t.injection, t.inject_refused = None, None
+            t.injection = None
             t.usdt.clear()
             t.usdt_labels = []
             t.tier = ATTACH
@@ -169,6 +175,8 @@ class Attacher:
         except (inject.Refused, OSError, ElfFormatError) as e:
             if isinstance(e, ProcessLookupError) or not os.path.exists(f"/proc/{t.pid}"):
                 raise ProcessLookupError(t.pid) from None
+            if isinstance(e, inject.Refused) and e.transient and t.rescan_until:
+                return                      # an exec's image still being mapped: again at the next poll
             t.inject_refused = str(e) or type(e).__name__
             if self.attach_mode == "inject":
                 t.tier = SYSCALLS
@@ -178,11 +186,15 @@ class Attacher:
                 self.note(t, "tier", f"attach: uprobes on the allocator, the sampler could not be injected "
                                      f"({t.inject_refused})")
             return
-        t.tier = INJECT
         i = t.injection
         how = ("adopted from an earlier recording" if i.adopted
                else f"placed (one thread stopped {i.stop_ns / 1000:.0f} us)")
-        self.note(t, "tier", f"inject: in-process sampler at {i.base:#x} {how}")
+        why = f"in-process sampler at {i.base:#x} {how}"
+        if t.attached:                      # uprobes of the image before an exec: the sampler replaces them
+            self.leave_attach(t, INJECT, why)
+        else:
+            t.tier = INJECT
+            self.note(t, "tier", f"inject: {why}")
 
     def _emits_otel_memory(self, t: Target) -> bool:
         for m in read_maps(t.pid):
@@ -198,8 +210,15 @@ class Attacher:
             return None
         if t.tier == INJECT:
             maps = read_maps(pid)
-            if self._attach_usdt(t, maps) and t.usdt:
-                n = t.injection.redirect()     # only once its probe sites are watched
+            self._attach_usdt(t, maps)
+            if t.usdt:
+                try:
+                    n = t.injection.redirect()     # only once its probe sites are watched
+                except (OSError, ElfFormatError, ValueError) as e:
+                    if not os.path.exists(f"/proc/{pid}"):
+                        raise ProcessLookupError(pid) from None
+                    self.warn(t, f"could not redirect newly loaded objects ({e}); tried again at the next rescan")
+                    return maps
                 if n and t.rescan_until == 0.0 and len(t.injection.slots) > n:
                     self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
             return maps

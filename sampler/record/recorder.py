@@ -197,6 +197,8 @@ class Recorder:
                                  self.attacher, self._target_row)
         if o.rss or o.all_processes or o.cgroups:
             self.attacher.enable_faults()
+        elif o.attach_mode != "uprobe" and not o.syscalls_only:
+            self.probes.load_usdt()
 
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
@@ -282,11 +284,7 @@ class Recorder:
         return t is not None and self.controls.raise_detail(t, until, sample_mean)
 
     def sample_mean(self, pid: int) -> int:
-        """The process's sampling mean now: the injected sampler's own when it has one."""
-        t = self.targets.get(pid)
-        if t is not None and t.injection is not None:
-            with contextlib.suppress(OSError):
-                return t.injection.counters()["cur_mean"]
+        """The process's sampling mean in BPF now (an in-process sampler has its own: `sampling` rows)."""
         return self.controls.sample_mean(pid)
 
     def snapshot_now(self) -> None:
@@ -493,6 +491,8 @@ class Recorder:
             self.controls.interval(t, mono, hits)
             h = sum(hits.get(pid, (0, 0)))
             t.hit_rate, t.hits = (h - t.hits) / interval if interval > 0 else 0.0, h
+            if t.injection is not None:
+                self._note_sampler_mean(t)
             if self.python is not None:
                 self.python.refresh(pid, force=True)
             out_rows += self._outstanding_rows(t, now, interval)
@@ -512,6 +512,18 @@ class Recorder:
             self._write(GPU, [{"ts": now, **r} for r in self.gpu.device_rows()])
             self._write(GPU_EVENTS, self.gpu.drain_rows())
         self._write_recorder_row(now, interval)
+
+    def _note_sampler_mean(self, t: Target) -> None:
+        """A `sampling` row when the injected sampler's own rate cap changed its mean."""
+        try:
+            c = t.injection.counters()
+        except OSError:
+            return
+        if t.sampler_mean is not None and c["cur_mean"] != t.sampler_mean:
+            why = "over" if c["cur_mean"] > t.sampler_mean else "back under"
+            self._target_row(t, "sampling", f"in-process sample mean {c['cur_mean']} bytes ({why} the cap of "
+                                            f"{c['max_per_s']} samples/s, in the process)")
+        t.sampler_mean = c["cur_mean"]
 
     def _outstanding_rows(self, t: Target, now: dt.datetime | None = None,
                           interval: float | None = None) -> list[dict]:

@@ -84,7 +84,7 @@ def target_row(t: Target, now: dt.datetime, event: str, detail: str, *, gpu_libr
     i = t.info
     return {
         "ts": now, "pid": i.pid, "event": event, "comm": i.comm, "exe": i.exe, "cmdline": i.cmdline,
-        "ppid": i.ppid, "allocators": [f"{lib.family}:{lib.path}" for lib in t.libs] + gpu_libraries,
+        "ppid": i.ppid, "allocators": t.allocator_labels() + gpu_libraries,
         "probes": t.probe_labels() + gpu_labels, "detail": detail,
     }
 

@@ -42,6 +42,7 @@ class Target:
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
     inject_refused: str | None = None                        # why it was not injected (said once)
+    sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
 
     @property
     def pid(self) -> int:
@@ -52,6 +53,12 @@ class Target:
         probes = [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
                   f"{self.modes.get(p.name, 'not attached')})" for lib in self.libs for p in lib.points]
         return probes + self.usdt_labels
+
+    def allocator_labels(self) -> list[str]:
+        """`targets.allocators`: the probed libraries, or the one the injected sampler forwards to."""
+        if self.injection is not None:
+            return [self.injection.allocator]
+        return [f"{lib.family}:{lib.path}" for lib in self.libs]
 
     def attach_detail(self) -> str:
         skipped = [f"{name} ({why})" for lib in self.libs for name, why in lib.skipped]
