@@ -33,11 +33,15 @@ Variants (tiers):
 
   unprobed         nothing
   memleak          memleak-bpfcc -p PID -T 5 (bcc's tool with its defaults; -T only trims output)
-  attach           allocsampler record --pid PID --out DIR --cpu-budget 0: uprobes on the malloc
-                   family, governor off (without --cpu-budget in `record --help`, the flag is
-                   left out: there is no governor to turn off then)
-  attach-governed  allocsampler record --pid PID --out DIR: the default CPU budget of the governor
-                   (it may duty-cycle the allocation probes); n/a without --cpu-budget
+  inject           allocsampler record --pid PID --out DIR --attach-mode inject: the sampler placed
+                   into the running process, its allocator calls redirected (no restart; only
+                   sampled calls reach a probe); n/a without --attach-mode
+  attach           allocsampler record --pid PID --out DIR --attach-mode uprobe --cpu-budget 0:
+                   uprobes on the malloc family, governor off (without --cpu-budget in `record
+                   --help`, the flag is left out: there is no governor to turn off then)
+  attach-governed  allocsampler record --pid PID --out DIR --attach-mode uprobe: the default CPU
+                   budget of the governor (it may duty-cycle the allocation probes); n/a without
+                   --cpu-budget
   preload          the workload starts with the preload shim (env from
                    sampler.inprocess.preload.preload_env(--sample-mean): LD_PRELOAD + ALLOCSAMPLER_SAMPLE_MEAN)
                    and is recorded with allocsampler record --pid PID --out DIR, which attaches to
@@ -399,14 +403,14 @@ main()
 '''
 
 WORKLOADS = ("c", "python", "torch", "mt")
-VARIANTS = ("unprobed", "memleak", "attach", "attach-governed", "preload", "preload-idle", "rss")
+VARIANTS = ("unprobed", "memleak", "inject", "attach", "attach-governed", "preload", "preload-idle", "rss")
 QUICK_WORKLOADS = ("c",)
-QUICK_VARIANTS = ("unprobed", "memleak", "attach", "preload", "preload-idle", "rss")   # one of each kind
+QUICK_VARIANTS = ("unprobed", "memleak", "inject", "attach", "preload", "preload-idle", "rss")   # one of each kind
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 EXTRA_VARIANTS = ("attach-perf",)                 # only when named in --variants
 ALIASES = {"allocsampler": "attach", "allocsampler-perf": "attach-perf"}   # the script's old names
 ATTACH_TIERS = ("attach", "attach-governed", "attach-perf")
-RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, "preload", "rss"})
+RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, "inject", "preload", "rss"})
 PRELOAD_VARIANTS = frozenset({"preload", "preload-idle"})
 WORKLOAD_TITLES = {"c": "c: malloc/free loop", "python": "python: allocation-heavy loop",
                    "torch": "torch: CPU inference", "mt": "mt: 4-thread allocator stress"}
@@ -674,6 +678,8 @@ class Bench:
                 why = f"`allocsampler record --help` failed: {e}"
         has_budget = re.search(r"--cpu-budget\b", helptext) is not None
         has_rss = re.search(r"--rss\b", helptext) is not None
+        has_modes = re.search(r"--attach-mode\b", helptext) is not None
+        uprobe = ["--attach-mode", "uprobe"] if has_modes else []
         rec = " ".join(Path(c).name if i == 0 else c for i, c in enumerate(a.allocsampler_cmd))
         common = ["-q"] + (["-i", str(a.interval)] if a.interval else []) \
             + (["--sample-bytes", str(a.sample_mean)] if a.sample_mean_given else [])
@@ -687,8 +693,13 @@ class Bench:
                 self.commands[v] = f"{Path(a.memleak).name} -p PID -T 5"
             elif v in RECORDER_VARIANTS and why:
                 self.na[v] = why
+            elif v == "inject":
+                if not has_modes:
+                    self.na[v] = "`allocsampler record` has no --attach-mode (no injected sampler yet)"
+                self.recorder_args[v] = ["--attach-mode", "inject"]
+                self.commands[v] = f"{rec} record --pid PID --out DIR --attach-mode inject {pretty}"
             elif v in ("attach", "attach-perf"):
-                extra = ["--cpu-budget", "0"] if has_budget else []
+                extra = uprobe + (["--cpu-budget", "0"] if has_budget else [])
                 if v == "attach-perf":
                     extra += ["--probe-mode", "perf"]
                 self.recorder_args[v] = extra
@@ -699,8 +710,9 @@ class Bench:
             elif v == "attach-governed":
                 if not has_budget:
                     self.na[v] = "`allocsampler record` has no --cpu-budget (the governor is not there yet)"
-                self.recorder_args[v] = []
-                self.commands[v] = f"{rec} record --pid PID --out DIR {pretty} (default --cpu-budget)"
+                self.recorder_args[v] = list(uprobe)
+                self.commands[v] = (f"{rec} record --pid PID --out DIR {' '.join(uprobe)} {pretty} "
+                                    "(default --cpu-budget)").replace("  ", " ")
             elif v == "rss":
                 if not has_rss:
                     self.na[v] = "`allocsampler record` has no --rss (the always-on tier is not there yet)"
@@ -925,6 +937,9 @@ class Bench:
             return False, "the attach row lists no attached probe: " + ", ".join(probes), 0
         allocs = [a.split(":", 1)[1] if ":" in a else a for al in attach["allocators"] if al is not None for a in al]
         otel = [p for p in attached if p.startswith("otel_memory:")]
+        if variant == "inject" and not otel:
+            raise BenchError("inject: the recorder attached no otel_memory: USDT probe of the injected sampler "
+                             "(probes: " + ", ".join(probes) + ")")
         if variant == "preload":
             if not otel:    # the recorder did not see the shim: measuring it would be measuring attach
                 raise BenchError("preload: the recorder attached no otel_memory: USDT probe (probes: "
@@ -938,8 +953,10 @@ class Bench:
         for p in attached:
             if m := PROBE_USDT.match(p):
                 name, path, off = m.group(1), m.group(2), int(m.group(3), 16)
-                notes = self.usdt.get(name) if self.shim is not None else None
-                if notes and path is None:
+                notes = self.usdt.get(name) if self.shim is not None and variant == "preload" else None
+                if variant == "inject":          # the sites are in the sampler's memfd, at these offsets
+                    checks.append((p, [mp.path for mp in maps if "/memfd:allocsampler" in mp.path], off))
+                elif notes and path is None:
                     checks += [(p, [str(self.shim)], o) for o in notes]
                     if off not in notes and f"usdt-off:{name}" not in self.warned:
                         self.warned.add(f"usdt-off:{name}")
@@ -1228,8 +1245,8 @@ def write_markdown(path: Path, text: str) -> None:
 
 
 # --- SVG ----------------------------------------------------------------------------------------
-COLORS = {"memleak": "#7f7f7f", "attach": "#d62728", "attach-governed": "#ff7f0e", "attach-perf": "#8c564b",
-          "preload": "#1f77b4", "preload-idle": "#17becf", "rss": "#2ca02c"}
+COLORS = {"memleak": "#7f7f7f", "inject": "#9467bd", "attach": "#d62728", "attach-governed": "#ff7f0e",
+          "attach-perf": "#8c564b", "preload": "#1f77b4", "preload-idle": "#17becf", "rss": "#2ca02c"}
 
 
 def svg_chart(rows: list[dict], workloads: list[str], caption: str) -> str:

@@ -102,11 +102,11 @@ def test_bench_overhead_quick(bpf_ready: None) -> None:
     assert len(header) == 13 and header[-1] == "tool peak RSS MiB"
     # one variant of each kind the harness starts differently, on the c workload only
     assert [(r["workload"], r["variant"]) for r in rows] == [
-        ("c", v) for v in ("unprobed", "memleak", "attach", "preload", "preload-idle", "rss")]
+        ("c", v) for v in ("unprobed", "memleak", "inject", "attach", "preload", "preload-idle", "rss")]
     by = {r["variant"]: r for r in rows}
     assert all(num(r["median loop s"]) >= 0 and num(r["ratio vs unprobed"]) > 0 for r in rows)
     assert num(by["unprobed"]["ratio vs unprobed"]) == 1
-    for v in ("attach", "preload", "rss"):            # read from the recorder's own dataset
+    for v in ("inject", "attach", "preload", "rss"):  # read from the recorder's own dataset
         assert num(by[v]["probe hits/s"]) >= 0 and num(by[v]["lost events"]) >= 0
     assert num(by["attach"]["probe hits/s"]) > 0     # every malloc and free of the loop is a hit
     assert num(by["memleak"]["tool peak RSS MiB"]) > 0
