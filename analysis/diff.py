@@ -23,7 +23,7 @@ from sampler.units import fmt_bytes, parse_size
 
 DIFF_SCHEMA = 1
 Z = 3.0                                    # standard errors a change of an estimate must exceed
-SOURCES = ("malloc", "mmap")
+SOURCES = ("malloc", "python", "mmap")
 GPU_COLUMN = "gpu_reserved_bytes"          # a `processes` column, once the recorder writes one
 METRICS = ("peak_rss", "peak_arena_resident", "peak_outstanding", "final_outstanding", "gpu_reserved")
 _LABELS = {"peak_rss": "peak RSS", "peak_arena_resident": "peak arena resident",

@@ -19,6 +19,7 @@ from conftest import WORKLOADS, compile_c, final_by_site
 
 from sampler.inprocess import build as builder
 from sampler.inprocess import inject
+from sampler.probes import usdt
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -58,7 +59,9 @@ def test_the_sampler_needs_no_relocation_and_has_its_probe_sites():
     assert "There are no relocations" in relocs
     notes = subprocess.run(["readelf", "-n", str(code)], capture_output=True, text=True, check=True).stdout
     probes = set(re.findall(r"Provider: (\S+)\s+Name: (\S+)", notes))
-    assert probes == {("otel_memory", "alloc"), ("otel_memory", "free"), ("allocsampler", "pyalloc")}
+    assert probes == set(usdt.MEMORY_PROBES)           # every one the recorder reads, no other
+    found = usdt.memory_probes(str(code))
+    assert {(p.provider, p.name) for p in found} == probes and all(p.semaphore == 0 for p in found)
     layout = inject.CodeLayout.of(code)
     assert code.stat().st_size < layout.code_span <= layout.data < layout.total_span
     assert os.access(helper, os.X_OK)
@@ -130,11 +133,11 @@ def stress(tmp_path_factory) -> tuple[Path, Path]:
 
 
 class Stress:
-    """The stress workload, started and released; result() -> (checksum, signals, forks)."""
+    """A self-checking workload (inject_stress.c, py_stress.py), started and released;
+    result() -> ("ok", checksum, signals, forks)."""
 
-    def __init__(self, stress: tuple[Path, Path], iterations: int):
-        self.p = subprocess.Popen([str(stress[0]), str(iterations), str(stress[1])], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: list[str]):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.p.stdout.readline().strip() == "ready"
 
     @property
@@ -151,8 +154,8 @@ class Stress:
         return out.split()
 
 
-def _reference(stress, iterations: int) -> str:
-    s = Stress(stress, iterations)
+def _reference(argv: list[str]) -> str:
+    s = Stress(argv)
     s.go()
     return s.result()[1]
 
@@ -162,11 +165,13 @@ import sys, time
 from sampler.inprocess import inject
 inj = inject.inject(int(sys.argv[1]), 65536, 0)
 print("placed" if not inj.adopted else "adopted", flush=True)
+py = 0
 for i in range(int(sys.argv[2])):
     inj.redirect()
+    py = max(py, len(inj.py_fields))        # CPython's allocator fields redirected
     time.sleep(0.002)
     inj.restore()
-print("done", flush=True)
+print("done", py, flush=True)
 """
 
 
@@ -174,9 +179,23 @@ def test_stress_keeps_its_checksum_through_redirects_restores_and_a_killed_recor
     """8 threads, allocating signal handlers, forks, a dlopen midway, realloc/memalign mixes: 200
     redirect/restore cycles, a recorder killed with SIGKILL in the middle of its cycles, a second
     one adopting the sampler; the workload's checksum is the unrecorded run's and it never crashes."""
-    iterations = 1_500_000
-    expected = _reference(stress, iterations)
-    s = Stress(stress, iterations)
+    argv = [str(stress[0]), "1500000", str(stress[1])]
+    _cycle_through(argv, _reference(argv))
+
+
+@pytest.mark.parametrize(("mode", "iterations"), [("python", 4000), ("torch", 800)])
+def test_python_and_torch_keep_their_checksum_through_redirects_restores_and_a_killed_recorder(mode, iterations):
+    """The same with CPython's object allocator redirected too: 8 Python threads (4 with torch ops)
+    building and checking objects of every small size class, an allocating signal handler, forks,
+    an extension module loaded midway; the checksum is the unrecorded run's."""
+    argv = [sys.executable, str(WORKLOADS / "py_stress.py"), mode, str(iterations)]
+    _cycle_through(argv, _reference(argv))
+
+
+def _cycle_through(argv: list[str], expected: str) -> None:
+    """Runs the workload while a recorder cycles redirect/restore and is SIGKILLed midway, then a
+    second adopts the sampler and cycles 200 times; checks the workload's own verdict."""
+    s = Stress(argv)
     s.go()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen([sys.executable, "-c", CYCLER, str(s.pid), "100000"], stdout=subprocess.PIPE,
@@ -187,9 +206,11 @@ def test_stress_keeps_its_checksum_through_redirects_restores_and_a_killed_recor
     first.wait()
     second = subprocess.run([sys.executable, "-c", CYCLER, str(s.pid), "200"], capture_output=True, text=True,
                             env=env, timeout=120)
-    assert second.stdout.split() == ["adopted", "done"], second.stderr
+    python = Path(argv[0]).name.startswith("python")
+    assert second.stdout.split() == ["adopted", "done", "8" if python else "0"], second.stderr
     ok, checksum, signals, forks = s.result()
-    print(f"\n[stress] checksum {checksum} (expected {expected}), {signals} signal handlers, {forks} forks")
+    name = " ".join(Path(a).name for a in argv[:3])
+    print(f"\n[stress] {name}: checksum {checksum} (expected {expected}), {signals} signal handlers, {forks} forks")
     assert ok == "ok" and checksum == expected and int(signals) > 0 and int(forks) > 0
     maps = Path(f"/proc/{os.getpid()}/maps").read_text()
     assert inject.MEMFD_NAME not in maps          # the recorder placed nothing into itself
@@ -356,3 +377,95 @@ def _write(d: Path, name: str, text: str) -> Path:
     p = d / name
     p.write_text(text)
     return p
+
+
+# -- CPython's object allocator ----------------------------------------------------------------------
+
+def _pythons() -> list[str]:
+    """Debian's CPython (statically linked: its domains are file-static in 3.11) and the newest pyenv
+    build where there is one (shared libpython: _PyRuntime reached through the GOT)."""
+    import glob
+    found = ["/usr/bin/python3.11"] + sorted(glob.glob("/root/.pyenv/versions/3.1[2-9].*/bin/python3"))[-1:]
+    return [p for p in found if os.access(p, os.X_OK)]
+
+
+def test_cpythons_allocator_domains_are_found_in_its_code():
+    """pydomains finds raw, mem and obj on every CPython here (3.6-3.13: statics or _PyRuntime),
+    where the interpreter itself says they are: PyMem_GetAllocator's answer, read back in-process."""
+    import glob
+
+    from sampler.inprocess import pydomains
+    libs = ["/usr/bin/python3.11", *glob.glob("/root/.pyenv/versions/3.*/lib/libpython3.*.so.1.0")]
+    for path in libs:
+        doms = pydomains.locate(path)
+        assert doms is not None, path
+        assert len({doms.raw, doms.mem, doms.obj}) == 3, path
+    # this interpreter (the venv's): the obj domain's malloc field holds what PyMem_GetAllocator says
+    probe = r"""
+import ctypes, os, struct, sys
+from sampler.inprocess import pydomains
+from sampler.proc.maps import read_maps
+class A(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("ctx", "malloc", "calloc", "realloc", "free")]
+a = A()
+ctypes.pythonapi.PyMem_GetAllocator(2, ctypes.byref(a))      # PYMEM_DOMAIN_OBJ
+exe = os.path.realpath(sys.executable)
+m = next(m for m in read_maps(os.getpid()) if m.path == exe and m.offset == 0)
+doms = pydomains.locate(exe)
+from sampler.binary.reader import ElfReader, PT_LOAD
+first = min(s.vaddr for s in ElfReader.open(exe).segments if s.type == PT_LOAD) & ~0xFFF
+got = ctypes.c_uint64.from_address(m.start - first + doms.obj + 8).value
+print(got == a.malloc, flush=True)
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert r.stdout.strip() == "True", r.stdout + r.stderr
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("python", _pythons(), ids=lambda p: p.split("/")[-3] if "pyenv" in p else "debian")
+@pytest.mark.parametrize("pymalloc", [True, False], ids=["pymalloc", "PYTHONMALLOC=malloc"])
+def test_python_objects_are_their_own_source_and_match_the_truth(gated, record, python, pymalloc):
+    """Small objects, which never reach malloc, are sampled in CPython's object allocator: source
+    `python`, Python stacks, estimates within their standard errors of the workload's own count.
+    Under PYTHONMALLOC=malloc the same objects are malloc's, sampled there, never twice."""
+    import json
+
+    from analysis.dataset import latest_outstanding, read_table
+    env = {} if pymalloc else {"PYTHONMALLOC": "malloc"}
+    t = gated([python, str(WORKLOADS / "py_objects.py"), "200000"], ready="ready", stream="stdout", env=env)
+    rec = record("--pid", str(t.pid), "-i", "1", "--sample-bytes", "32K")       # the default rate cap
+    rec.wait_attached()
+    deadline = time.monotonic() + 30
+    note = "CPython objects sampled" if pymalloc else "not sampled apart from malloc (PYTHONMALLOC=malloc)"
+    while not read_table(rec.out, "targets")["detail"].str.contains(note, regex=False).any():
+        assert time.monotonic() < deadline, read_table(rec.out, "targets").to_string()
+        time.sleep(0.1)
+    time.sleep(1.0)                              # Python detection and the thread walk
+    t.go()
+    truth = json.loads(t.line())
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    assert read_table(rec.out, "recorder")["lost_events"].sum() == 0
+    df = latest_outstanding(rec.out, [t.pid])
+    frames = read_table(rec.out, "frames")
+    py = frames[frames["kind"] == "python"]
+    est = {}
+    for site in truth:
+        ids = set(py[py["function"] == site]["stack_id"])
+        rows = df[df["stack_id"].isin(ids) & (df["source"] != "mmap")]   # mmap: glibc's big list arrays again
+        est[site] = rows.groupby("source", observed=True)[["outstanding_bytes"]].sum()["outstanding_bytes"].to_dict()
+        var = float((rows["outstanding_stderr_bytes"] ** 2).sum())
+        total = sum(est[site].values())
+        assert abs(total - truth[site]) <= 4 * var ** 0.5 + 0.03 * truth[site] + 64 * 1024, (site, est[site], truth)
+    # small objects are `python` (pymalloc's arenas not counted again as mmap), unless PYTHONMALLOC
+    # makes them malloc's; their lists' arrays and objects over 512 bytes are malloc's
+    for site in ("leak_small", "leak_tuples"):
+        assert est[site].get("python", 0) > 0.5 * truth[site] if pymalloc else "python" not in est[site], est
+    # the only mmaps are glibc's for the lists' arrays (2 MiB): pymalloc's arenas (34 MiB) are not
+    # counted again
+    mm = df[df["source"] == "mmap"]
+    assert mm["outstanding_bytes"].sum() < 4 * MiB, mm
+    assert est["leak_large"].get("malloc", 0) > 0.8 * truth["leak_large"], est
+    print(f"\n[python objects] {python} {'pymalloc' if pymalloc else 'malloc'}: "
+          + ", ".join(f"{s} {sum(est[s].values()) / MiB:.2f}/{truth[s] / MiB:.2f} MiB" for s in truth))

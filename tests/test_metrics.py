@@ -237,7 +237,8 @@ def test_render_values_and_escaping():
     assert value(fams, "allocsampler_last_snapshot_timestamp_seconds") == 1_700_000_600.5
     # every tier has a series, so "no target in tier X" is a 0 and not a missing series
     assert series(fams, "allocsampler_targets") == {
-        (("tier", "attach"),): 1, (("tier", "preload"),): 1, (("tier", "rss"),): 1, (("tier", "syscalls"),): 0}
+        (("tier", "inject"),): 0, (("tier", "attach"),): 1, (("tier", "preload"),): 1, (("tier", "rss"),): 1,
+        (("tier", "syscalls"),): 0}
 
 
 def _processes_row(pid: int, comm: str, now: dt.datetime, tracer: GpuTracer, table: ProcessTable) -> dict:
@@ -388,8 +389,8 @@ def test_series_are_bounded():
     per_process = [n for n in fams if n.startswith("allocsampler_process_")]
     pids = {dict(k)["pid"] for n in per_process for k in series(fams, n)}
     assert pids == {str(i) for i in range(950, 1000)}
-    # info, rss, limit, growth, 3 sources x 2, bloat, 4 GPU kinds x 2, sample mean
-    assert sum(len(series(fams, n)) for n in per_process) == 50 * 20
+    # info, rss, limit, growth, 4 sources x 2, bloat, 4 GPU kinds x 2, sample mean
+    assert sum(len(series(fams, n)) for n in per_process) == 50 * 22
     assert value(fams, "allocsampler_processes_omitted") == 950
 
 

@@ -67,7 +67,10 @@ def test_builds_with_usdt_notes_build_id_and_only_expected_exports(shim):
                          r"Arguments: ([^\n]*)", notes):
         provider, name, _loc, sem, args = m.groups()
         probes[(provider, name)] = (int(sem, 16), args.split())
-    assert set(probes) == {("otel_memory", "alloc"), ("otel_memory", "free")}
+    # the contract, and our undo of a free (a realloc that failed)
+    assert set(probes) == {("otel_memory", "alloc"), ("otel_memory", "free"), ("allocsampler", "unfree")}
+    sem, args = probes[("allocsampler", "unfree")]
+    assert sem == 0 and len(args) == 1 and args[0].startswith("8@"), args
     sem, args = probes[("otel_memory", "alloc")]
     assert sem == 0 and len(args) == 3 and all(a.startswith("8@") for a in args), args
     sem, args = probes[("otel_memory", "free")]

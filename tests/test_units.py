@@ -90,6 +90,25 @@ def test_reused_address_replaces_a_missed_free():
     assert t.totals(MALLOC)[0] == pytest.approx(T)
 
 
+def test_unfree_gives_back_a_block_whose_realloc_failed():
+    """The in-process samplers report a sampled block freed before realloc and undo it when the
+    realloc fails: the block is back, with its stack, age and sums; an undo that does not match
+    the last free of that address (another block got it, or the born time differs) does nothing."""
+    t = ProcessTable()
+    w = weights.unbiased_weight(1000, T)
+    t.alloc(0x1000, 1000, w, 7, ts_ns=5)
+    t.alloc(0x2000, 1000, w, 7, ts_ns=9)
+    assert t.free(0x1000, 5)
+    assert not t.unfree(0x1000, born=6)                  # not the block that was freed
+    assert t.unfree(0x1000, born=5) and not t.unfree(0x1000, born=5)
+    rows = {r["stack_id"]: r for r in t.snapshot(now_ns=10**9 + 5)}
+    assert rows[7]["outstanding_bytes"] == pytest.approx(2 * w) and rows[7]["freed_bytes"] == pytest.approx(0)
+    assert rows[7]["live_samples"] == 2 and rows[7]["oldest_age_s"] == pytest.approx(1.0)   # its age kept
+    assert t.free(0x2000)
+    t.alloc(0x2000, 64, T, 8, ts_ns=20)                  # the address was taken again
+    assert not t.unfree(0x2000) and t.totals(MALLOC)[0] == pytest.approx(w + T)
+
+
 def test_mmap_partial_unmaps():
     t = ProcessTable()
     size = 4 << 20                                     # p ~ 1

@@ -7,6 +7,7 @@ import subprocess
 
 import pytest
 
+from sampler.bpf.abi import Fn, Source
 from sampler.inprocess.preload import shim_path
 from sampler.probes import usdt
 
@@ -32,11 +33,11 @@ def test_unsupported_arguments_are_refused(text):
 
 def test_spec_layout_matches_the_bpf_struct():
     spec = usdt.pack_spec((usdt.parse_arg("8@%rdi"), usdt.parse_arg("-4@$3")), usdt_kind := 1)
-    assert len(spec) == usdt.SPEC.size == 3 * 16 + 8
+    assert len(spec) == usdt.SPEC.size == 3 * 16 + 16
     fields = usdt.SPEC.unpack(spec)
     assert fields[:5] == (0, usdt.PT_REGS["rdi"], usdt.ARG_REG, 8, 0)
     assert fields[5:10] == (3, 0, usdt.ARG_CONST, 4, 1)
-    assert fields[-2:] == (2, usdt_kind)
+    assert fields[-4:] == (2, usdt_kind, Fn.USDT_ALLOC, Source.MALLOC)     # what its records carry
 
 
 def _readelf_notes(path: str) -> list[tuple[str, str, int, str]]:
@@ -52,7 +53,7 @@ def _readelf_notes(path: str) -> list[tuple[str, str, int, str]]:
 def test_the_shim_carries_the_memory_contract():
     path = str(shim_path())
     probes = usdt.memory_probes(path)
-    assert {p.name for p in probes} == {"alloc", "free"}
+    assert {p.name for p in probes} == {"alloc", "free", "unfree"}
     want = {(prov, name, pc) for prov, name, pc, _ in _readelf_notes(path)}
     assert {(p.provider, p.name, p.pc) for p in probes} <= want
     alloc = next(p for p in probes if p.name == "alloc")

@@ -321,8 +321,9 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
 
 
 def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
-    """Per process: growth of sampled outstanding bytes over the window, malloc plus the mmap made
-    outside the allocator (glibc's own large-chunk mmaps are already counted under malloc); for a
+    """Per process: growth of sampled outstanding bytes over the window, malloc and Python objects
+    plus the mmap made outside the allocator (glibc's own large-chunk mmaps are already counted
+    under malloc, pymalloc's arenas are not sampled when its objects are); for a
     process in the always-on tier, the memory its sampled page faults brought in."""
     o = ds.outstanding
     if o.empty:
@@ -332,7 +333,7 @@ def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
     via_libc = o["stack_id"].isin(set(top)).to_numpy()
     src = o["source"].astype(str).to_numpy()
     out: dict[tuple[str, int], float] = {}
-    for use in ((src == "malloc") | ((src == "mmap") & ~via_libc), src == "fault"):
+    for use in ((src == "malloc") | (src == "python") | ((src == "mmap") & ~via_libc), src == "fault"):
         cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
         per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
         ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])

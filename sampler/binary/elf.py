@@ -43,8 +43,10 @@ STB_WEAK = 2
 SHN_UNDEF = 0
 SHN_LORESERVE = 0xFF00  # SHN_ABS, SHN_COMMON...: no section, not code
 VERSYM_HIDDEN = 0x8000  # a non-default (compat) symbol version
+R_X86_64_64 = 1
 R_X86_64_GLOB_DAT = 6
 R_X86_64_JUMP_SLOT = 7
+R_X86_64_RELATIVE = 8
 
 ENDBR64 = b"\xf3\x0f\x1e\xfa"
 BND = b"\xf2"  # MPX prefix, left in PLTs by old toolchains
@@ -422,6 +424,32 @@ def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
             name = dynsym.name(s)
             if name in names:
                 out.append((off, name))
+    return out
+
+
+def data_slot_values(elf: ElfReader, slots: set[int]) -> dict[int, int]:
+    """The link-time value that each of `slots` (vaddrs of pointers, e.g. GOT entries) gets from its
+    relocation, where the file alone says it: RELATIVE (the addend), or GLOB_DAT/64 to a data symbol
+    the file defines itself (its value plus the addend). Add the load bias, as to any vaddr."""
+    f = _File(elf)
+    want = np.array(sorted(slots), np.uint64)
+    out: dict[int, int] = {}
+    for sec in f.sections:
+        if sec.type != SHT_RELA:
+            continue
+        rela = f.array(sec, RELA_DTYPE)
+        hit = np.isin(rela["r_offset"], want)
+        if not hit.any():
+            continue
+        dynsym = f.symtab(sec.link) if sec.link < len(f.sections) and f.is_symtab(sec.link) else None
+        for off, info, addend in zip(rela["r_offset"][hit].tolist(), rela["r_info"][hit].tolist(),
+                                     rela["r_addend"][hit].tolist(), strict=True):
+            rtype, sym = info & 0xFFFFFFFF, info >> 32
+            if rtype == R_X86_64_RELATIVE:
+                out[off] = addend % (1 << 64)
+            elif rtype in (R_X86_64_GLOB_DAT, R_X86_64_64) and dynsym is not None and 0 < sym < len(dynsym.syms) \
+                    and dynsym.defined()[sym] and dynsym.syms["st_value"][sym]:
+                out[off] = (int(dynsym.syms["st_value"][sym]) + addend) % (1 << 64)
     return out
 
 

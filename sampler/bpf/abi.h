@@ -34,8 +34,12 @@
 
 enum ev_type { EV_ALLOC = 1, EV_FREE = 2, EV_VM = 3, EV_PROC = 4, EV_CUDA = 5 };
 /* SRC_CUDA/SRC_CUDA_DRIVER: a CUDA runtime/driver call (EV_CUDA, cuda.bpf.c); SRC_TORCH: a
- * sampled tensor of PyTorch's caching allocator (pytorch:malloc USDT, tagged address). */
-enum ev_source { SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3, SRC_CUDA = 4, SRC_CUDA_DRIVER = 5, SRC_TORCH = 6 };
+ * sampled tensor of PyTorch's caching allocator (pytorch:malloc USDT, tagged address);
+ * SRC_PYTHON: a sampled object of CPython's small-object allocator (allocsampler:pyalloc USDT of
+ * the injected sampler), which never reaches malloc. */
+enum ev_source {
+    SRC_MALLOC = 1, SRC_MMAP = 2, SRC_FAULT = 3, SRC_CUDA = 4, SRC_CUDA_DRIVER = 5, SRC_TORCH = 6, SRC_PYTHON = 7,
+};
 /* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
  * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
  * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
@@ -52,6 +56,9 @@ enum fn_id {
     FN_MEMALIGN, FN_VALLOC, FN_PVALLOC, FN_NEW, FN_FREE, FN_DELETE,
     FN_USDT_ALLOC, FN_USDT_FREE,    /* otel_memory:alloc / otel_memory:free (usdt.bpf.c) */
     FN_TORCH_ALLOC, FN_TORCH_FREE,  /* pytorch:malloc / pytorch:free (usdt.bpf.c) */
+    FN_PY_ALLOC,                    /* allocsampler:pyalloc (usdt.bpf.c) */
+    FN_USDT_UNFREE,                 /* allocsampler:unfree: the last otel_memory:free of this thread
+                                       is undone (a realloc that failed); an EV_FREE record */
 };
 /* Cookie flag: this function hands some calls to another probed function (glibc: realloc(NULL, n)
  * to malloc and realloc(p, 0) to free; memalign-family calls with alignment <= 16 to malloc).
@@ -80,8 +87,11 @@ enum counter {
 
 /* USDT argument specs (usdt.bpf.c; sampler/probes/usdt.py packs them), like libbpf's usdt.bpf.h. */
 enum usdt_arg_kind { USDT_CONST = 1, USDT_REG, USDT_DEREF };
-/* usdt_spec.kind: which probe a site is (otel_memory's, or pytorch's: sampler/gpu/cuda.py). */
-enum usdt_kind { USDT_ALLOC = 1, USDT_FREE = 2, USDT_TORCH_ALLOC = 3, USDT_TORCH_FREE = 4 };
+/* usdt_spec.kind: which probe a site is (otel_memory's, ours: sampler/probes/usdt.py; pytorch's:
+ * sampler/gpu/cuda.py). */
+enum usdt_kind {
+    USDT_ALLOC = 1, USDT_FREE = 2, USDT_TORCH_ALLOC = 3, USDT_TORCH_FREE = 4, USDT_PY_ALLOC = 5, USDT_UNFREE = 6,
+};
 /* Tensor addresses of the caching allocator share `live` with malloc blocks under this tag. */
 #define TORCH_TAG (1ULL << 63)
 #define USDT_SPECS 1024
@@ -163,4 +173,6 @@ struct usdt_spec {
     struct usdt_arg arg[USDT_MAX_ARGS];
     u32 nargs;
     u32 kind;       /* usdt_kind */
+    u32 fn;         /* fn_id its records carry */
+    u32 source;     /* ev_source of its allocations (read, not branched on: one verifier state) */
 };

@@ -46,6 +46,7 @@ class Source(enum.IntEnum):
     CUDA = 4            # EV_CUDA records: the layer (runtime)
     CUDA_DRIVER = 5     # (driver)
     TORCH = 6           # sampled tensors of PyTorch's caching allocator (tagged addresses)
+    PYTHON = 7          # sampled objects of CPython's small-object allocator (the injected sampler)
 
 
 class EvFlag(enum.IntFlag):
@@ -81,6 +82,8 @@ class Fn(enum.IntEnum):
     USDT_FREE = 14
     TORCH_ALLOC = 15
     TORCH_FREE = 16
+    PY_ALLOC = 17
+    USDT_UNFREE = 18    # an EV_FREE record that undoes the thread's last otel_memory:free
 
     @property
     def frees(self) -> bool:
@@ -130,6 +133,8 @@ class UsdtKind(enum.IntEnum):
     FREE = 2
     TORCH_ALLOC = 3
     TORCH_FREE = 4
+    PY_ALLOC = 5
+    UNFREE = 6
 
 
 class CudaConv(enum.IntEnum):
@@ -211,5 +216,6 @@ PY_LAYOUT = Layout("py_layout", [
 USDT_ARG = Layout("usdt_arg", [
     ("val", "q"), ("reg_off", "H"), ("kind", "B"), ("size", "B"), ("is_signed", "B"), ("pad", ("B", 3)),
 ])
-USDT_SPEC = Layout("usdt_spec", [("arg", (USDT_ARG, USDT_MAX_ARGS)), ("nargs", "I"), ("kind", "I")])
+USDT_SPEC = Layout("usdt_spec", [("arg", (USDT_ARG, USDT_MAX_ARGS)), ("nargs", "I"), ("kind", "I"), ("fn", "I"),
+                                  ("source", "I")])
 LAYOUTS = [EV_HDR, EV_STACK, TARGET, PY_LAYOUT, USDT_ARG, USDT_SPEC]

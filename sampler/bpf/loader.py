@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import objcache, uprobe_multi
-from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag, UsdtKind
+from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
 from sampler.errors import EnvironmentProblem
@@ -310,7 +310,7 @@ class BpfProbes:
 
     def _usdt_spec(self, probe, args=None, kind: int | None = None) -> int:
         """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
-        kind = kind or (UsdtKind.ALLOC if probe.name == "alloc" else UsdtKind.FREE)
+        kind = kind or usdt.memory_kind(probe)
         value = usdt.pack_spec(probe.args if args is None else args, kind)
         idx = self._usdt_ids.get(value)
         if idx is None:

@@ -11,7 +11,13 @@
  * device). Tensors are frequent: they are sampled here like malloc blocks, and tracked in `live`
  * under TORCH_TAG.
  *
- * One program for every probe site of both, attached with uprobe_multi (one stack capture
+ * Injected sampler (sampler/inprocess/inject.c): the same otel_memory probes, plus
+ * allocsampler:pyalloc(ptr, size, weighted_bytes) for CPython's small objects (SRC_PYTHON), and
+ * allocsampler:unfree(ptr), which undoes the thread's last otel_memory:free of ptr: a sampled block
+ * handed to realloc is reported freed before the call (afterwards the address may already be
+ * another thread's), and a realloc that fails gives it back.
+ *
+ * One program for every probe site of all of these, attached with uprobe_multi (one stack capture
  * compiled, not two); the cookie indexes `usdt_specs`, which says where each argument lives at
  * that site (sampler/probes/usdt.py pack_spec), like libbpf's usdt.bpf.h, and which probe it is (kind).
  */
@@ -20,6 +26,13 @@
 
 
 BPF_ARRAY(usdt_specs, struct usdt_spec, USDT_SPECS);
+
+/* Per thread: the last sampled block an otel_memory:free removed from `live`, for its unfree. */
+struct usdt_undo {
+    u64 addr;
+    u64 born;
+};
+BPF_TABLE("lru_hash", u64, struct usdt_undo, usdt_undo, 4096);
 
 static __always_inline u64 usdt_arg(const u64 *regs, const struct usdt_arg *a)
 {
@@ -54,17 +67,35 @@ int usdt_memory(struct pt_regs *ctx)
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
     u32 kind = spec->kind;
+    u32 fn = spec->fn & 31;
     bool torch = kind == USDT_TORCH_ALLOC || kind == USDT_TORCH_FREE;
     u64 ptr = usdt_arg(regs, &spec->arg[0]);
+    count(C_HITS + fn, 1);
     if (kind == USDT_FREE || kind == USDT_TORCH_FREE) {
-        u32 fn = torch ? FN_TORCH_FREE : FN_USDT_FREE;
-        count(C_HITS + fn, 1);
-        if (ptr)
-            emit_free(pid, tid, fn, torch ? ptr | TORCH_TAG : ptr);
+        if (!ptr)
+            return 0;
+        if (!torch) {               /* sampled frees only: remember it for an unfree */
+            struct live_key k = {.pid = pid, .addr = ptr};
+            u64 *bp = live.lookup(&k);
+            if (bp) {
+                struct usdt_undo u = {.addr = ptr, .born = *bp};
+                usdt_undo.update(&id, &u);
+            }
+        }
+        emit_free(pid, tid, fn, torch ? ptr | TORCH_TAG : ptr);
         return 0;
     }
-    u32 fn = torch ? FN_TORCH_ALLOC : FN_USDT_ALLOC;
-    count(C_HITS + fn, 1);
+    if (kind == USDT_UNFREE) {
+        struct usdt_undo *u = usdt_undo.lookup(&id);
+        if (!u || u->addr != ptr || !ptr)
+            return 0;
+        u64 born = u->born;
+        usdt_undo.delete(&id);
+        struct live_key k = {.pid = pid, .addr = ptr};
+        if (live.insert(&k, &born) == 0)
+            submit_free(pid, tid, fn, ptr, born);
+        return 0;
+    }
     u64 size = usdt_arg(regs, &spec->arg[1]);
     if (!ptr || !size)
         return 0;
@@ -75,7 +106,7 @@ int usdt_memory(struct pt_regs *ctx)
         if (!weight)
             return 0;
     }
-    /* otel_memory: weighted_bytes; pytorch: the device (read only for sampled tensors) */
+    /* otel_memory, pyalloc: weighted_bytes; pytorch: the device (read only for sampled tensors) */
     u64 arg2 = usdt_arg(regs, &spec->arg[2]);
     if (!torch) {                   /* sampled by the process */
         weight = arg2 < size ? size : arg2;     /* a probability above 1 is an emitter's bug */
@@ -84,8 +115,7 @@ int usdt_memory(struct pt_regs *ctx)
     struct alloc_rec r = {.addr = torch ? ptr | TORCH_TAG : ptr, .size = size, .weight = weight,
                           .old = torch ? arg2 : 0,                   /* the device (h->arg) */
                           .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
-                          .fn = fn, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE,
-                          .source = torch ? SRC_TORCH : SRC_MALLOC};
+                          .fn = fn, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE, .source = spec->source};
     emit_alloc(pid, tid, &r);
     return 0;
 }

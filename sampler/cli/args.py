@@ -6,11 +6,11 @@ import argparse
 import datetime as dt
 import sys
 
-from sampler.dataset.sources import GPU_SOURCES, MALLOC, MMAP
+from sampler.dataset.sources import GPU_SOURCES, MALLOC, MMAP, PYTHON
 from sampler.errors import EXIT_USAGE, UsageError
 from sampler.units import parse_size
 
-SOURCES = (MALLOC, MMAP, *GPU_SOURCES)     # --source choices
+SOURCES = (MALLOC, PYTHON, MMAP, *GPU_SOURCES)     # --source choices
 
 
 class Parser(argparse.ArgumentParser):

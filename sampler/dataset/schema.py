@@ -40,7 +40,9 @@ SCHEMA_VERSION = 4
 #   (every CUDA call, exact) and `torch` (sampled tensors); tables `gpu_events` and `gpu`;
 #   processes.gpu_*; recordings.gpu_status; recorder.cuda_calls.
 #   Later, compatible: per-process sampling means (processes.sample_mean_bytes; targets event
-#   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed).
+#   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed); the
+#   inject tier (processes.tier `inject`, targets event `inject`) with `outstanding.source`
+#   `python` (CPython's small objects) and processes.python_outstanding_bytes/_stderr_bytes.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -102,7 +104,10 @@ OUTSTANDING = Table(
         Column("pid", pa.int32(), "Process id (host pid namespace)."),
         Column("comm", STR, "Process name at snapshot time."),
         Column("source", STR, "`malloc` (malloc family and C++ operators of the probed allocator, or "
-                              "the process's own `otel_memory` USDT samples in the preload tier), "
+                              "the in-process sampler's `otel_memory` USDT samples in the inject and "
+                              "preload tiers), `python` (inject tier: CPython objects of up to 512 bytes, "
+                              "sampled in its object allocator since they never reach malloc; pymalloc's "
+                              "arenas are then not counted again as `mmap`), "
                               "`mmap` (anonymous private mmap/mremap) or `fault` (always-on tier: "
                               "memory brought in by sampled page faults and not yet unmapped or "
                               "madvised away; each sample stands for `fault_period` pages). GPU: "
@@ -211,6 +216,9 @@ PROCESSES = Table(
         Column("malloc_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("mmap_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source mmap."),
         Column("mmap_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
+        Column("python_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source python (inject "
+                                                         "tier; 0 elsewhere)."),
+        Column("python_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("lost_events", pa.int64(), "Events lost so far because the ring buffer was full (cumulative)."),
         Column("dropped_samples", pa.int64(), "Sampled allocations not tracked because the live table "
                                               "was full (cumulative): estimates are low by about this "
@@ -226,9 +234,10 @@ PROCESSES = Table(
                                                 "than the cap and lowered by a pre-OOM capture. Weights "
                                                 "carry the mean they were drawn with, so estimates stay "
                                                 "unbiased across changes."),
-        Column("tier", STR, "How the process is recorded now: `attach` (uprobes on its allocator), "
-                            "`preload` (its own otel_memory USDT samples), `rss` (always-on: sampled "
-                            "page faults) or `syscalls` (mmap/brk only)."),
+        Column("tier", STR, "How the process is recorded now: `inject` (a sampler placed into the "
+                            "running process: its allocator calls sampled there), `attach` (uprobes "
+                            "on its allocator), `preload` (its own otel_memory USDT samples), `rss` "
+                            "(always-on: sampled page faults) or `syscalls` (mmap/brk only)."),
         Column("alloc_coverage", pa.float64(), "Attach tier: fraction of the interval with allocation "
                                                "probes attached (below 1 when the governor duty-cycles "
                                                "them; malloc weights are divided by the duty, so "
@@ -291,6 +300,8 @@ TARGETS = Table(
         Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `tier` (the process "
                              "changed tier; detail says why), `governor` (duty-cycle changes), "
                              "`sampling` (its sampling mean changed: detail gives the mean and why), "
+                             "`inject` (the injected sampler redirected objects loaded later, or CPython's "
+                             "allocator, or says why not), "
                              "`select` (daemon: the target rule that selected the process and its "
                              "tier) or `pre_oom` (daemon: the process neared its cgroup memory limit; "
                              "detail raised for a window, snapshot taken)."),
@@ -458,7 +469,8 @@ FINDINGS = Table(
         Column("severity", pa.float64(), "Ranking, 0..100 (higher is worse)."),
         Column("confidence", pa.float64(), "0..1: how sure the statistics are that the pattern is real."),
         Column("summary", pa.string(), "One sentence for humans (also logged)."),
-        Column("source", STR, "Allocation source of a stack finding (`malloc`, `mmap`, `fault`), else null."),
+        Column("source", STR, "Allocation source of a stack finding (`malloc`, `python`, `mmap`, `fault`, ...), "
+                              "else null."),
         Column("stack_id", pa.int64(), "Stack of a stack finding (join with `stacks`/`frames`), else null."),
         Column("new", pa.bool_(), "First time this daemon run reported this finding (kind, process, "
                                   "source and stack); it was logged."),

@@ -107,11 +107,23 @@ static COLD void report_alloc(void *p, size_t size, uint64_t mean)
     }
 }
 
-static COLD void forget_sampled(uintptr_t a)
+/* Returns whether `a` was sampled (its free is reported). */
+static COLD int forget_sampled(uintptr_t a)
 {
-    if (smp_forget(&inj.proc, table(), a)) {
+    if (!smp_forget(&inj.proc, table(), a))
+        return 0;
+    uint64_t ptr = a;
+    STAP_PROBE1(otel_memory, free, ptr);
+    return 1;
+}
+
+/* A block reported freed is still allocated (its realloc failed): back into the set, and the
+ * recorder undoes the free. */
+static COLD void unforget(uintptr_t a)
+{
+    if (smp_unforget(&inj.proc, table(), a)) {
         uint64_t ptr = a;
-        STAP_PROBE1(otel_memory, free, ptr);
+        STAP_PROBE1(allocsampler, unfree, ptr);
     }
 }
 
@@ -174,23 +186,27 @@ API void *as_calloc(size_t n, size_t m)
     return calloc_slow(t, s, n, m);
 }
 
-/* realloc(NULL, n) is a malloc. A sampled block handed to realloc is reported freed when the real
- * realloc succeeded (or freed it: size 0), before the new block is reported: a failed realloc
- * leaves it allocated, as the uprobe tier sees it. (Another thread may get the old address first;
- * should that block be sampled in those nanoseconds, its sample is taken for the old one's.) */
+/* realloc(NULL, n) is a malloc. A sampled block handed to realloc is reported freed before the real
+ * realloc, while the address is still the caller's: afterwards another thread may already have it
+ * back from malloc, sampled, and forgetting it then would take that sample's entry. A realloc that
+ * fails (out of memory; size 0 frees) leaves the block allocated: it goes back into the set and
+ * allocsampler:unfree tells the recorder to undo the free. */
 static COLD void *realloc_slow(struct smp_thread *t, void *p, size_t n)
 {
     uintptr_t a = (uintptr_t)p;
     if (a == 0)
         return do_malloc(n);
-    int sampled = smp_maybe_sampled(table(), a);
-    int count = SMP_LIKELY(n < t->remaining);
-    if (count)
+    int was = smp_maybe_sampled(table(), a) && forget_sampled(a);
+    void *q;
+    if (SMP_LIKELY(n < t->remaining)) {
         t->remaining -= n;
-    void *q = REAL(realloc, REALLOC)(p, n);
-    if (sampled && (q != 0 || n == 0))
-        forget_sampled(a);
-    return count ? q : sampled_ptr(t, q, n);
+        q = REAL(realloc, REALLOC)(p, n);
+    } else {
+        q = sampled_ptr(t, REAL(realloc, REALLOC)(p, n), n);
+    }
+    if (SMP_UNLIKELY(was && q == 0 && n != 0))
+        unforget(a);
+    return q;
 }
 
 API void *as_realloc(void *p, size_t n)
@@ -243,12 +259,18 @@ API void as_free(void *p)
 /* allocator (malloc, sampled there), so they only pass through. A free is a free whatever the   */
 /* domain: otel_memory:free.                                                                     */
 
+/* These functions lie in their own section (.inj_py, inject.ld) and never tail-call: pymalloc's
+ * arena mmaps happen under one of their frames, which tells the recorder that such a mapping
+ * holds objects already sampled here (not counted again as mmap). */
+#define PYFN __attribute__((section(".inj_py_text")))
+#define NO_TAIL(x) ({ __typeof__(x) r_ = (x); __asm__ volatile("" : "+r"(r_)); r_; })
+
 typedef void *py_malloc_fn(void *, size_t);
 typedef void *py_calloc_fn(void *, size_t, size_t);
 typedef void *py_realloc_fn(void *, void *, size_t);
 typedef void py_free_fn(void *, void *);
 
-static COLD void *py_sampled(struct smp_thread *t, void *p, size_t bytes)
+static COLD PYFN void *py_sampled(struct smp_thread *t, void *p, size_t bytes)
 {
     uint64_t mean = decide(t, bytes);
     uintptr_t a = (uintptr_t)p;
@@ -262,43 +284,62 @@ static COLD void *py_sampled(struct smp_thread *t, void *p, size_t bytes)
     return p;
 }
 
+/* Sizes 1..INJ_PY_SMALL are pymalloc's; 0 and larger ones pass through to malloc (sampled there). */
 #define PY_SAMPLE(bytes, call)                                                                     \
     do {                                                                                           \
         struct smp_thread *t_ = slot();                                                            \
-        if (SMP_LIKELY((bytes) < t_->remaining) || (bytes) > INJ_PY_SMALL) {                       \
-            if ((bytes) <= INJ_PY_SMALL)                                                           \
-                t_->remaining -= (bytes);                                                          \
-            return call;                                                                           \
+        size_t b_ = (bytes);                                                                       \
+        if (SMP_LIKELY(b_ < t_->remaining) || b_ - 1 >= INJ_PY_SMALL) {                            \
+            if (b_ - 1 < INJ_PY_SMALL)                                                             \
+                t_->remaining -= b_;                                                               \
+            return NO_TAIL(call);                                                                  \
         }                                                                                          \
-        return py_sampled(t_, call, bytes);                                                        \
+        return py_sampled(t_, call, b_);                                                           \
     } while (0)
 
+/* A sampled object handed to realloc: as realloc_slow (reported freed first, undone on failure). */
+static COLD PYFN void *py_realloc_sampled(struct inj_py_allocator *a, void *p, size_t n)
+{
+    int was = forget_sampled((uintptr_t)p);
+    struct smp_thread *t = slot();
+    void *q = ((py_realloc_fn *)SMP_LOAD(&a->realloc))((void *)a->ctx, p, n);
+    if (n - 1 < INJ_PY_SMALL) {
+        if (SMP_LIKELY(n < t->remaining))
+            t->remaining -= n;
+        else
+            py_sampled(t, q, n);
+    }
+    if (SMP_UNLIKELY(was && q == 0))
+        unforget((uintptr_t)p);
+    return q;
+}
+
 #define PY_DOMAIN(dom, D)                                                                          \
-    API void *as_py_##dom##_malloc(void *ctx, size_t n)                                            \
+    API PYFN void *as_py_##dom##_malloc(void *ctx, size_t n)                                            \
     {                                                                                              \
         (void)ctx;                                                                                 \
         struct inj_py_allocator *a = &inj.py[D];                                                   \
         PY_SAMPLE(n, ((py_malloc_fn *)SMP_LOAD(&a->malloc))((void *)a->ctx, n));                   \
     }                                                                                              \
-    API void *as_py_##dom##_calloc(void *ctx, size_t n, size_t m)                                  \
+    API PYFN void *as_py_##dom##_calloc(void *ctx, size_t n, size_t m)                                  \
     {                                                                                              \
         (void)ctx;                                                                                 \
         struct inj_py_allocator *a = &inj.py[D];                                                   \
         size_t s;                                                                                  \
         if (SMP_UNLIKELY(__builtin_mul_overflow(n, m, &s)))                                        \
-            return ((py_calloc_fn *)SMP_LOAD(&a->calloc))((void *)a->ctx, n, m);                   \
+            return NO_TAIL(((py_calloc_fn *)SMP_LOAD(&a->calloc))((void *)a->ctx, n, m));          \
         PY_SAMPLE(s, ((py_calloc_fn *)SMP_LOAD(&a->calloc))((void *)a->ctx, n, m));                \
     }                                                                                              \
-    API void *as_py_##dom##_realloc(void *ctx, void *p, size_t n)                                  \
+    API PYFN void *as_py_##dom##_realloc(void *ctx, void *p, size_t n)                                  \
     {                                                                                              \
         (void)ctx;                                                                                 \
-        struct inj_py_allocator *a = &inj.py[D];                                                   \
         uintptr_t addr = (uintptr_t)p;                                                             \
-        if (addr != 0 && smp_maybe_sampled(table(), addr))                                         \
-            forget_sampled(addr);                                                                  \
+        if (SMP_UNLIKELY(addr != 0 && smp_maybe_sampled(table(), addr)))                           \
+            return py_realloc_sampled(&inj.py[D], p, n);                                           \
+        struct inj_py_allocator *a = &inj.py[D];                                                   \
         PY_SAMPLE(n, ((py_realloc_fn *)SMP_LOAD(&a->realloc))((void *)a->ctx, p, n));              \
     }                                                                                              \
-    API void as_py_##dom##_free(void *ctx, void *p)                                                \
+    API PYFN void as_py_##dom##_free(void *ctx, void *p)                                                \
     {                                                                                              \
         (void)ctx;                                                                                 \
         struct inj_py_allocator *a = &inj.py[D];                                                   \

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import struct
 import subprocess
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.bpf.abi import Layout
 from sampler.errors import EnvironmentProblem
 from sampler.inprocess import build as builder
+from sampler.inprocess import pydomains
 from sampler.probes.allocators import FAMILIES
 from sampler.proc.maps import Mapping, open_path, read_maps
 
@@ -98,6 +100,7 @@ class CodeLayout:
     data: int                       # `inj`, relative to the base
     table: int                      # `inj_table`
     entries: dict[str, int]         # as_* functions
+    py_code: tuple[int, int]        # [start, end) of CPython's wrappers (.inj_py), relative to the base
 
     @classmethod
     def of(cls, path: Path) -> CodeLayout:
@@ -113,10 +116,14 @@ class CodeLayout:
         data, table = img.symbol("inj"), img.symbol("inj_table")
         if data is None or table is None or path.stat().st_size > INJ_DATA_OFFSET:
             raise EnvironmentProblem(f"{path} is not a sampler this recorder knows: rebuild it")
+        py = elf.section(".inj_py")
+        if py is None:
+            raise EnvironmentProblem(f"{path} lacks .inj_py: rebuild it (python -m sampler.inprocess.build)")
         if any(s.type == SHT_RELA and s.file_size for s in elf.sections):
             raise EnvironmentProblem(f"{path} has relocations, which nothing would apply in the target: "
                                      "rebuild it (python -m sampler.inprocess.build)")
-        return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries)
+        return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries,
+                   (py.addr, py.addr + py.size))
 
 
 @dataclass
@@ -144,6 +151,10 @@ class Injection:
     biases: dict[tuple, int | None] = field(default_factory=dict)
     symbol_plan: list[tuple[int, str, int, str, int]] | None = None
     skipped: list[str] = field(default_factory=list)   # why some slots were left alone
+    py_fields: dict[int, Slot] = field(default_factory=dict)  # CPython allocator-domain fields we changed
+    python: tuple | str | None = None   # the process's CPython (_find_python), "" when none, None: not looked
+    news: list[str] = field(default_factory=list)      # what the recorder should say (drained by it)
+    said: set[str] = field(default_factory=set)
 
     @property
     def allocator(self) -> str:
@@ -159,6 +170,12 @@ class Injection:
     def owns(self, addr: int) -> bool:
         """`addr` lies in the sampler's own mappings (code and data)."""
         return self.base <= addr < self.base + self.layout.total_span
+
+    def under_python_wrapper(self, pcs) -> bool:
+        """A stack (return addresses) passes through CPython's wrappers: a mapping made there is
+        pymalloc's arena, which holds objects sampled as such."""
+        lo, hi = self.base + self.layout.py_code[0], self.base + self.layout.py_code[1]
+        return any(lo <= pc <= hi for pc in pcs)
 
     def wrapper(self, name: str) -> int:
         return self.base + self.layout.entries[name]
@@ -193,7 +210,78 @@ class Injection:
                 if None not in done:
                     self.seen.add(obj)
                 changed += sum(d for d in done if d)
+            changed += self._redirect_python(mem, maps)
         return changed
+
+    def _redirect_python(self, mem: _Memory, maps: list[Mapping]) -> int:
+        """CPython's object and mem domains (pymalloc) go through the sampler's as_py_* functions:
+        their small objects never reach malloc. Each field is written only while it holds what was
+        read (an 8-byte write each: free first, malloc last, so that nothing is sampled before its
+        free is seen); a domain that is hooked (tracemalloc, PYTHONMALLOC=debug, an embedder's
+        allocator) or backed by malloc (PYTHONMALLOC=malloc: sampled there) is left alone. Looked
+        at on every rescan: an interpreter that was starting sets its allocators once more."""
+        if self.python is None:
+            self.python = self._find_python(maps) or ""
+        if not self.python:
+            return 0
+        path, bias, doms, own = self.python
+        raw = _fields(mem, bias + doms.raw)
+        changed, done = 0, []
+        for i, name in enumerate(PY_DOMAINS):
+            addr = bias + doms.get(name)
+            cur = _fields(mem, addr)
+            ours = [self.wrapper(f"py_{name}_{f}") for f in pydomains.FIELDS[1:]]
+            keep = self.base + self.layout.data + INJ_DATA.offsets["py"] + i * INJ_PY_ALLOCATOR.struct.size
+            if any(v in ours for v in cur[1:]):
+                if cur[1:] == ours and addr + 8 not in self.py_fields:     # an earlier recorder's
+                    saved = _fields(mem, keep)
+                    if saved[0] == cur[0] and all(_within(own, v) for v in saved[1:]):
+                        for j, f in enumerate(pydomains.FIELDS[1:], 1):
+                            self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", saved[j], path)
+                        done.append(name)
+                continue
+            for j in range(1, 5):                       # Python set this domain since: none of it is ours
+                self.py_fields.pop(addr + 8 * j, None)
+            if cur[0] != 0:
+                self._say(f"CPython's {name} allocator is hooked (tracemalloc, PYTHONMALLOC=debug or an "
+                          "embedder's): its objects are sampled only when they reach malloc")
+                continue
+            if cur[1] == raw[1] or not all(_within(own, v) for v in cur[1:]):
+                continue                                # malloc-backed (sampled there), or not CPython's own
+            mem.write(keep, struct.pack("<5Q", *cur))
+            for j in (4, 3, 2, 1):                      # free, realloc, calloc, malloc
+                f = pydomains.FIELDS[j]
+                if mem.u64(addr + 8 * j) != cur[j]:
+                    break                               # changed under us: the rest stays as it is
+                mem.write_u64(addr + 8 * j, self.wrapper(f"py_{name}_{f}"))
+                self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", cur[j], path)
+                changed += 1
+            done.append(name)
+        if done:
+            self._say(f"CPython objects sampled in the {' and '.join(done)} domain{'s' * (len(done) > 1)} ({path})")
+        return changed
+
+    def _find_python(self, maps: list[Mapping]) -> tuple | None:
+        """(path, bias, domains, its code ranges) of the process's CPython, None without one (or one
+        whose objects are not pymalloc's: the reason is said)."""
+        for obj, bias, m in _objects(self.pid, maps, self.biases):
+            if not _may_be_python(m.path):
+                continue
+            doms = pydomains.locate(open_path(self.pid, m))
+            if doms is None:
+                continue
+            why = _pymalloc_setting(self.pid)
+            if why:
+                self._say(f"CPython objects are not sampled apart from malloc ({why})")
+                return None
+            own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj and x.executable]
+            return m.path, bias, doms, own
+        return None
+
+    def _say(self, line: str) -> None:
+        if line not in self.said:
+            self.said.add(line)
+            self.news.append(line)
 
     def _redirect_one(self, mem: _Memory, addr: int, name: str, path: str,
                       own: list[tuple[int, int]]) -> int | None:
@@ -266,6 +354,12 @@ class Injection:
         except OSError:
             return 0                                # the process is gone: nothing to restore
         with mem:
+            order = {"malloc": 0, "calloc": 1, "realloc": 2, "free": 3}   # free last: see _redirect_python
+            for s in sorted(self.py_fields.values(), key=lambda x: order[x.name.rsplit("_", 1)[1]]):
+                with contextlib.suppress(OSError):
+                    if mem.u64(s.addr) == self.wrapper(s.name):
+                        mem.write_u64(s.addr, s.original)
+                        restored += 1
             for s in self.symbols.values():
                 with contextlib.suppress(OSError):
                     mem.write_u64(s.addr, s.original)
@@ -278,6 +372,8 @@ class Injection:
                         restored += 1
         self.slots.clear()
         self.symbols.clear()
+        self.py_fields.clear()
+        self.python = None
         self.seen.clear()
         return restored
 
@@ -294,6 +390,14 @@ class Injection:
                 with contextlib.suppress(OSError):
                     if addr not in self.slots and name in self.originals and wrappers.get(mem.u64(addr)) == name:
                         self.slots[addr] = Slot(addr, name, self.originals[name], m.path)
+
+    def set_mean(self, mean: int) -> None:
+        """The sampling mean from now on (the recorder's sample-rate control, pre-OOM capture); the
+        sampler's own cap may raise it again. Gaps drawn before keep their mean and their weights."""
+        proc = self.base + self.layout.data + INJ_DATA.offsets["proc"]
+        with _Memory(self.pid) as mem:
+            mem.write_u64(proc + SMP_PROCESS.offsets["base_mean"], mean)
+            mem.write_u64(proc + SMP_PROCESS.offsets["cur_mean"], mean)
 
     def counters(self) -> dict[str, int]:
         """The sampler's own counts (smp_process), read from the process."""
@@ -397,7 +501,8 @@ def _originals(pid: int, maps: list[Mapping]) -> dict[str, int]:
                     continue
                 with contextlib.suppress(OSError):
                     v = mem.u64(bias + off)
-                    if not any(lo <= v < hi for lo, hi in own) and _in_code(maps, v) and not _ours(maps, v):
+                    if not any(lo <= v < hi for lo, hi in own) and _in_code(maps, v) and not _ours(maps, v) \
+                            and _defines(pid, maps, v, name):
                         resolved[name] = v
     owners = []
     if "malloc" in resolved:
@@ -414,6 +519,24 @@ def _originals(pid: int, maps: list[Mapping]) -> dict[str, int]:
                     resolved[name] = bias + v
                     break
     return resolved
+
+
+def _defines(pid: int, maps: list[Mapping], addr: int, name: str) -> bool:
+    """`addr` is the definition of `name` that its object exports. A slot can hold something else
+    that is not ours either: a non-PIE executable that takes a function's address makes its PLT
+    stub the function's canonical address, and every GLOB_DAT slot binds to that stub, which jumps
+    through the executable's own slot: forwarding there from a redirected slot would loop."""
+    m = next((x for x in maps if x.start <= addr < x.end and x.file_backed), None)
+    ident = (m.dev, m.inode, m.path) if m is not None else None
+    head = next((x for x in maps if x.offset == 0 and (x.dev, x.inode, x.path) == ident and x.start <= addr), None)
+    bias = _bias(pid, head) if head is not None else None
+    if bias is None:
+        return False
+    try:
+        v = exported_function(ElfReader.open(open_path(pid, head)), name)
+    except (OSError, ElfFormatError):
+        return False
+    return v is not None and bias + v == addr
 
 
 def _vdso_clock(pid: int, maps: list[Mapping]) -> int | None:
@@ -492,6 +615,41 @@ def _bias(pid: int, m: Mapping) -> int | None:
     except (OSError, ElfFormatError):
         return None
     return m.start - (min(s.vaddr for s in loads) & ~0xFFF) if loads else None
+
+
+def _fields(mem: _Memory, addr: int) -> list[int]:
+    """A PyMemAllocatorEx: ctx, malloc, calloc, realloc, free."""
+    return list(struct.unpack("<5Q", mem.read(addr, 40)))
+
+
+def _may_be_python(path: str) -> bool:
+    """An executable or library that can hold CPython (cheap name test before reading the file);
+    free-threaded builds (python3.13t) are left out: their objects come from mimalloc."""
+    base = os.path.basename(path)
+    return "python" in base and not _FREE_THREADED.search(base)
+
+
+_FREE_THREADED = re.compile(r"python3\.\d+t\b")
+ENVIRON_MAX = 1 << 20
+
+
+def _pymalloc_setting(pid: int) -> str | None:
+    """Why CPython's default allocator is not in use, from PYTHONMALLOC in the process's initial
+    environment (read bounded); None when it is."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read(ENVIRON_MAX)
+    except OSError:
+        return None
+    for item in env.split(b"\0"):
+        if item.startswith(b"PYTHONMALLOC="):
+            value = item[len(b"PYTHONMALLOC="):].decode(errors="replace")[:40]
+            return None if value in ("", "pymalloc") else f"PYTHONMALLOC={value}"
+    return None
+
+
+def _within(ranges: list[tuple[int, int]], addr: int) -> bool:
+    return any(lo <= addr < hi for lo, hi in ranges)
 
 
 def _in_code(maps: list[Mapping], addr: int) -> bool:

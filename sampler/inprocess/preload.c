@@ -11,8 +11,10 @@
  *       after the allocator returned a sampled block; size is the requested size, weighted_bytes
  *       the bytes the sample stands for (size / p, rounded).
  *   otel_memory:free(u64 ptr)
- *       before a sampled block is freed; for realloc, after the real realloc succeeded and before
- *       the new block's alloc (a failed realloc leaves the block allocated).
+ *       before a sampled block is freed or handed to realloc.
+ *   allocsampler:unfree(u64 ptr)
+ *       after a realloc of a sampled block failed: the free reported before it is undone (the
+ *       block is still allocated). Our extension of the contract.
  *
  * Environment (read once, at start-up):
  *   ALLOCSAMPLER_SAMPLE_MEAN  mean bytes between samples T, decimal; default 524288; 0, an invalid
@@ -384,13 +386,15 @@ static COLD void report_alloc(void *p, size_t size, uint64_t mean)
     errno = saved;
 }
 
-/* Removes a sampled address from the set and reports its free (before the real free/realloc). */
-static COLD void forget_sampled(struct smp_bucket *tab, uintptr_t a)
+/* Removes a sampled address from the set and reports its free (before the real free/realloc);
+ * returns whether it was there. */
+static COLD int forget_sampled(struct smp_bucket *tab, uintptr_t a)
 {
-    if (smp_forget(&g, tab, a)) {
-        uint64_t ptr = a;
-        STAP_PROBE1(otel_memory, free, ptr);
-    }
+    if (!smp_forget(&g, tab, a))
+        return 0;
+    uint64_t ptr = a;
+    STAP_PROBE1(otel_memory, free, ptr);
+    return 1;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -462,17 +466,24 @@ API void *calloc(size_t n, size_t m)
     return calloc_slow(n, m, s);
 }
 
-/* A sampled block handed to realloc is reported freed when the real realloc succeeded (or freed
- * it: size 0), before the new block is reported: a failed realloc leaves it allocated. */
+/* A sampled block handed to realloc is reported freed before the real realloc, while the address
+ * is still the caller's (inject.c's realloc_slow says why); a realloc that fails gives it back:
+ * allocsampler:unfree(ptr) undoes that free. */
 static COLD void *realloc_sampled(struct smp_bucket *tab, void *p, size_t n)
 {
-    int count = SMP_LIKELY(n < t.remaining);
-    if (count)
+    int was = forget_sampled(tab, (uintptr_t)p);
+    void *q;
+    if (SMP_LIKELY(n < t.remaining)) {
         t.remaining -= n;
-    void *q = REAL(realloc)(p, n);
-    if (q != NULL || n == 0)
-        forget_sampled(tab, (uintptr_t)p);
-    return count ? q : sampled_ptr(q, n);
+        q = REAL(realloc)(p, n);
+    } else {
+        q = sampled_ptr(REAL(realloc)(p, n), n);
+    }
+    if (SMP_UNLIKELY(was && q == NULL && n != 0) && smp_unforget(&g, tab, (uintptr_t)p)) {
+        uint64_t ptr = (uintptr_t)p;
+        STAP_PROBE1(allocsampler, unfree, ptr);
+    }
+    return q;
 }
 
 static COLD void *realloc_slow(void *p, size_t n)

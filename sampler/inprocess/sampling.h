@@ -389,4 +389,14 @@ static int smp_forget(struct smp_process *p, struct smp_bucket *t, uintptr_t a)
     return 1;
 }
 
+/* Puts back an address smp_forget removed: the block is still allocated (its realloc failed).
+ * Returns whether it fit (if not, the block is simply no longer sampled). */
+static int smp_unforget(struct smp_process *p, struct smp_bucket *t, uintptr_t a)
+{
+    if (!smp_table_insert(t, a))
+        return 0;
+    __atomic_fetch_sub(&p->freed, 1, __ATOMIC_RELAXED);
+    return 1;
+}
+
 #endif

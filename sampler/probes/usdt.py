@@ -19,9 +19,18 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment
-from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, UsdtArgKind
+from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
 
 PROVIDER = "otel_memory"
+# The probes recorded as allocations: (provider, name) -> (argument count, what it reports). The
+# otel_memory pair is the contract; allocsampler's are the injected sampler's (inject.c) and the
+# shim's extensions: CPython's small objects, and the undo of a free (a realloc that failed).
+MEMORY_PROBES = {
+    (PROVIDER, "alloc"): (3, UsdtKind.ALLOC),
+    (PROVIDER, "free"): (1, UsdtKind.FREE),
+    ("allocsampler", "pyalloc"): (3, UsdtKind.PY_ALLOC),
+    ("allocsampler", "unfree"): (1, UsdtKind.UNFREE),
+}
 NT_STAPSDT = 3
 
 # Offsets in the x86-64 `struct pt_regs` that uprobe programs get.
@@ -93,6 +102,14 @@ def parse_arg(text: str) -> UsdtArg:
     return UsdtArg(ARG_DEREF, size_i, bool(sign), PT_REGS[full], int(disp) if disp not in ("", "-") else 0)
 
 
+# What each kind of site reports: the fn_id and ev_source of its records.
+REPORTS = {
+    UsdtKind.ALLOC: (Fn.USDT_ALLOC, Source.MALLOC), UsdtKind.FREE: (Fn.USDT_FREE, Source.MALLOC),
+    UsdtKind.TORCH_ALLOC: (Fn.TORCH_ALLOC, Source.TORCH), UsdtKind.TORCH_FREE: (Fn.TORCH_FREE, Source.TORCH),
+    UsdtKind.PY_ALLOC: (Fn.PY_ALLOC, Source.PYTHON), UsdtKind.UNFREE: (Fn.USDT_UNFREE, Source.MALLOC),
+}
+
+
 def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
     """The BPF map value for one probe site: its arguments and what it reports (`kind`)."""
     if len(args) > MAX_ARGS:
@@ -101,7 +118,8 @@ def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
     for i in range(MAX_ARGS):
         a = args[i] if i < len(args) else UsdtArg(ARG_CONST, 8, False)
         fields += [a.value, a.reg_off, a.kind, a.size, int(a.signed)]
-    return SPEC.pack(*fields, len(args), kind)
+    fn, source = REPORTS[UsdtKind(kind)]
+    return SPEC.pack(*fields, len(args), kind, fn, source)
 
 
 def read_probes(path: str) -> tuple[UsdtProbe, ...]:
@@ -154,8 +172,13 @@ def _file_offset(loads: list[Segment], vaddr: int) -> int | None:
 
 
 def memory_probes(path: str) -> list[UsdtProbe]:
-    """The `otel_memory` alloc and free sites of a file (a probe may be inlined at several);
-    [] unless both probes are there with the contract's arguments (alloc: 3, free: 1)."""
-    found = [p for p in read_probes(path) if p.provider == PROVIDER and p.name in ("alloc", "free")
-             and len(p.args) == (3 if p.name == "alloc" else 1)]
-    return found if {p.name for p in found} == {"alloc", "free"} else []
+    """The memory probe sites of a file (MEMORY_PROBES; a probe may be inlined at several); [] unless
+    otel_memory's alloc and free are both there with the contract's arguments (alloc: 3, free: 1)."""
+    found = [p for p in read_probes(path) if MEMORY_PROBES.get((p.provider, p.name), (-1,))[0] == len(p.args)]
+    names = {(p.provider, p.name) for p in found}
+    return found if {(PROVIDER, "alloc"), (PROVIDER, "free")} <= names else []
+
+
+def memory_kind(probe: UsdtProbe) -> int:
+    """What a site of memory_probes() reports (`usdt_spec.kind`)."""
+    return MEMORY_PROBES[(probe.provider, probe.name)][1]

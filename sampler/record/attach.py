@@ -221,6 +221,8 @@ class Attacher:
                     return maps
                 if n and t.rescan_until == 0.0 and len(t.injection.slots) > n:
                     self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
+                while t.injection.news:
+                    self.note(t, "inject", t.injection.news.pop(0))
             return maps
         libs, maps = find_allocators(pid, self.allocators)
         if self._attach_usdt(t, maps) or t.tier == PRELOAD:

@@ -109,6 +109,10 @@ class Controls:
 
     def _set_shift(self, t: Target, shift: int) -> None:
         self.probes.set_sample_shift(t.pid, shift)
+        if t.injection is not None:                 # the inject tier samples in the process
+            with contextlib.suppress(OSError):
+                t.injection.set_mean(self.sample_mean(t.pid))
+                t.sampler_mean = self.sample_mean(t.pid)   # said here, not again as the cap's doing
         self.note(t, "sampling", f"sample mean {self.sample_mean(t.pid)} bytes ({self.sample_rate.why(t.pid)})")
 
     def _price_shared_links(self, targets: dict[int, Target]) -> None:

@@ -11,7 +11,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from sampler.control import weights
-from sampler.dataset.sources import FAULT, MALLOC, MMAP, TORCH
+from sampler.dataset.sources import FAULT, MALLOC, MMAP, PYTHON, TORCH
 from sampler.proc.smaps import ARENA, HEAP
 
 
@@ -66,10 +66,14 @@ class _Regions:
     starts: list[int] = field(default_factory=list)             # sorted fragment starts
 
 
+RECENT_FREES = 256   # frees remembered for an unfree: more than the threads between a free and its undo
+
+
 class ProcessTable:
     def __init__(self) -> None:
         self.stats: dict[tuple[str, int], StackStats] = {}
         self.blocks: dict[int, _Block] = {}           # malloc: addr -> block
+        self.recent: dict[int, _Block] = {}           # the last frees, for an unfree (oldest first)
         self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
         self._gpu_init()
 
@@ -101,6 +105,26 @@ class ProcessTable:
             return False
         del self.blocks[addr]
         self._release(addr, block)
+        self.recent.pop(addr, None)
+        self.recent[addr] = block
+        if len(self.recent) > RECENT_FREES:
+            del self.recent[next(iter(self.recent))]
+        return True
+
+    def unfree(self, addr: int, born: int = 0) -> bool:
+        """Undo the free of a block (the in-process samplers report a sampled block freed before
+        realloc, and undo it when the realloc failed: the block is still allocated)."""
+        block = self.recent.get(addr)
+        if block is None or addr in self.blocks or (born and block.born and born != block.born):
+            return False
+        del self.recent[addr]
+        self.blocks[addr] = block
+        st = self.stats.setdefault(block.key, StackStats())
+        w = block.size / block.p
+        st.live.add(block.size, w)
+        st.freed.add(block.size, w, -1)
+        st.born[addr] = block.born
+        st.born = dict(sorted(st.born.items(), key=lambda kv: kv[1]))   # insertion order is age
         return True
 
     # CUDA sources ------------------------------------------------------------------------------
@@ -262,6 +286,7 @@ class ProcessTable:
         """Forget everything (the process exec'd: its old heap is gone)."""
         self.stats.clear()
         self.blocks.clear()
+        self.recent.clear()
         self._ranges = {MMAP: _Regions(), FAULT: _Regions()}
         self._gpu_init()
 
@@ -270,7 +295,8 @@ class ProcessTable:
         be seen); returns their addresses."""
         addrs = list(self.blocks)
         self.blocks.clear()
-        for key in [k for k in self.stats if k[0] in (MALLOC, TORCH)]:
+        self.recent.clear()
+        for key in [k for k in self.stats if k[0] in (MALLOC, TORCH, PYTHON)]:
             del self.stats[key]
         return addrs
 

@@ -21,7 +21,7 @@ import psutil
 
 from sampler import __version__, files
 from sampler.bpf import preflight
-from sampler.bpf.abi import EvFlag, EvType, ProcOp, Source, VmOp
+from sampler.bpf.abi import EvFlag, EvType, Fn, ProcOp, Source, VmOp
 from sampler.bpf.events import Event, decode
 from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control import probe_cost
@@ -56,7 +56,7 @@ from sampler.python.targets import PythonTargets
 from sampler.record import rows
 from sampler.record.attach import NO_ALLOCATOR, Attacher
 from sampler.record.control import Controls
-from sampler.record.outstanding import FAULT, TORCH
+from sampler.record.outstanding import FAULT, MALLOC, PYTHON, TORCH
 from sampler.record.target import ATTACH, RSS, SYSCALLS, Target
 from sampler.record.vm_events import MADV_DONTNEED, MADV_FREE
 from sampler.stacks.symbolize import Symbolizer
@@ -404,9 +404,13 @@ class Recorder:
             elif ev.source == Source.TORCH:         # not governed: no duty
                 t.table.alloc(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, TORCH)
             else:
-                t.table.alloc(ev.addr, ev.size, ev.weight / t.duty, self._intern(ev), ev.ts_ns)
+                t.table.alloc(ev.addr, ev.size, ev.weight / t.duty, self._intern(ev), ev.ts_ns,
+                              PYTHON if ev.source == Source.PYTHON else MALLOC)
         elif ev.type == EvType.FREE:
-            t.table.free(ev.addr, ev.arg)
+            if ev.op == Fn.USDT_UNFREE:
+                t.table.unfree(ev.addr, ev.arg)
+            else:
+                t.table.free(ev.addr, ev.arg)
         elif ev.type == EvType.VM:
             self._on_vm(t, ev)
         elif ev.type == EvType.PROC:
@@ -419,6 +423,9 @@ class Recorder:
         if t.injection is not None and t.injection.owns(ev.ret if op == VmOp.MMAP else ev.addr):
             return                          # the injected sampler's own mappings, made by us
         sid = self._intern(ev) if ev.weight else None
+        if sid is not None and op == VmOp.MMAP and t.injection is not None \
+                and t.injection.under_python_wrapper(self.stacks.last_pcs):
+            ev.weight = 0                   # pymalloc's arena: its objects are sampled as `python`
         if ok and op == VmOp.MMAP:
             t.table.unmap(ev.ret, ev.size)          # whatever was mapped there is gone
             if ev.weight:

@@ -12,7 +12,7 @@ from sampler.bpf.abi import Counter as C
 from sampler.bpf.abi import VmOp
 from sampler.dataset.schema import int32, int64
 from sampler.proc.memory import ProcessSample
-from sampler.record.outstanding import MALLOC, MMAP
+from sampler.record.outstanding import MALLOC, MMAP, PYTHON
 from sampler.record.target import ATTACH, Target
 from sampler.stacks.table import Stack
 
@@ -31,6 +31,7 @@ def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: i
     heap_live, arena_live, live_var = t.table.live_by_region(b.regions)
     mb, ms = t.table.totals(MALLOC)
     mmb, mms = t.table.totals(MMAP)
+    pyb, pys = t.table.totals(PYTHON)
     attach = t.tier == ATTACH
     return {
         "ts": now, "pid": t.pid,
@@ -44,6 +45,7 @@ def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: i
         "heap_arena_live_stderr_bytes": live_var ** 0.5,
         "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
         "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
+        "python_outstanding_bytes": pyb, "python_outstanding_stderr_bytes": pys,
         "lost_events": t.drops[0], "dropped_samples": t.drops[1], "vm_events_suppressed": t.drops[2],
         "sample_mean_bytes": sample_mean,
         "stack_collisions": stack_collisions,

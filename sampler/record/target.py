@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sampler.dataset.sources import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS  # noqa: F401  (re-exported)
 from sampler.inprocess.inject import Injection
 from sampler.probes.allocators import AllocatorLib
 from sampler.proc.process import ProcessInfo
 from sampler.record.outstanding import ProcessTable
 from sampler.record.vm_events import VmClassifier
-
-# Tiers (processes.tier): how a process's allocations are seen (README: "Tiers").
-ATTACH, INJECT, PRELOAD, RSS, SYSCALLS = "attach", "inject", "preload", "rss", "syscalls"
 
 
 @dataclass

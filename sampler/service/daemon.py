@@ -37,6 +37,7 @@ from pathlib import Path
 
 from sampler import files
 from sampler.dataset.schema import int64
+from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.errors import EnvironmentProblem
 from sampler.proc.process import own_rss, rss_bytes
 from sampler.record.recorder import RecorderHooks
@@ -298,7 +299,7 @@ class Daemon(RecorderHooks):
             sums = self.out_sums.get(pid, {})
             live = (r.get("heap_live_bytes") or 0.0) + (r.get("arena_live_bytes") or 0.0)
             bloat = (max(0.0, (r.get("heap_rss") or 0) + (r.get("arena_rss") or 0) - live)
-                     if tier in ("attach", "preload") else None)
+                     if tier in ALLOCATION_TIERS else None)
             gpu = {k: float(v) for k in GPU_KINDS if (v := r.get(f"gpu_{k}_bytes")) is not None}
             gpu_se = {k: float(v) for k in GPU_KINDS if (v := r.get(f"gpu_{k}_stderr_bytes")) is not None}
             try:

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sampler.dataset.sources import FAULT, MALLOC, MMAP, PYTHON, TIERS
 from sampler.errors import EnvironmentProblem
 
 # What generate_latest writes (our names are all legacy-valid). Spelt out: prometheus-client 0.22+
@@ -57,8 +58,7 @@ PREFIX = "allocsampler_"
 MAX_COMM = 128                  # characters; psutil's name() can be a whole argv[0], any length
 
 # The closed label sets (schema.md: processes.tier, outstanding.source).
-TIERS = ("attach", "preload", "rss", "syscalls")
-SOURCES = ("malloc", "mmap", "fault")
+SOURCES = (MALLOC, PYTHON, MMAP, FAULT)
 GPU_KINDS = ("used", "reserved", "pinned", "allocated")   # processes.gpu_<kind>_bytes (schema.md)
 
 
@@ -260,8 +260,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("process_growth_bytes_per_second",
            "Trend of the process's memory over the daemon's analysis window (negative: shrinking).",
            attrgetter("growth_bytes_per_second"), "process"),
-    Family("process_outstanding_bytes", "Estimated bytes allocated and not freed, by source (malloc, mmap, fault). "
-           "Sources overlap: never add them.", _per(_out, SOURCES, attrgetter("bytes")), "process", "source"),
+    Family("process_outstanding_bytes", "Estimated bytes allocated and not freed, by source (malloc, python, mmap, "
+           "fault). Sources overlap: never add them.", _per(_out, SOURCES, attrgetter("bytes")), "process", "source"),
     Family("process_outstanding_stderr_bytes", "One standard error of allocsampler_process_outstanding_bytes.",
            _per(_out, SOURCES, attrgetter("stderr_bytes")), "process", "source"),
     Family("process_arena_bloat_bytes", "glibc heap and arena bytes resident although no live allocation holds them.",

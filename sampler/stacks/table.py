@@ -51,6 +51,7 @@ class StackTable:
         self._new: list[Stack] = []
         self.collisions = 0
         self.last_stop = ""                                      # unwind stop of the last intern
+        self.last_pcs: tuple[int, ...] = ()                      # its return addresses
         self._depth: dict[int, int] = {}   # pid -> deepest complete walk (bytes); -1: a copy was short
         self._exe: dict[int, str] = {}     # pid -> main executable
 
@@ -67,7 +68,7 @@ class StackTable:
                 self._depth[ev.pid] = res.used
         else:
             pcs, stop = (), "no_stack"
-        self.last_stop = stop
+        self.last_stop, self.last_pcs = stop, pcs
         memo_key = (ev.pid, first_is_ip, pcs, ev.py)
         sid = self._memo.get(memo_key)
         if sid is not None:

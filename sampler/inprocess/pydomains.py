@@ -1,0 +1,138 @@
+"""Where CPython keeps its allocator domains, read from its code: the input of the injected sampler's
+Python-object redirection (sampler/inprocess/inject.py).
+
+Python objects of up to 512 bytes come from pymalloc and never reach malloc. Every request goes
+through a domain's `PyMemAllocatorEx {ctx, malloc, calloc, realloc, free}`: file-static variables
+in 3.10-3.11 (`_PyObject`, `_PyMem`, `_PyMem_Raw` in obmalloc.c), `_PyRuntime.allocators` in 3.12+;
+none of them is a symbol of a stripped build. Their addresses are in the code of the exported
+entry points instead: `PyObject_Malloc(n)` is `_PyObject.malloc(_PyObject.ctx, n)`, so its first
+instructions load the struct's `ctx` and `malloc` fields RIP-relative (with LTO, also as a compare
+that inlines pymalloc when the pointer is the default: changing the pointer only skips that).
+A domain is the one address A that PyX_Malloc/Calloc/Realloc/Free all load, each with its own
+field at A + 8/16/24/32: five loads that agree, which no unrelated code matches by chance. No
+per-version table; a build where they do not agree is not redirected (reported, never guessed).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import capstone
+from capstone import x86_const as x86
+
+from sampler.binary.elf import data_slot_values, exported_function
+from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
+
+DOMAINS = ("raw", "mem", "obj")
+FIELDS = ("ctx", "malloc", "calloc", "realloc", "free")
+_ENTRY = {"raw": "PyMem_Raw", "mem": "PyMem_", "obj": "PyObject_"}
+_FUNCS = ("Malloc", "Calloc", "Realloc", "Free")
+_WINDOW = 128          # bytes decoded at each entry point (the loads come first)
+
+
+@dataclass(frozen=True)
+class Domains:
+    """Link-time addresses (add the load bias) of the three domains' PyMemAllocatorEx."""
+
+    raw: int
+    mem: int
+    obj: int
+
+    def get(self, domain: str) -> int:
+        return getattr(self, domain)
+
+
+def locate(path: str) -> Domains | None:
+    """The domains of the CPython in `path` (an executable or libpython), None when it is not one or
+    its code does not say (cached by the file's identity)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _locate(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _locate(path: str, _dev: int, _ino: int, _size: int, _mtime: int) -> Domains | None:
+    try:
+        elf = ElfReader.open(path)
+        if exported_function(elf, "PyObject_Malloc") is None:
+            return None
+        found = {d: _domain(elf, _ENTRY[d]) for d in DOMAINS}
+    except (OSError, ElfFormatError):
+        return None
+    if None in found.values():
+        return None
+    return Domains(**found)  # type: ignore[arg-type]
+
+
+def _domain(elf: ElfReader, prefix: str) -> int | None:
+    loads = []
+    for f in _FUNCS:
+        at = exported_function(elf, prefix + f)
+        code = _code(elf, at) if at is not None else None
+        if code is None:
+            return None
+        loads.append(_loads(code, at))
+    slots = {x[1] for refs in loads for x in refs if x[0] == "via"}
+    values = data_slot_values(elf, slots) if slots else {}
+    resolved = [{x[1] if x[0] == "at" else values[x[1]] + x[2] for x in refs if x[0] == "at" or x[1] in values}
+                for refs in loads]
+    common = set.intersection(*resolved)
+    found = [a for a in common if all(a + 8 * (i + 1) in resolved[i] for i in range(4))]
+    return found[0] if len(found) == 1 else None
+
+
+def _code(elf: ElfReader, vaddr: int) -> bytes | None:
+    for s in elf.segments:
+        if s.type == PT_LOAD and s.vaddr <= vaddr < s.vaddr + s.filesz:
+            start = vaddr - s.vaddr
+            return bytes(elf.data(s)[start:start + _WINDOW])
+    return None
+
+
+@lru_cache(maxsize=1)
+def _disassembler() -> capstone.Cs:
+    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    md.detail = True
+    return md
+
+
+def _full(name: str) -> str:
+    """The 64-bit register a register name is part of (eax, ax, al -> rax; r8d -> r8)."""
+    if name.startswith("r") and name[1:2].isdigit():
+        return name.rstrip("dwb")
+    core = name.lstrip("er")
+    if core in ("ax", "bx", "cx", "dx", "al", "bl", "cl", "dl", "ah", "bh", "ch", "dh"):
+        return f"r{core[0]}x"
+    return "r" + core.removesuffix("l")
+
+
+def _loads(code: bytes, vaddr: int) -> list[tuple]:
+    """The memory operands of `code` (decoded linearly up to the first return) whose address is
+    known statically: ("at", A) for RIP-relative ones, ("via", S, d) for [reg + d] where reg was
+    loaded from the pointer at S (a GOT entry: PIC code reaches _PyRuntime through one)."""
+    out: list[tuple] = []
+    via: dict[str, int] = {}          # register -> the slot it was loaded from
+    md = _disassembler()
+    for insn in md.disasm(code, vaddr):
+        loaded = None
+        for op in insn.operands:
+            if op.type != x86.X86_OP_MEM or op.mem.index != 0:
+                continue
+            if op.mem.base == x86.X86_REG_RIP:
+                a = insn.address + insn.size + op.mem.disp
+                out.append(("at", a))
+                if insn.id == x86.X86_INS_MOV and op.size == 8 and insn.operands[0].type == x86.X86_OP_REG:
+                    loaded = (_full(md.reg_name(insn.operands[0].reg)), a)
+            elif op.mem.base and (r := _full(md.reg_name(op.mem.base))) in via:
+                out.append(("via", via[r], op.mem.disp))
+        for reg in insn.regs_access()[1]:
+            via.pop(_full(md.reg_name(reg)), None)
+        if loaded is not None:
+            via[loaded[0]] = loaded[1]
+        if insn.id == x86.X86_INS_RET:
+            break
+    return out
