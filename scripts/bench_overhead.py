@@ -17,17 +17,21 @@ BPF compilation, attaching and the tools' shutdown are never in the measured tim
   python  json dumps/loads of dicts, bytes objects > 512 B (which bypass pymalloc and reach libc),
           dict and list growth: an allocation-heavy interpreter loop (python -I; iterations
           calibrated at start to ~3 s unprobed);
-  torch   torch CPU inference in the venv's python: a small conv net + MLP (2 conv, 2 pool,
-          2 linear, LayerNorm, softmax) forward on a batch of 4 3x32x32 images under
-          torch.inference_mode(), torch.set_num_threads(1); iterations calibrated to ~3 s
-          unprobed (~1.7 ms per forward here). Small-batch eager inference: besides the tensors
-          (posix_memalign), the framework's per-op bookkeeping makes ~1,200 malloc-family calls
-          per forward (~2,400 attach-tier probe hits);
+  torch   a torch CPU training loop in the venv's python: a small conv net + MLP (2 conv, 2 pool,
+          2 linear, LayerNorm) on a batch of 4 3x32x32 images, cross-entropy, backward, SGD with
+          momentum, the loss kept with .item() each step; torch.set_num_threads(1); iterations
+          calibrated to ~3 s unprobed. Besides the tensors (posix_memalign), autograd and the
+          framework's per-op bookkeeping make thousands of malloc-family calls per step;
   mt      C allocator stress, 4 threads (gcc -O2 -pthread): random sizes 8..8192 bytes, 1 in 64
           of 16..256 KiB; malloc, calloc (1/16) and realloc of a pooled block (1/16); half the
           blocks are kept in a 64-slot per-thread pool, half are handed to the next thread
           through a lock-free single-producer/single-consumer ring and freed there (cross-thread
           frees); default 1,000,000 allocations in all.
+
+Inject placements. After the rounds (when the inject variant runs), the placement helper maps a
+sampler into the busy mt workload PLACEMENTS times (--placements; no redirection): the stop time of
+the target's thread, median, p99 and max. Each run of a recorder variant also records the time from
+starting the recorder to its probes (and, for inject, the redirection) being in place.
 
 Variants (tiers):
 
@@ -379,23 +383,31 @@ def main():
         torch.nn.Linear(32 * 8 * 8, 256), torch.nn.ReLU(),
         torch.nn.LayerNorm(256),
         torch.nn.Linear(256, 10),
-    ).eval()
+    ).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
     x = torch.randn(batch, 3, 32, 32)
-    sink = 0.0
-    with torch.inference_mode():
-        for _ in range(5):                         # first calls: kernels picked, buffers sized
-            model(x)
+    y = torch.randint(0, 10, (batch,))
+    losses = []
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x + (i % 7)), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for i in range(5):                             # first calls: kernels picked, buffers sized
+        step(i)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     if sys.stdin.buffer.read(1) != b"g":
         sys.exit(2)
     t0 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    with torch.inference_mode():
-        for i in range(iters):
-            y = model(x + (i % 7))
-            sink += float(y.softmax(1)[0, 0])
+    for i in range(iters):
+        losses.append(step(i).item())
     t1 = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-    print("elapsed_s %.9f ops %d sink %.3f" % ((t1 - t0) / 1e9, iters, sink), flush=True)
+    print("elapsed_s %.9f ops %d sink %.3f" % ((t1 - t0) / 1e9, iters, sum(losses)), flush=True)
     os._exit(0)     # no teardown (torch frees a lot at exit): the recorder's probe hits are the loop's
 
 
@@ -413,8 +425,11 @@ ATTACH_TIERS = ("attach", "attach-governed", "attach-perf")
 RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, "inject", "preload", "rss"})
 PRELOAD_VARIANTS = frozenset({"preload", "preload-idle"})
 WORKLOAD_TITLES = {"c": "c: malloc/free loop", "python": "python: allocation-heavy loop",
-                   "torch": "torch: CPU inference", "mt": "mt: 4-thread allocator stress"}
+                   "torch": "torch: CPU training loop", "mt": "mt: 4-thread allocator stress"}
 TARGETS = {"preload": 1.02, "rss": 1.005}          # ratio of medians to unprobed, at most
+# the inject tier's, per workload (issue 16): allocation data kept for the whole run besides
+INJECT_TARGETS = {"python": 1.03, "torch": 1.08, "c": 1.5, "mt": 1.15}
+PLACEMENTS = 200                                   # timed placements into the busy mt workload
 ATTACH_VS_MEMLEAK = 0.5                            # attach overhead / memleak overhead, at most
 BEGIN, END = "<!-- bench_overhead:begin -->", "<!-- bench_overhead:end -->"
 
@@ -621,6 +636,8 @@ class Run:
     sampled_faults: int | None = None        # DIR/recorder sampled_faults (always-on tier)
     tiers: list[str] = field(default_factory=list)     # DIR/processes tier, in order of appearance
     alloc_coverage: float | None = None      # mean DIR/processes alloc_coverage (governor duty)
+    ready_s: float | None = None             # from starting the tool to its probes (and redirection) in place
+    stop_us: float | None = None             # inject: how long the placement stopped the target's thread
 
 
 class Bench:
@@ -649,7 +666,7 @@ class Bench:
         nobuiltin = ["-fno-builtin-malloc", "-fno-builtin-free", "-fno-builtin-calloc", "-fno-builtin-realloc"]
         if "c" in self.args.workloads:
             subprocess.run(["gcc", "-O2", *nobuiltin, "-o", str(self.c_exe), str(src)], check=True)
-        if "mt" in self.args.workloads:
+        if "mt" in self.args.workloads or ("inject" in self.args.variants and self.args.placements):
             src = self.tmp / "mt_stress.c"
             src.write_text(MT_SOURCE)
             subprocess.run(["gcc", "-O2", "-pthread", *nobuiltin, "-o", str(self.mt_exe), str(src)], check=True)
@@ -800,13 +817,15 @@ class Bench:
             work = self.start_workload(self.workload_argv(workload, n), self.preload_env if preload else None)
             if preload and not any(_same_file(m.path, str(self.shim)) for m in mappings(work.pid)):
                 raise BenchError(f"{variant}: the shim {self.shim} is not mapped in the {workload} workload")
-            sites = None
+            sites = ready = None
             retries = 0
             while variant in RECORDER_VARIANTS or variant == "memleak":
                 logf = open(log, "wb")   # noqa: SIM115 - closed in finally
+                launched = time.monotonic()
                 tool = self.start_tool(variant, work.pid, rundir, logf)
                 try:
                     sites = self.wait_ready(variant, work.pid, tool, rundir, log)
+                    ready = time.monotonic() - launched
                     break
                 except AttachConflict as e:
                     # Another uprobe user on this libc (other sessions, tests) registered the same
@@ -841,7 +860,7 @@ class Bench:
             if not m:
                 raise BenchError(f"workload {workload}: no timing in {out!r}")
             r = Run(workload, variant, rnd, float(m.group(1)), int(m.group(2)), tool_hwm=hwm,
-                    probe_sites=sites, attach_retries=retries, settle_s=settle)
+                    probe_sites=sites, attach_retries=retries, settle_s=settle, ready_s=ready)
             if cpu0 is not None and cpu1 is not None:
                 r.tool_cpu_s = cpu1 - cpu0
             if tool is not None:
@@ -1016,6 +1035,8 @@ class Bench:
             r.probes = sorted({p for ps in a["probes"] if ps is not None for p in ps})
             for ts, detail in t[t["event"] == "tier"][["ts", "detail"]].itertuples(index=False):
                 timeline.append((ts, str(detail).split(":", 1)[0]))
+                if m := re.search(r"one thread stopped (\d+) us", str(detail)):
+                    r.stop_us = float(m.group(1))
         with contextlib.suppress(Exception):     # columns of the tiers (schema 3)
             p = pd.read_parquet(out / "processes")
             if "tier" in p:
@@ -1025,6 +1046,35 @@ class Bench:
         for _, tier in sorted(timeline, key=lambda x: x[0]):
             if not r.tiers or r.tiers[-1] != tier:
                 r.tiers.append(tier)
+
+    def time_placements(self, n: int, ops: int) -> list[float]:
+        """Stop times (us) of `n` placements of the sampler into the running mt workload (4 busy
+        threads), by the placement helper alone: no configuration, no redirection."""
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from sampler.inprocess import inject
+
+        code, helper = inject.built()
+        layout = inject.CodeLayout.of(code)
+        work = self.start_workload(self.workload_argv("mt", max(ops, 10**6) * 100), None)   # outlives the placements
+        stops = []
+        try:
+            work.stdin.write(b"g")
+            work.stdin.close()
+            time.sleep(0.2)
+            for _ in range(n):
+                if work.poll() is not None:
+                    raise BenchError(f"the mt workload ended after {len(stops)} placements")
+                try:
+                    stops.append(inject.place(work.pid, helper, layout)[1] / 1000)
+                except inject.Refused as e:
+                    raise BenchError(f"placement refused: {e}") from None
+                time.sleep(0.01)
+        finally:
+            _stop(work, signal.SIGKILL, 5)
+        print(f"# {n} placements into mt: median {statistics.median(stops):.0f} us, max {max(stops):.0f} us",
+              file=sys.stderr)
+        return stops
 
     # calibration ------------------------------------------------------------------------------
     def calibrate(self, workload: str, seconds: float, n: int) -> int:
@@ -1117,6 +1167,9 @@ def summarize(runs: list[Run], workloads: list[str], variants: list[str], na: di
                 "settle": _median([r.settle_s for r in rs]),
                 "faults_per_s": _median([r.sampled_faults / r.loop_s if r.sampled_faults is not None else None
                                          for r in rs]),
+                "ready": _median([r.ready_s for r in rs]),
+                "ready_iqr": _quartiles([r.ready_s for r in rs if r.ready_s is not None]),
+                "stops_us": [r.stop_us for r in rs if r.stop_us is not None],
             })
             rows.append(row)
     return rows
@@ -1158,6 +1211,24 @@ def verdicts(rows: list[dict], workloads: list[str], variants: list[str]) -> lis
                                                                    else ")")
             items.append((w, r["ratio"] <= limit, txt))
         out.append(line(f"{v} <= {limit}x unprobed", items, skipped))
+    if "inject" in variants:
+        items, skipped = [], []
+        for w in workloads:
+            limit = INJECT_TARGETS.get(w)
+            if limit is None:
+                continue
+            if why := missing(w, "inject", "unprobed"):
+                skipped.append(why)
+                continue
+            r = get[(w, "inject")]
+            q = r["iqr"]
+            kept = r.get("tiers") == ["inject"]          # every run stayed in the tier: data for the whole run
+            txt = f"{r['ratio']:.3f}x <= {limit}x" + (
+                f" (per-round IQR {q[0]:.3f}-{q[1]:.3f})" if q and len(r["per_round"]) > 1 else "") + (
+                "" if kept else f", tiers {' | '.join(r.get('tiers') or ['?'])}")
+            items.append((w, r["ratio"] <= limit and kept, txt))
+        out.append(line("inject: at most the issue's ratio per workload, allocation data for the whole run",
+                        items, skipped))
     for v in ATTACH_TIERS:
         if v not in variants:
             continue
@@ -1177,7 +1248,35 @@ def verdicts(rows: list[dict], workloads: list[str], variants: list[str]) -> lis
     return out
 
 
-def markdown(rows: list[dict], verdict_lines: list[str], meta: dict, svg_ref: str | None, notes: list[str]) -> str:
+def _p99(xs: list[float]) -> float:
+    """The 99th percentile, nearest rank (the max below 100 values)."""
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, math.ceil(0.99 * len(ys)) - 1)]
+
+
+def inject_lines(rows: list[dict], placements: list[float]) -> list[str]:
+    """The inject tier's placement stops and the time from `record` to sampling in place."""
+    out = []
+    stops = list(placements)
+    if stops:
+        out.append(f"- placement stop of the target's thread, {len(stops)} placements into the running mt "
+                   f"workload (4 busy threads): median {statistics.median(stops):.0f} us, p99 "
+                   f"{_p99(stops):.0f} us, max {max(stops):.0f} us")
+    in_runs = [x for r in rows if r["variant"] == "inject" for x in r.get("stops_us") or ()]
+    if in_runs:
+        out.append(f"- the same in the measured inject runs ({len(in_runs)}, one per run): median "
+                   f"{statistics.median(in_runs):.0f} us, max {max(in_runs):.0f} us")
+    for r in rows:
+        if r["variant"] in RECORDER_VARIANTS and r.get("ready") is not None:
+            q = r.get("ready_iqr")
+            out.append(f"- {r['workload']} / {r['variant']}: `record` started -> probes"
+                       + (" and redirection" if r["variant"] == "inject" else "") + f" in place: median "
+                       f"{r['ready']:.2f} s" + (f" [IQR {q[0]:.2f}-{q[1]:.2f}]" if q else ""))
+    return out
+
+
+def markdown(rows: list[dict], verdict_lines: list[str], meta: dict, svg_ref: str | None, notes: list[str],
+             placements: list[float] | None = None) -> str:
     mib = 1 << 20
     out = [f"![overhead]({svg_ref})", ""] if svg_ref else []
     out += [
@@ -1206,6 +1305,9 @@ def markdown(rows: list[dict], verdict_lines: list[str], meta: dict, svg_ref: st
             _fmt(r["tool_cpu"], ".2f"), _fmt(r["tool_hwm"] and r["tool_hwm"] / mib, ".0f"),
         ]) + " |")
     out += ["", "Targets:", "", *verdict_lines, ""]
+    if lines := inject_lines(rows, placements or []):
+        out += ["Attaching (the target's stop, and the time until the first allocation can be sampled):", "",
+                *lines, ""]
     if notes:
         out += ["Notes:", "", *[f"- {n}" for n in notes], ""]
     out += ["Loop times per round (s; round number in brackets), warm-up round excluded:", ""]
@@ -1368,6 +1470,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 epilog="Methodology: see the module docstring (scripts/bench_overhead.py).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, help="measured rounds (default: 5; 1 with --quick)")
+    p.add_argument("--placements", type=int, help=f"timed inject placements (default: {PLACEMENTS}; 20 with "
+                                                  "--quick; 0: none)")
     p.add_argument("--warmup", type=int, help="discarded warm-up rounds (default: 1; 0 with --quick)")
     p.add_argument("--workloads",
                    help=f"comma-separated, from {','.join(WORKLOADS)} (default: all; --quick: "
@@ -1437,7 +1541,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.py_iters = a.py_iters or 300
         a.torch_iters = a.torch_iters or 60
         a.warmup = 0 if a.warmup is None else a.warmup
+        a.placements = 20 if a.placements is None else a.placements
     a.rounds = 5 if a.rounds is None else a.rounds
+    a.placements = PLACEMENTS if a.placements is None else a.placements
     a.c_pairs = a.c_pairs or 500_000
     a.mt_ops = a.mt_ops or 1_000_000
     a.warmup = 1 if a.warmup is None else a.warmup
@@ -1459,6 +1565,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, int]:
     runs: list[Run] = []
     failed: dict[tuple[str, str], str] = {}
     sizes: dict[str, int] = {}
+    placements: list[float] = []
     bench = Bench(args, tmp)
     status = 0
     try:
@@ -1502,6 +1609,8 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, int]:
                           f"{time.monotonic() - t0:.0f} s{settle})", file=sys.stderr)
                     if measured:
                         runs.append(r)
+        if "inject" in runnable and args.placements and "mt" not in bench.na:
+            placements = bench.time_placements(args.placements, sizes.get("mt") or args.mt_ops)
         status = 1 if failed else 0
     except KeyboardInterrupt:
         print("interrupted: reporting the runs so far (no --markdown/--svg written)", file=sys.stderr)
@@ -1521,6 +1630,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> tuple[dict, int]:
         "meta": machine_meta(args, bench, argv, started, load0, sizes), "notes": bench.notes, "na": bench.na,
         "failed": [[w, v, why] for (w, v), why in failed.items()], "workloads": args.workloads,
         "variants": args.variants, "rounds": args.rounds, "quick": args.quick, "runs": [asdict(r) for r in runs],
+        "placements_us": placements,
     }
     return record, status
 
@@ -1535,7 +1645,7 @@ def report(record: dict, args: argparse.Namespace, write_files: bool) -> None:
     if args.svg and write_files:
         base = args.markdown.resolve().parent if args.markdown else Path.cwd()
         svg_ref = os.path.relpath(args.svg.resolve(), base)
-    text = markdown(rows, verdict_lines, meta, svg_ref, record["notes"])
+    text = markdown(rows, verdict_lines, meta, svg_ref, record["notes"], record.get("placements_us"))
     if record.get("quick"):         # also in --markdown files and --report-from re-renders
         text = f"{QUICK_NOTE}\n\n{text}"
     if args.json and not args.report_from:

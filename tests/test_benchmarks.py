@@ -97,7 +97,8 @@ def test_bench_analysis_writes_the_schema_types() -> None:
 
 @pytest.mark.bpf
 def test_bench_overhead_quick(bpf_ready: None) -> None:
-    header, rows = md_table(run_quick("bench_overhead.py"), "workload")
+    text = run_quick("bench_overhead.py")
+    header, rows = md_table(text, "workload")
     assert header[:4] == ["workload", "variant", "median loop s", "ratio vs unprobed"]
     assert len(header) == 13 and header[-1] == "tool peak RSS MiB"
     # one variant of each kind the harness starts differently, on the c workload only
@@ -111,6 +112,10 @@ def test_bench_overhead_quick(bpf_ready: None) -> None:
     assert num(by["attach"]["probe hits/s"]) > 0     # every malloc and free of the loop is a hit
     assert num(by["memleak"]["tool peak RSS MiB"]) > 0
     assert by["attach"]["our overhead / memleak's"] != "–"
+    # the inject tier's attach: 20 timed placements, and each recorder's time to be in place
+    stop = re.search(r"placement stop of the target's thread, 20 placements .*: median (\d+) us, p99 (\d+) us", text)
+    assert stop and 0 < int(stop[1]) <= int(stop[2]), text
+    assert re.search(r"c / inject: `record` started -> probes and redirection in place: median [\d.]+ s", text)
 
 
 @pytest.mark.bpf

@@ -426,7 +426,7 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
     base = _existing(pid, maps, layout)
     adopted, stop_ns = base is not None, None
     if base is None:
-        base, stop_ns = _place(pid, helper, layout)
+        base, stop_ns = place(pid, helper, layout)
     inj = Injection(pid, base, layout, originals, adopted=adopted, stop_ns=stop_ns)
     _configure(inj, sample_mean, max_samples_per_s, maps)
     return inj
@@ -434,7 +434,10 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
 
 # -- the steps ------------------------------------------------------------------------------------
 
-def _place(pid: int, helper: Path, layout: CodeLayout) -> tuple[int, int]:
+def place(pid: int, helper: Path, layout: CodeLayout) -> tuple[int, int]:
+    """Map a new sampler into `pid` with the placement helper (no configuration, no redirection:
+    inject() does those; scripts/bench_overhead.py times placements with it). Returns (its base,
+    how long the thread was stopped in ns). Raises Refused."""
     try:
         r = subprocess.run([str(helper), str(pid), str(layout.path), hex(layout.code_span), hex(layout.total_span)],
                            capture_output=True, text=True, timeout=PLACE_TIMEOUT_S, start_new_session=True)
