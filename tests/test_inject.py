@@ -466,6 +466,10 @@ def test_python_objects_are_their_own_source_and_match_the_truth(gated, record, 
     # counted again
     mm = df[df["source"] == "mmap"]
     assert mm["outstanding_bytes"].sum() < 4 * MiB, mm
-    assert est["leak_large"].get("malloc", 0) > 0.8 * truth["leak_large"], est
+    # objects over 512 bytes are malloc's (the site's total is checked above, against its standard
+    # error); python's there can only be the list's own header, one sample at most
+    assert est["leak_large"].get("python", 0) <= 64 * 1024 < est["leak_large"].get("malloc", 0), est
+    # churned objects' frees are reported (~1,400 samples, freed): none is left outstanding
+    assert sum(est["churn"].values()) <= 64 * 1024, est
     print(f"\n[python objects] {python} {'pymalloc' if pymalloc else 'malloc'}: "
           + ", ".join(f"{s} {sum(est[s].values()) / MiB:.2f}/{truth[s] / MiB:.2f} MiB" for s in truth))

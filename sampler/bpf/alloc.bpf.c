@@ -203,7 +203,8 @@ static __always_inline void emit_alloc(u32 pid, u32 tid, struct alloc_rec *r)
         count(C_STACK_ERR, 1);
         events.ringbuf_submit(h, 0);
     }
-    if (r->source == SRC_MALLOC || r->source == SRC_TORCH)    /* torch: a tagged address */
+    /* tracked blocks: their frees are reported (torch: a tagged address); not mmap or faults */
+    if (r->source == SRC_MALLOC || r->source == SRC_TORCH || r->source == SRC_PYTHON)
         publish_live(pid, tid, r->fn, r->addr, born);
 }
 
