@@ -40,6 +40,8 @@ Variants (tiers):
   inject           allocsampler record --pid PID --out DIR --attach-mode inject: the sampler placed
                    into the running process, its allocator calls redirected (no restart; only
                    sampled calls reach a probe); n/a without --attach-mode
+  inject-python    the same with --python-objects: CPython's object allocator redirected too (its
+                   small objects sampled as source python)
   attach           allocsampler record --pid PID --out DIR --attach-mode uprobe --cpu-budget 0:
                    uprobes on the malloc family, governor off (without --cpu-budget in `record
                    --help`, the flag is left out: there is no governor to turn off then)
@@ -415,14 +417,16 @@ main()
 '''
 
 WORKLOADS = ("c", "python", "torch", "mt")
-VARIANTS = ("unprobed", "memleak", "inject", "attach", "attach-governed", "preload", "preload-idle", "rss")
+VARIANTS = ("unprobed", "memleak", "inject", "inject-python", "attach", "attach-governed", "preload", "preload-idle",
+            "rss")
 QUICK_WORKLOADS = ("c",)
 QUICK_VARIANTS = ("unprobed", "memleak", "inject", "attach", "preload", "preload-idle", "rss")   # one of each kind
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 EXTRA_VARIANTS = ("attach-perf",)                 # only when named in --variants
 ALIASES = {"allocsampler": "attach", "allocsampler-perf": "attach-perf"}   # the script's old names
 ATTACH_TIERS = ("attach", "attach-governed", "attach-perf")
-RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, "inject", "preload", "rss"})
+INJECT_VARIANTS = frozenset({"inject", "inject-python"})
+RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, *INJECT_VARIANTS, "preload", "rss"})
 PRELOAD_VARIANTS = frozenset({"preload", "preload-idle"})
 WORKLOAD_TITLES = {"c": "c: malloc/free loop", "python": "python: allocation-heavy loop",
                    "torch": "torch: CPU training loop", "mt": "mt: 4-thread allocator stress"}
@@ -710,11 +714,12 @@ class Bench:
                 self.commands[v] = f"{Path(a.memleak).name} -p PID -T 5"
             elif v in RECORDER_VARIANTS and why:
                 self.na[v] = why
-            elif v == "inject":
+            elif v in INJECT_VARIANTS:
                 if not has_modes:
                     self.na[v] = "`allocsampler record` has no --attach-mode (no injected sampler yet)"
-                self.recorder_args[v] = ["--attach-mode", "inject"]
-                self.commands[v] = f"{rec} record --pid PID --out DIR --attach-mode inject {pretty}"
+                extra = ["--python-objects"] if v == "inject-python" else []
+                self.recorder_args[v] = ["--attach-mode", "inject", *extra]
+                self.commands[v] = f"{rec} record --pid PID --out DIR {' '.join(self.recorder_args[v])} {pretty}"
             elif v in ("attach", "attach-perf"):
                 extra = uprobe + (["--cpu-budget", "0"] if has_budget else [])
                 if v == "attach-perf":
@@ -956,8 +961,8 @@ class Bench:
             return False, "the attach row lists no attached probe: " + ", ".join(probes), 0
         allocs = [a.split(":", 1)[1] if ":" in a else a for al in attach["allocators"] if al is not None for a in al]
         otel = [p for p in attached if p.startswith("otel_memory:")]
-        if variant == "inject" and not otel:
-            raise BenchError("inject: the recorder attached no otel_memory: USDT probe of the injected sampler "
+        if variant in INJECT_VARIANTS and not otel:
+            raise BenchError(f"{variant}: the recorder attached no otel_memory: USDT probe of the injected sampler "
                              "(probes: " + ", ".join(probes) + ")")
         if variant == "preload":
             if not otel:    # the recorder did not see the shim: measuring it would be measuring attach
@@ -973,7 +978,7 @@ class Bench:
             if m := PROBE_USDT.match(p):
                 name, path, off = m.group(1), m.group(2), int(m.group(3), 16)
                 notes = self.usdt.get(name) if self.shim is not None and variant == "preload" else None
-                if variant == "inject":          # the sites are in the sampler's memfd, at these offsets
+                if variant in INJECT_VARIANTS:   # the sites are in the sampler's memfd, at these offsets
                     checks.append((p, [mp.path for mp in maps if "/memfd:allocsampler" in mp.path], off))
                 elif notes and path is None:
                     checks += [(p, [str(self.shim)], o) for o in notes]
@@ -1262,7 +1267,7 @@ def inject_lines(rows: list[dict], placements: list[float]) -> list[str]:
         out.append(f"- placement stop of the target's thread, {len(stops)} placements into the running mt "
                    f"workload (4 busy threads): median {statistics.median(stops):.0f} us, p99 "
                    f"{_p99(stops):.0f} us, max {max(stops):.0f} us")
-    in_runs = [x for r in rows if r["variant"] == "inject" for x in r.get("stops_us") or ()]
+    in_runs = [x for r in rows if r["variant"] in INJECT_VARIANTS for x in r.get("stops_us") or ()]
     if in_runs:
         out.append(f"- the same in the measured inject runs ({len(in_runs)}, one per run): median "
                    f"{statistics.median(in_runs):.0f} us, max {max(in_runs):.0f} us")
@@ -1270,7 +1275,7 @@ def inject_lines(rows: list[dict], placements: list[float]) -> list[str]:
         if r["variant"] in RECORDER_VARIANTS and r.get("ready") is not None:
             q = r.get("ready_iqr")
             out.append(f"- {r['workload']} / {r['variant']}: `record` started -> probes"
-                       + (" and redirection" if r["variant"] == "inject" else "") + f" in place: median "
+                       + (" and redirection" if r["variant"] in INJECT_VARIANTS else "") + f" in place: median "
                        f"{r['ready']:.2f} s" + (f" [IQR {q[0]:.2f}-{q[1]:.2f}]" if q else ""))
     return out
 
@@ -1347,7 +1352,8 @@ def write_markdown(path: Path, text: str) -> None:
 
 
 # --- SVG ----------------------------------------------------------------------------------------
-COLORS = {"memleak": "#7f7f7f", "inject": "#9467bd", "attach": "#d62728", "attach-governed": "#ff7f0e",
+COLORS = {"memleak": "#7f7f7f", "inject": "#9467bd", "inject-python": "#c5b0d5", "attach": "#d62728",
+          "attach-governed": "#ff7f0e",
           "attach-perf": "#8c564b", "preload": "#1f77b4", "preload-idle": "#17becf", "rss": "#2ca02c"}
 
 
@@ -1675,6 +1681,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.geteuid() != 0:
             print("bench_overhead: run as root (BPF)", file=sys.stderr)
             return 2
+        # Tools stop on SIGINT; a shell's background job starts with it ignored, and children
+        # inherit that (memleak then outlives its stop and is killed): restore the default.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         record, status = measure(args, sys.argv if argv is None else ["bench_overhead.py", *argv])
         if status == 2:
             return 2

@@ -18,7 +18,7 @@ from cheader import c_layout, parse_header
 from conftest import WORKLOADS, compile_c, final_by_site
 
 from sampler.inprocess import build as builder
-from sampler.inprocess import inject
+from sampler.inprocess import inject, pydomains
 from sampler.probes import usdt
 
 HERE = Path(__file__).resolve().parent
@@ -162,8 +162,8 @@ def _reference(argv: list[str]) -> str:
 
 CYCLER = """
 import sys, time
-from sampler.inprocess import inject
-inj = inject.inject(int(sys.argv[1]), 65536, 0)
+from sampler.inprocess import inject, pydomains
+inj = inject.inject(int(sys.argv[1]), 65536, 0, python_objects=True)
 print("placed" if not inj.adopted else "adopted", flush=True)
 py = 0
 for i in range(int(sys.argv[2])):
@@ -214,6 +214,45 @@ def _cycle_through(argv: list[str], expected: str) -> None:
     assert ok == "ok" and checksum == expected and int(signals) > 0 and int(forks) > 0
     maps = Path(f"/proc/{os.getpid()}/maps").read_text()
     assert inject.MEMFD_NAME not in maps          # the recorder placed nothing into itself
+
+
+PY_SETTER = """
+import sys, time
+from sampler.inprocess import inject, pydomains
+inj = inject.inject(int(sys.argv[1]), 65536, 0, python_objects=True)
+inj.redirect()
+print(len(inj.py_fields), flush=True)
+time.sleep(60)
+"""
+
+
+def test_python_objects_are_opt_in_and_a_default_recorder_gives_their_allocator_back():
+    """Without python_objects CPython's domains stay pymalloc's (optimised builds inline it only
+    while it is theirs), and the process is told why; a default recorder that adopts a sampler whose
+    domains an earlier recorder redirected (then was SIGKILLed) writes CPython's functions back."""
+    s = Stress([sys.executable, str(WORKLOADS / "py_stress.py"), "python", "1500"])
+    s.go()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen([sys.executable, "-c", PY_SETTER, str(s.pid)], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    assert first.stdout.readline().strip() == "8"    # malloc, calloc, realloc, free of two domains
+    first.kill()
+    first.wait()
+    inj = inject.inject(s.pid, 65536, 0)
+    assert inj.adopted
+    inj.redirect()
+    assert not inj.py_fields
+    path, bias, doms, _ = inj.python
+    ours = {inj.wrapper(f"py_{d}_{f}") for d in ("mem", "obj") for f in pydomains.FIELDS[1:]}
+    with open(f"/proc/{s.pid}/mem", "rb") as mem:
+        for d in ("mem", "obj"):
+            mem.seek(bias + doms.get(d))
+            fields = struct.unpack("<5Q", mem.read(40))
+            assert not ours & set(fields[1:]), (d, [hex(v) for v in fields])
+    assert any("are not sampled apart from malloc (--python-objects" in n for n in inj.news), inj.news
+    inj.restore()
+    ok, checksum, _, _ = s.result()
+    assert ok == "ok", checksum
 
 
 # -- the stopped thread ---------------------------------------------------------------------------
@@ -394,7 +433,6 @@ def test_cpythons_allocator_domains_are_found_in_its_code():
     where the interpreter itself says they are: PyMem_GetAllocator's answer, read back in-process."""
     import glob
 
-    from sampler.inprocess import pydomains
     libs = ["/usr/bin/python3.11", *glob.glob("/root/.pyenv/versions/3.*/lib/libpython3.*.so.1.0")]
     for path in libs:
         doms = pydomains.locate(path)
@@ -433,7 +471,7 @@ def test_python_objects_are_their_own_source_and_match_the_truth(gated, record, 
     from analysis.dataset import latest_outstanding, read_table
     env = {} if pymalloc else {"PYTHONMALLOC": "malloc"}
     t = gated([python, str(WORKLOADS / "py_objects.py"), "200000"], ready="ready", stream="stdout", env=env)
-    rec = record("--pid", str(t.pid), "-i", "1", "--sample-bytes", "32K")       # the default rate cap
+    rec = record("--pid", str(t.pid), "-i", "1", "--sample-bytes", "32K", "--python-objects")  # default rate cap
     rec.wait_attached()
     deadline = time.monotonic() + 30
     note = "CPython objects sampled" if pymalloc else "not sampled apart from malloc (PYTHONMALLOC=malloc)"

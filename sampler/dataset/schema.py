@@ -105,8 +105,9 @@ OUTSTANDING = Table(
         Column("comm", STR, "Process name at snapshot time."),
         Column("source", STR, "`malloc` (malloc family and C++ operators of the probed allocator, or "
                               "the in-process sampler's `otel_memory` USDT samples in the inject and "
-                              "preload tiers), `python` (inject tier: CPython objects of up to 512 bytes, "
-                              "sampled in its object allocator since they never reach malloc; pymalloc's "
+                              "preload tiers), `python` (inject tier with --python-objects: CPython "
+                              "objects of up to 512 bytes, sampled in its object allocator since they "
+                              "never reach malloc; pymalloc's "
                               "arenas are then not counted again as `mmap`), "
                               "`mmap` (anonymous private mmap/mremap) or `fault` (always-on tier: "
                               "memory brought in by sampled page faults and not yet unmapped or "
@@ -217,7 +218,7 @@ PROCESSES = Table(
         Column("mmap_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source mmap."),
         Column("mmap_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("python_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source python (inject "
-                                                         "tier; 0 elsewhere)."),
+                                                         "tier with --python-objects; 0 elsewhere)."),
         Column("python_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("lost_events", pa.int64(), "Events lost so far because the ring buffer was full (cumulative)."),
         Column("dropped_samples", pa.int64(), "Sampled allocations not tracked because the live table "

@@ -154,6 +154,7 @@ class Injection:
     py_fields: dict[int, Slot] = field(default_factory=dict)  # CPython allocator-domain fields we changed
     python: tuple | str | None = None   # the process's CPython (_find_python), "" when none, None: not looked
     news: list[str] = field(default_factory=list)      # what the recorder should say (drained by it)
+    python_objects: bool = False    # redirect CPython's object and mem domains (_redirect_python)
     said: set[str] = field(default_factory=set)
 
     @property
@@ -240,6 +241,8 @@ class Injection:
                             self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", saved[j], path)
                         done.append(name)
                 continue
+            if not self.python_objects:
+                continue
             for j in range(1, 5):                       # Python set this domain since: none of it is ours
                 self.py_fields.pop(addr + 8 * j, None)
             if cur[0] != 0:
@@ -257,9 +260,28 @@ class Injection:
                 self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", cur[j], path)
                 changed += 1
             done.append(name)
+        if done and not self.python_objects:        # adopted from a recorder that sampled them
+            self._restore_python(mem)
+            done = []
         if done:
             self._say(f"CPython objects sampled in the {' and '.join(done)} domain{'s' * (len(done) > 1)} ({path})")
+        elif not self.python_objects:
+            self._say("CPython objects are not sampled apart from malloc (--python-objects samples them; "
+                      "optimised CPython builds inline pymalloc only while it is the domain's allocator: "
+                      "an allocation-heavy Python loop ran ~10% slower, docs/performance.md)")
         return changed
+
+    def _restore_python(self, mem: _Memory) -> int:
+        """The domains' fields that hold our functions get back CPython's; returns how many."""
+        restored = 0
+        order = {"malloc": 0, "calloc": 1, "realloc": 2, "free": 3}   # free last: see _redirect_python
+        for s in sorted(self.py_fields.values(), key=lambda x: order[x.name.rsplit("_", 1)[1]]):
+            with contextlib.suppress(OSError):
+                if mem.u64(s.addr) == self.wrapper(s.name):
+                    mem.write_u64(s.addr, s.original)
+                    restored += 1
+        self.py_fields.clear()
+        return restored
 
     def _find_python(self, maps: list[Mapping]) -> tuple | None:
         """(path, bias, domains, its code ranges) of the process's CPython, None without one (or one
@@ -354,12 +376,7 @@ class Injection:
         except OSError:
             return 0                                # the process is gone: nothing to restore
         with mem:
-            order = {"malloc": 0, "calloc": 1, "realloc": 2, "free": 3}   # free last: see _redirect_python
-            for s in sorted(self.py_fields.values(), key=lambda x: order[x.name.rsplit("_", 1)[1]]):
-                with contextlib.suppress(OSError):
-                    if mem.u64(s.addr) == self.wrapper(s.name):
-                        mem.write_u64(s.addr, s.original)
-                        restored += 1
+            restored += self._restore_python(mem)
             for s in self.symbols.values():
                 with contextlib.suppress(OSError):
                     mem.write_u64(s.addr, s.original)
@@ -410,9 +427,10 @@ class Injection:
         return (m.dev, m.inode, m.path) if m is not None else None
 
 
-def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
+def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: bool = False) -> Injection:
     """Place (or adopt) the sampler in `pid` and configure it; the slots are redirected by
-    Injection.redirect(), once the recorder's probes are on the sampler. Raises Refused."""
+    Injection.redirect(), once the recorder's probes are on the sampler (CPython's object allocator
+    too with `python_objects`). Raises Refused."""
     code, helper = built()
     layout = CodeLayout.of(code)
     try:
@@ -427,7 +445,7 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int) -> Injection:
     adopted, stop_ns = base is not None, None
     if base is None:
         base, stop_ns = place(pid, helper, layout)
-    inj = Injection(pid, base, layout, originals, adopted=adopted, stop_ns=stop_ns)
+    inj = Injection(pid, base, layout, originals, adopted=adopted, stop_ns=stop_ns, python_objects=python_objects)
     _configure(inj, sample_mean, max_samples_per_s, maps)
     return inj
 

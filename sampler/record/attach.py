@@ -45,8 +45,10 @@ class Attacher:
                  fault_all: bool, fault_cgroups: list[int], gpu: GpuTracer | None,
                  python: PythonTargets | None, governor: Governor | None,
                  note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool,
-                 attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000):
+                 attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000,
+                 python_objects: bool = False):
         self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
+        self.python_objects = python_objects
         self.attach_mode, self.sample_mean, self.max_samples_per_s = attach_mode, sample_mean, max_samples_per_s
         self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
         self.gpu, self.python, self.governor = gpu, python, governor
@@ -171,7 +173,7 @@ class Attacher:
         try:
             if self._emits_otel_memory(t):
                 return                      # samples itself already (the preload shim): never twice
-            t.injection = inject.inject(t.pid, self.sample_mean, self.max_samples_per_s)
+            t.injection = inject.inject(t.pid, self.sample_mean, self.max_samples_per_s, self.python_objects)
         except (inject.Refused, OSError, ElfFormatError) as e:
             if isinstance(e, ProcessLookupError) or not os.path.exists(f"/proc/{t.pid}"):
                 raise ProcessLookupError(t.pid) from None

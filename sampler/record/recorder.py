@@ -81,6 +81,7 @@ class RecordOptions:
     syscalls_only: bool = False
     probe_mode: str = "auto"
     attach_mode: str = "auto"             # auto | inject | uprobe (sampler/record/attach.py)
+    python_objects: bool = False          # inject tier: CPython's object allocator too
     live_max: int = 262144
     max_frames: int = 127                 # native frames unwound per stack
     stack_bytes: int = 16 << 10           # user stack copied per sampled event
@@ -192,7 +193,7 @@ class Recorder:
                                  gpu=self.gpu, python=self.python, governor=self.governor,
                                  note=self._target_row, warn=self._warn, quiet=o.quiet,
                                  attach_mode=o.attach_mode, sample_mean=o.sample_mean,
-                                 max_samples_per_s=o.max_samples_per_s)
+                                 max_samples_per_s=o.max_samples_per_s, python_objects=o.python_objects)
         self.controls = Controls(self.probes, self.governor, SampleRate(o.max_samples_per_s), o.sample_mean,
                                  self.attacher, self._target_row)
         if o.rss or o.all_processes or o.cgroups:

@@ -108,6 +108,7 @@ class DaemonConfig:
     interval_s: float = 10                                     # snapshot interval
     sample_bytes: int = field(default=512 << 10, metadata=_SIZE_META)   # mean bytes between samples
     attach_mode: str = "auto"                                  # attach tier: inject, else uprobes
+    python_objects: bool = False                               # inject tier: CPython's object allocator
     cpu_budget_percent: float = 3                              # governor: probe cost per target process
     max_samples_per_s: int = 2000                              # per process: its sample mean rises above
     vm_events_per_s: int = 2000                                # per process: unsampled syscall events sent
@@ -328,6 +329,7 @@ _DAEMON: dict[str, Callable[[Any], Any]] = {
     "interval_s": _number(1, 3600),
     "sample_bytes": _size(1, 1 << 30),
     "attach_mode": _choice(ATTACH_MODES),
+    "python_objects": _bool,
     "cpu_budget_percent": _number(0, 100),
     "max_samples_per_s": _number(0, 1_000_000, integer=True),
     "vm_events_per_s": _number(0, 1_000_000, integer=True),

@@ -155,7 +155,7 @@ class Daemon(RecorderHooks):
         opts = RecordOptions(
             out=str(self.root), interval=d.interval_s, sample_mean=d.sample_bytes, live_max=LIVE_MAX,
             fault_period=d.fault_period, cpu_budget=d.cpu_budget_percent / 100, ringbuf_bytes=RINGBUF_BYTES,
-            attach_mode=d.attach_mode,
+            attach_mode=d.attach_mode, python_objects=d.python_objects,
             max_samples_per_s=d.max_samples_per_s, vm_events_per_s=d.vm_events_per_s,
             daemon=True, quiet=True, argv=" ".join(sys.argv))
         self.rec = rec = Recorder(opts, hooks=self)
