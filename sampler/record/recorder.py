@@ -203,6 +203,11 @@ class Recorder:
 
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
+        # from the start: a stop asked for while loading or attaching ends the recording cleanly once
+        # attached (slots restored), and is not lost where the caller left SIGINT ignored (a shell's
+        # background job)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
         self._load()
         self._write_recording(ended=None)
         self.probes.open_events(self._on_event)
@@ -230,8 +235,6 @@ class Recorder:
 
     def _loop(self) -> None:
         o = self.opts
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
         deadline = time.monotonic() + o.duration if o.duration else None
         next_snap = time.monotonic() + o.interval
         self._last_snap = time.monotonic()
