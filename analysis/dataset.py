@@ -23,13 +23,59 @@ def read_table(root: str | Path, name: str, *, filter=None, columns: list[str] |
         empty = table.schema.empty_table().to_pandas()
         return empty[columns] if columns else empty
     dataset = ds.dataset(path, format="parquet", partitioning="hive")
+    missing = [f for f in table.schema if f.name not in dataset.schema.names]
+    if missing:     # columns added since the first file was written: null there
+        dataset = ds.dataset(path, format="parquet", partitioning="hive",
+                             schema=pa.schema([*dataset.schema, *missing]))
     return dataset.to_table(filter=filter, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
+
+
+# A process's last running snapshot within this many seconds of its exit, with less than half of
+# the sampled memory of the snapshot before, is its teardown too (finalization began before it).
+TEARDOWN_S = 3.0
+HELD_SOURCES = ("malloc", "python", "mmap")
+
+
+def split_exit(out: pd.DataFrame, exits: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(running rows, teardown rows) of `outstanding` rows: exit is not a free. The rows written at
+    a process's exit (`exiting`) hold what its teardown (interpreter finalization, atexit) left;
+    so does a last snapshot taken while the teardown ran. `exits`: `targets` rows of event `exit`
+    (ts, recording_id, pid), for processes whose teardown freed everything (no rows at exit)."""
+    if out.empty or "exiting" not in out:
+        return out.drop(columns="exiting", errors="ignore"), out.iloc[:0]
+    at_exit = out["exiting"].fillna(False).astype(bool).to_numpy()
+    keys = ["recording_id", "pid"]
+    when = out.loc[at_exit, [*keys, "ts"]]
+    if exits is not None and len(exits):
+        when = pd.concat([when, exits[[*keys, "ts"]]])
+    if len(when):
+        exited = when.groupby(keys, observed=True)["ts"].min()
+        held = out[~at_exit & out["source"].astype(str).isin(HELD_SOURCES)]
+        held = held[pd.MultiIndex.from_frame(held[keys]).isin(exited.index)]
+        # the last two snapshots of each exited process: (ts, sampled bytes held)
+        per_ts = held.groupby([*keys, "ts"], observed=True)["outstanding_bytes"].sum()
+        last2 = per_ts.groupby(level=[0, 1], observed=True).tail(2)
+        for (rec, pid), g in last2.groupby(level=[0, 1], observed=True):
+            ts = g.index.get_level_values("ts")
+            if len(g) == 2 and (exited[(rec, pid)] - ts[-1]).total_seconds() <= TEARDOWN_S \
+                    and g.iloc[-1] < 0.5 * g.iloc[-2]:
+                at_exit |= ((out["recording_id"] == rec) & (out["pid"] == pid) & (out["ts"] == ts[-1])).to_numpy()
+    out = out.drop(columns="exiting")
+    return out[~at_exit], out[at_exit]
+
+
+def exit_events(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame:
+    """`targets` rows of the processes' exits (ts, recording_id, pid)."""
+    flt = ds.field("event") == "exit"
+    if pids:
+        flt = flt & ds.field("pid").isin(pids)
+    return read_table(root, "targets", filter=flt, columns=["ts", "recording_id", "pid"])
 
 
 def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame:
     """The last snapshot of each (recording, process), joined with stack summaries."""
     flt = ds.field("pid").isin(pids) if pids else None
-    out = read_table(root, "outstanding", filter=flt)
+    out, _ = split_exit(read_table(root, "outstanding", filter=flt), exit_events(root, pids))
     if out.empty:
         return out
     last = out.groupby(["recording_id", "pid"], observed=True)["ts"].transform("max")
@@ -44,7 +90,7 @@ class Dataset:
     """The tables of one dataset directory, filtered, as DataFrames."""
 
     root: Path
-    outstanding: pd.DataFrame
+    outstanding: pd.DataFrame          # running state only (split_exit)
     processes: pd.DataFrame
     stacks: pd.DataFrame
     frames: pd.DataFrame
@@ -52,6 +98,7 @@ class Dataset:
     targets: pd.DataFrame
     recordings: pd.DataFrame
     sources: list[str] | None = None    # the source filter it was loaded with (None: all)
+    teardown: pd.DataFrame | None = None   # outstanding rows of exiting processes' teardowns
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:
         return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
@@ -75,7 +122,7 @@ def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
 
 # What the detectors and reports read of `outstanding` (the big table): the rest stays on disk.
 OUTSTANDING_COLUMNS = ["ts", "recording_id", "pid", "comm", "source", "stack_id", "outstanding_bytes",
-                       "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples"]
+                       "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples", "exiting"]
 
 
 def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] | None = None,
@@ -100,6 +147,8 @@ def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] 
 
     src = ds.field("source").isin(sources) if sources else None
     outstanding = read_table(root, "outstanding", filter=both(when, by_pid, src), columns=outstanding_columns)
+    targets = read_table(root, "targets", filter=by_pid)
+    outstanding, teardown = split_exit(outstanding, targets[targets["event"] == "exit"])
     stacks = read_table(root, "stacks").drop_duplicates("stack_id")
     frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
     return Dataset(
@@ -109,7 +158,8 @@ def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] 
         stacks=stacks,
         frames=frames,
         vm_events=read_table(root, "vm_events", filter=both(when, by_pid)),
-        targets=read_table(root, "targets", filter=by_pid),
+        targets=targets,
         recordings=read_table(root, "recordings"),
         sources=sources,
+        teardown=teardown,
     )

@@ -27,6 +27,10 @@ SHOWN_FRAMES = 6
 ALLOCATOR_MODULES = re.compile(r"^(libc\.so|libc-|libstdc\+\+|libjemalloc|libtcmalloc|libmimalloc|ld-linux)")
 ENTRY_FUNCTIONS = {"_start", "__libc_start_main", "__libc_start_call_main", "__libc_start_main_impl",
                    "start_thread", "clone", "clone3", "__clone3"}
+# CPython itself: libpython, or an executable that links it statically
+INTERPRETER_MODULES = re.compile(r"^(libpython\d|python\d)")
+# Python's thread bootstrap (threading.py): like ENTRY_FUNCTIONS, where a thread starts, not why
+THREAD_BOOTSTRAP = {"run", "_bootstrap_inner", "_bootstrap"}
 # Python code of the interpreter and of installed packages: the user's own frame is the
 # innermost one outside these (torch's `relu` is where, `train_step` is why).
 _LIBRARY_CODE = re.compile(r"/lib/python3[^/]*/|/(site|dist)-packages/|^<frozen ")
@@ -68,7 +72,12 @@ def frames_json(ds: Dataset, stack_id: int) -> list[Frame]:
 def site(frames: list[Frame]) -> str:
     """The innermost named frame, and the innermost Python frame above it (the line a Python
     user recognises), e.g. `alloc_cpu (libc10.so) from train_step (train.py:41)`."""
-    named = next((f for f in frames if f["function"]), None)
+    # past the allocator's own frames (a page fault in malloc's header write, glibc's mmap of a
+    # large chunk): its caller is the site
+    lo = 0
+    while lo < len(frames) - 1 and ALLOCATOR_MODULES.match(str(frames[lo].get("module") or "")):
+        lo += 1
+    named = next((f for f in frames[lo:] if f["function"]), None) or next((f for f in frames if f["function"]), None)
     if named is None:
         return f"an unsymbolized stack in {frames[0]['module']}" if frames else "an unknown stack"
     where = _where(named)
@@ -137,3 +146,60 @@ def _hex(v: Any) -> str:
 
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float | np.integer | np.floating) and math.isfinite(v)
+
+
+def cause_representatives(frames: pd.DataFrame) -> dict[int, int]:
+    """stack_id -> the stack that stands for it, for stacks that differ only in their thread start
+    (the frames from the first entry function, the thread's start routine or Python's thread
+    bootstrap outwards): one cause, one series. Native frames compare by module and offset,
+    Python frames by file, function and line; Python code that allocates through the interpreter
+    alone compares by its Python frames. Stacks that stand for themselves are left out."""
+    if frames.empty:
+        return {}
+    f = frames.drop_duplicates(["stack_id", "depth"]).sort_values(["stack_id", "depth"])
+    fn, kind = f["function"].astype(object), f["kind"].astype(str)
+    python = (kind == "python").to_numpy()
+    entry = fn.isin(ENTRY_FUNCTIONS).to_numpy() | (
+        python & (f["module"].astype(str) == "threading.py").to_numpy() & fn.isin(THREAD_BOOTSTRAP).to_numpy())
+    # the thread's start routine, the frame just inside start_thread, is where it started too
+    entry |= np.append((fn.to_numpy()[1:] == "start_thread") & (f["stack_id"].to_numpy()[1:]
+                                                                == f["stack_id"].to_numpy()[:-1]), False)
+    cut = f["stack_id"].map(f.loc[entry].groupby("stack_id")["depth"].min()).fillna(np.iinfo(np.int32).max)
+    # Python code that allocates through the interpreter alone (every native frame inside its
+    # innermost Python frame is the interpreter's): the Python frames are the cause, whichever object
+    # type happened to need the block (a pymalloc arena serves every type)
+    sid = f["stack_id"].to_numpy()
+    first_py = f["stack_id"].map(f.loc[python].groupby("stack_id")["depth"].min())
+    foreign = (~python & ~f["module"].astype(object).fillna("").astype(str).str.match(INTERPRETER_MODULES).to_numpy()
+               & (f["depth"] < first_py).to_numpy())
+    by_python = ~np.isin(sid, sid[foreign]) & first_py.notna().to_numpy()
+    keep = (f["depth"] < cut).to_numpy() & (~by_python | python)
+    inner = f[keep]
+    py = (inner["kind"].astype(str) == "python").to_numpy()
+    def txt(col: str) -> pd.Series:
+        return inner[col].astype(object).fillna("").astype(str) if col in inner else pd.Series("", inner.index)
+
+    label = np.where(py, txt("file") + ":" + txt("function") + ":" + txt("line"), txt("module") + "+" + txt("offset"))
+    keys = pd.Series(label, index=inner.index).groupby(inner["stack_id"].to_numpy()).agg("<".join)
+    # stacks cut nowhere keep their full key, so they merge only with an identical inner part
+    rep = pd.Series(keys.index, index=keys.index).groupby(keys.to_numpy()).transform("min")
+    return {int(a): int(b) for a, b in rep.items() if a != b}
+
+
+def site_key(frames: list[Frame]) -> tuple:
+    """What a stack says about who allocated, at the level of functions: the allocator's own
+    frames at the top and the thread start at the bottom dropped, native frames as (module,
+    function), unsymbolized ones by offset, Python frames with their line. The same code seen
+    through two sources (the malloc call and the page faults of its memset) has one key."""
+    lo, hi = 0, len(frames)
+    while lo < hi - 1 and ALLOCATOR_MODULES.match(str(frames[lo].get("module") or "")):
+        lo += 1
+    for i in range(lo, hi):
+        f = frames[i]
+        fn = _text(f.get("function"))
+        if fn in ENTRY_FUNCTIONS or (f.get("kind") == "python" and f.get("module") == "threading.py"
+                                     and fn in THREAD_BOOTSTRAP):
+            hi = i - 1 if fn == "start_thread" and i - 1 > lo else i     # and the thread's start routine
+            break
+    return tuple((f.get("module"), _text(f.get("function")) or _hex(f.get("offset")),
+                  f.get("line") if f.get("kind") == "python" else None) for f in frames[lo:hi])

@@ -35,6 +35,8 @@ apt_install() {
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
 # <sys/sdt.h>: the preload shim's USDT probes (sampler/inprocess/preload.c); g++ for its C++ test.
 apt_install systemtap-sdt-dev g++
+# jemalloc: the C server of tests/test_diagnoses.py runs on it (extents and their allocations)
+apt_install libjemalloc2
 # Python headers: the readable-stacks tests build a C extension (tests/workloads/leakext.c).
 apt_install python3-dev
 # Debug symbols for libc: readable malloc-internal frames (symbolizer uses /usr/lib/debug/.build-id).

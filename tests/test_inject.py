@@ -23,6 +23,7 @@ from sampler.probes import usdt
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"     # scripts/setup.sh installs libjemalloc2
 MiB = 1 << 20
 
 
@@ -136,8 +137,8 @@ class Stress:
     """A self-checking workload (inject_stress.c, py_stress.py), started and released;
     result() -> ("ok", checksum, signals, forks)."""
 
-    def __init__(self, argv: list[str]):
-        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, argv: list[str], env: dict | None = None):
+        self.p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         assert self.p.stdout.readline().strip() == "ready"
 
     @property
@@ -154,8 +155,8 @@ class Stress:
         return out.split()
 
 
-def _reference(argv: list[str]) -> str:
-    s = Stress(argv)
+def _reference(argv: list[str], env: dict | None = None) -> str:
+    s = Stress(argv, env)
     s.go()
     return s.result()[1]
 
@@ -214,6 +215,36 @@ def _cycle_through(argv: list[str], expected: str) -> None:
     assert ok == "ok" and checksum == expected and int(signals) > 0 and int(forks) > 0
     maps = Path(f"/proc/{os.getpid()}/maps").read_text()
     assert inject.MEMFD_NAME not in maps          # the recorder placed nothing into itself
+
+
+REDIRECTOR = """
+import sys, time
+from sampler.inprocess import inject
+inj = inject.inject(int(sys.argv[1]), 65536, 0)
+inj.redirect()
+print(inj.allocator, flush=True)
+time.sleep(120)
+"""
+
+
+def test_an_allocator_mapped_at_a_text_offset_is_forwarded_to_its_own_functions(stress):
+    """jemalloc preloaded, the sampler placed before the workload first calls calloc, realloc or
+    posix_memalign (their slots still lazy): each is forwarded to jemalloc's own definition (they
+    were once off by the file offset of its text mapping, and the process crashed in jemalloc)."""
+    env = {**os.environ, "LD_PRELOAD": JEMALLOC}
+    argv = [str(stress[0]), "300000", str(stress[1])]
+    expected = _reference(argv, env)
+    s = Stress(argv, env)
+    setter = subprocess.Popen([sys.executable, "-c", REDIRECTOR, str(s.pid)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert setter.stdout.readline().strip() == f"jemalloc:{JEMALLOC}"
+        s.go()
+        ok, checksum, _, _ = s.result()
+        assert ok == "ok" and checksum == expected
+    finally:
+        setter.kill()
+        setter.wait()
 
 
 PY_SETTER = """

@@ -149,6 +149,9 @@ def test_detect_threads_walk_frames(nested: Nested):
     assert proc.eval_ranges and proc.module_ranges
     for lo, hi in proc.eval_ranges:
         assert any(mlo <= lo < hi <= mhi for mlo, mhi in proc.module_ranges)
+    # sorted: the stack merge bisects them (pyenv's builds put .cold below the function, and an
+    # unsorted list left every Python frame outside the interpreter frames that ran it)
+    assert proc.eval_ranges == sorted(proc.eval_ranges)
     # Addresses that are not code objects never produce frames.
     reader = CodeReader(proc)
     assert reader.frames([(0, 0), (proc.runtime, 0), (proc.types.code, 0)]) == []

@@ -61,7 +61,7 @@ HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
 
 
 def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,
-                       min_windows: int = 3) -> list[Finding]:
+                       min_windows: int = 3, min_measured_windows: int = 2) -> list[Finding]:
     """arena_bloat findings, one per process and recording at most."""
     if ds.processes.empty:
         return []
@@ -71,7 +71,8 @@ def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: fl
     for (rec, pid), p in ds.processes.groupby(["recording_id", "pid"], observed=True):
         key = (str(rec), int(pid))
         f = _detect(p.sort_values("ts"), key, meta, vm.get(key, ds.vm_events.iloc[:0]),
-                    targets.get(key, ds.targets.iloc[:0]), min_bloat, min_ratio, min_windows)
+                    targets.get(key, ds.targets.iloc[:0]), min_bloat, min_ratio, min_windows,
+                    min_measured_windows)
         if f is not None:
             findings.append(f)
     return findings
@@ -104,30 +105,40 @@ def _free_lists(ds: Dataset) -> pd.DataFrame | None:
 
 
 def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm: pd.DataFrame,
-            targets: pd.DataFrame, min_bloat: int, min_ratio: float, min_windows: int) -> Finding | None:
+            targets: pd.DataFrame, min_bloat: int, min_ratio: float, min_windows: int,
+            min_measured_windows: int) -> Finding | None:
     """The finding for one process in one recording (`p`: its snapshots in time order), or None."""
     rec, pid = key
     execs = targets.loc[targets["event"] == "exec", "ts"]
     if len(execs):                        # an exec replaced the heap: only what followed counts
         p = p[p["ts"] > execs.max()]
-    if len(p) < min_windows:
+    if len(p) < min(min_windows, min_measured_windows):
         return None
     if meta is None:
         p = p.assign(free_resident=np.nan, trimmable=np.nan, kept=np.nan)
     else:
         p = p.assign(recording_id=rec).merge(meta, on=["recording_id", "pid", "ts"], how="left")
     resident = (p["heap_rss"] + p["heap_swap"] + p["arena_rss"] + p["arena_swap"]).to_numpy(float)
-    live = (p["heap_live_bytes"].fillna(0) + p["arena_live_bytes"].fillna(0)).to_numpy(float)
-    se = p["heap_arena_live_stderr_bytes"].fillna(0).to_numpy(float)
+    # unknown is not zero: live is null while the process's tier does not see allocations (rss,
+    # syscalls); such a snapshot has no sampled bloat, and breaks a run unless the free lists were read
+    live = (p["heap_live_bytes"] + p["arena_live_bytes"]).to_numpy(float)
+    se = p["heap_arena_live_stderr_bytes"].to_numpy(float)
     slack = ((p["arena_heaps"] + 1) * HEAP_OVERHEAD + p["threads"] * TCACHE_PER_THREAD).to_numpy(float)
     sampled = np.maximum(0.0, resident - live - slack)
     measured = p["free_resident"].to_numpy(float)
     known = ~np.isnan(measured)
     bloat = np.where(known, measured, sampled)
     threshold = np.maximum(min_bloat, min_ratio * resident)
-    run = _last_run(bloat >= threshold, min_windows)
+    with np.errstate(invalid="ignore"):
+        over = bloat >= threshold
+    # a measured verdict (free lists) needs fewer snapshots than one estimated from samples
+    run = _last_run(over, min(min_windows, min_measured_windows))
+    if run is not None and run.stop - run.start < min_windows and not known[run].all():
+        run = _last_run(over, min_windows)
     if run is None or (not known[run].any() and not _probed(targets)):
         return None
+    if np.isnan(live[run]).any():      # the free lists carry the run where live was not measured
+        live, se = np.nan_to_num(live), np.nan_to_num(se)
     t = (p["ts"] - p["ts"].iloc[0]).dt.total_seconds().to_numpy()
     first, last = run.start, run.stop - 1
     rise = theil_sen(*bin_series(t[run], live[run], se[run], 200)[:2]) * (t[last] - t[first])
@@ -233,8 +244,9 @@ def _recommend(bloat: float, arenas: int, trimmable: float | None, kept: float |
     options.sort(key=lambda o: -o[0])
     text = [o[1] for o in options]
     if trimmable is None:
-        text.append("malloc_trim(0) returns whole free pages inside arenas: how much is trimmable is unknown "
-                    "without the free lists (record as root so they can be read)")
+        text.append("malloc_trim(0) returns whole free pages inside arenas: how much is trimmable is unknown, "
+                    "as glibc's free lists could not be read consistently in this recording (the process "
+                    "changed them during every read)")
     elif trimmable < 0.25 * bloat:
         text.append(f"malloc_trim(0) would return only {fmt_bytes(trimmable)}: the rest is pinned by live chunks "
                     f"scattered over the pages")

@@ -22,17 +22,18 @@ Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 poi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset
-from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen
+from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen, theil_sen_interval
 from analysis.findings import Finding
-from analysis.frames import frames_json, site
+from analysis.frames import ALLOCATOR_MODULES, cause_representatives, frames_json, site, site_key
 from analysis.units import fmt_hours
-from sampler.dataset.sources import GPU_SOURCES
+from sampler.dataset.sources import ALLOCATION_TIERS, FAULT, GPU_SOURCES, MALLOC, MMAP, PYTHON, RSS, TORCH
 from sampler.units import fmt_bytes
 
 MiB = 1 << 20
@@ -157,6 +158,11 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
     out = ds.outstanding
     if out.empty:
         return pd.DataFrame(columns=["recording_id", "pid", "source", "stack_id", "classification"])
+    reps = cause_representatives(ds.frames[ds.frames["stack_id"].isin(out["stack_id"].unique())])
+    out = merge_causes(out, reps)
+    merged: dict[int, list[int]] = {}
+    for other, rep in reps.items():
+        merged.setdefault(rep, []).append(other)
     rec = out["recording_id"].astype("category")
     src = out["source"].astype("category")
     comm = out["comm"].astype("category")
@@ -166,11 +172,13 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
     cols = {name: out[name].to_numpy() for name in ("outstanding_bytes", "outstanding_stderr_bytes",
                                                     "live_samples", "alloc_samples", "free_samples", "stack_id")}
     ts_all = out["ts"].dt.as_unit("us")
+    tiers = _tiers(ds)
     rows = []
     for idx in np.split(by_proc, edges):
         p = int(proc[idx[0]])
         ts = ts_all.iloc[idx].astype("int64").to_numpy()                 # microseconds
         grid = np.unique(ts)                                              # every snapshot of the process
+        measured = _measured(tiers.get((str(rec.cat.categories[p >> 32]), p & 0xFFFFFFFF)), grid)
         skey, stack = src.cat.codes.to_numpy()[idx], cols["stack_id"][idx]
         order = np.lexsort((ts, stack, skey))
         ts, skey, stack = ts[order], skey[order], stack[order]
@@ -189,31 +197,96 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
             at = np.searchsorted(grid, ts[a:b])
             y, sd, live, churn = (np.zeros(len(grid)) for _ in range(4))
             y[at], sd[at], live[at], churn[at] = y_all[a:b], s_all[a:b], live_all[a:b], churn_all[a:b]
-            tr = classify(t, y, sd, churn, live)
+            source = str(src.cat.categories[skey[a]])
+            # unknown is not zero: only the snapshots in which the process's tier measured this source
+            m = measured.get(source)
+            if m is not None and not m.all():
+                y, sd, live, churn, tm = y[m], sd[m], live[m], churn[m], t[m]
+                ends_at = grid[m][-1] if m.any() else grid[0]
+            else:
+                tm, ends_at = t, grid[-1]
+            tr = classify(tm, y, sd, churn, live)
             seen = live_all[a:b] > 0
             first = grid[at[seen][0]] if seen.any() else grid[0]
             rows.append({
                 "recording_id": rec.cat.categories[p >> 32], "pid": p & 0xFFFFFFFF, "comm": last_comm,
-                "source": src.cat.categories[skey[a]], "stack_id": int(stack[a]),
+                "source": source, "stack_id": int(stack[a]),
                 "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
                 "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
-                "confidence": tr.confidence, "outstanding_bytes": float(y[-1]),
-                "outstanding_stderr_bytes": float(sd[-1]),
+                "confidence": tr.confidence, "outstanding_bytes": float(y[-1]) if len(y) else 0.0,
+                "outstanding_stderr_bytes": float(sd[-1]) if len(sd) else 0.0,
                 "first_seen": pd.Timestamp(int(first), unit="us", tz="UTC"),
-                "last_seen": pd.Timestamp(int(grid[-1]), unit="us", tz="UTC"),
-                "window_s": float(t[-1]), "points": len(grid),
+                "last_seen": pd.Timestamp(int(ends_at), unit="us", tz="UTC"),
+                "measured_until": (pd.Timestamp(int(ends_at), unit="us", tz="UTC") if ends_at != grid[-1]
+                                   else None),
+                "window_s": float(tm[-1] - tm[0]) if len(tm) else 0.0, "points": len(tm),
+                "merged_stack_ids": merged.get(int(stack[a])),
             })
     return pd.DataFrame(rows)
 
 
+# Which sources a tier measures (sampler/dataset/sources.py): allocations only in the allocation
+# tiers, page faults only in the always-on tier; mmap and the GPU sources in every tier.
+ALLOCATION_SOURCES = (MALLOC, PYTHON, TORCH)
+
+
+def _tiers(ds: Dataset) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
+    """(recording, pid) -> (snapshot times in us, tier at each) from `processes`."""
+    p = ds.processes
+    if p.empty or "tier" not in p:
+        return {}
+    out = {}
+    for (r, pid), g in p.sort_values("ts").groupby(["recording_id", "pid"], observed=True):
+        out[(str(r), int(pid))] = (g["ts"].dt.as_unit("us").astype("int64").to_numpy(),
+                                   g["tier"].astype(object).fillna("").astype(str).to_numpy())
+    return out
+
+
+def _measured(tiers: tuple[np.ndarray, np.ndarray] | None, grid: np.ndarray) -> dict[str, np.ndarray]:
+    """Per source whose measurement depends on the tier: which snapshots of `grid` measured it (a
+    snapshot without a `processes` row or a tier, as in older data, counts as measured)."""
+    if tiers is None:
+        return {}
+    ts, tier = tiers
+    at = np.searchsorted(ts, grid)
+    found = (at < len(ts)) & (ts[np.minimum(at, len(ts) - 1)] == grid)
+    t = np.where(found, tier[np.minimum(at, len(ts) - 1)], "")
+    unknown = ~found | (t == "")
+    return {**dict.fromkeys(ALLOCATION_SOURCES, unknown | np.isin(t, ALLOCATION_TIERS)), FAULT: unknown | (t == RSS)}
+
+
+def merge_causes(out: pd.DataFrame, reps: dict[int, int]) -> pd.DataFrame:
+    """Outstanding rows with each stack replaced by the one that stands for it (frames.
+    cause_representatives) and rows of one snapshot, source and cause summed (variances add:
+    different stacks are sampled independently)."""
+    if not reps:
+        return out
+    involved = out["stack_id"].isin(set(reps) | set(reps.values())).to_numpy()
+    m = out[involved]
+    m = m.assign(stack_id=m["stack_id"].map(lambda s: reps.get(s, s)).astype("int64"),
+                 var=m["outstanding_stderr_bytes"] ** 2)
+    sums = {c: "sum" for c in ("outstanding_bytes", "var", "live_samples", "alloc_samples", "free_samples")
+            if c in m}
+    g = m.groupby(["recording_id", "pid", "ts", "source", "stack_id"], observed=True, sort=False)
+    merged = g.agg({**sums, "comm": "last"}).reset_index()
+    merged["outstanding_stderr_bytes"] = np.sqrt(merged.pop("var"))
+    return pd.concat([out[~involved], merged[[c for c in out.columns if c in merged]]], ignore_index=True)
+
+
 def _process_trend(ds: Dataset, rec: str, pid: int) -> dict:
+    """RSS at the end, the limit, and the RSS slope over the last half of the window with its 95%
+    interval: an OOM projection rests on a trend that is still rising at the end."""
     p = ds.processes
     p = p[(p["recording_id"] == rec) & (p["pid"] == pid)].sort_values("ts")
     if len(p) < 2:
         return {}
     t, rss, _ = _binned(p)
+    tail = t >= t[-1] - (t[-1] - t[0]) / 2
+    if tail.sum() < 4:
+        tail = np.arange(len(t)) >= len(t) - 4
     last = p.iloc[-1]
-    return {"rss": float(last["rss"]), "limit": _limit(last["memory_limit"]), "rss_slope": theil_sen(t, rss)}
+    return {"rss": float(last["rss"]), "limit": _limit(last["memory_limit"]),
+            "rss_slope": theil_sen(t[tail], rss[tail]), "rss_slope_ci": theil_sen_interval(t[tail], rss[tail])}
 
 
 def _limit(v) -> float:
@@ -240,39 +313,145 @@ def time_to_oom_hours(rss: float, limit: float, rss_slope: float, leak_rate: flo
     return None, ""
 
 
+@dataclass(frozen=True)
+class OomProjection:
+    hours: float | None          # at the estimated rate; None: no projection
+    low: float | None            # at the fastest rate of the 95% interval
+    high: float | None           # at the slowest; None: the slowest plausible rate is not growth
+    basis: str                   # rss_trend | leak_rate | rss_at_limit | ""
+
+    def text(self, limit: float) -> str:
+        if self.hours is None:
+            return ""
+        if self.basis == "rss_at_limit":
+            return f"; the process is at its {fmt_bytes(limit)} limit"
+        span = (f"{fmt_hours(self.low or 0.0)} to {fmt_hours(self.high)}" if self.high is not None
+                else f"at least {fmt_hours(self.low or 0.0)}")
+        return (f"; at the {'RSS trend' if self.basis == 'rss_trend' else 'leak rate'} of the end of the window "
+                f"the process reaches its {fmt_bytes(limit)} limit in {fmt_hours(self.hours)} ({span}, 95%)")
+
+
+NO_PROJECTION = OomProjection(None, None, None, "")
+
+
+def project_oom(trend: dict, rate: float, rate_lo: float, rate_hi: float) -> OomProjection:
+    """When RSS reaches the limit: from RSS's own slope over the end of the window when that is
+    significantly rising, else from the leak's rate (`rate_lo`..`rate_hi`: its 95% interval)
+    assuming it adds to RSS; no projection from a trend that is not rising at the end."""
+    rss, limit = trend.get("rss", 0.0), trend.get("limit", 0.0)
+    if limit <= 0:
+        return NO_PROJECTION
+    if rss >= limit:
+        return OomProjection(0.0, 0.0, 0.0, "rss_at_limit")
+    lo, hi = trend.get("rss_slope_ci", (0.0, 0.0))
+    slope = trend.get("rss_slope", 0.0)
+    if lo > 0 and slope > 0:
+        basis, rate, rate_lo, rate_hi = "rss_trend", slope, lo, hi
+    elif rate > 0 and rate_lo > 0:
+        basis = "leak_rate"
+    else:
+        return NO_PROJECTION
+    room = (limit - rss) / 3600
+    return OomProjection(room / rate, room / rate_hi if math.isfinite(rate_hi) else 0.0,
+                         room / rate_lo if rate_lo > 0 else None, basis)
+
+
 def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
-    """persistent_growth findings (leaks), and unexplained_growth when RSS grows beyond what the
-    sampled allocations account for."""
+    """persistent_growth findings (leaks), one per cause, and unexplained_growth when RSS grows
+    beyond what the sampled allocations account for."""
     series = classify_series(ds) if series is None else series
     findings: list[Finding] = []
     trends: dict[tuple, dict] = {}
     # GPU sources are gpu_growth findings (analysis/detect/gpu.py), with the device as the limit
     leaks = series[(series["classification"] == "leak") & ~series["source"].astype(str).isin(GPU_SOURCES)] \
         if len(series) else series
+    leaks = one_per_cause(ds, leaks, series)
     for r in leaks.itertuples() if len(leaks) else ():
         pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
         rate_h = r.rate_bytes_per_s * 3600
-        ttoom, basis = time_to_oom_hours(pt.get("rss", 0), pt.get("limit", 0), pt.get("rss_slope", 0),
-                                         r.rate_bytes_per_s)
+        # the rate's 95% interval from its sampling noise over the sustained part (tail_z >= 3)
+        margin = 1.96 * r.rate_bytes_per_s / max(r.tail_z, 1e-9)
+        oom = project_oom(pt, r.rate_bytes_per_s, r.rate_bytes_per_s - margin, r.rate_bytes_per_s + margin)
         frames = frames_json(ds, r.stack_id)
         where = site(frames)
         limit = pt.get("limit", 0)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
-        text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)} "
-                f"({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the window"
-                + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
-        if ttoom is not None:
-            text += f"; the process reaches its {fmt_bytes(limit)} limit in {fmt_hours(ttoom)}"
+        held = f"{fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)}"
+        if r.source == FAULT and r.attribution == "first_touch":
+            text = (f"pages first touched by {where} hold {held} (fault: page faults show the code that first "
+                    f"wrote memory, not what allocated it) and grow {fmt_bytes(rate_h)}/h to the end of the window")
+        else:
+            text = (f"{where} holds {held} ({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the "
+                    + ("window" if r.measured_until is None else
+                       f"measured window (not measured since {pd.Timestamp(r.measured_until):%H:%M:%S} UTC, "
+                       f"when the process left the tier that sees it)"))
+        text += (" in a sawtooth" if r.pattern == "sawtooth" else "") + oom.text(limit)
         findings.append(Finding(
             "persistent_growth", r.pid, r.comm, severity, r.confidence, text + ".",
             {"source": r.source, "stack_id": int(r.stack_id), "frames": frames,
-             "growth_bytes_per_hour": rate_h, "outstanding_bytes": r.outstanding_bytes,
+             "growth_bytes_per_hour": rate_h, "growth_stderr_bytes_per_hour": margin / 1.96 * 3600,
+             "outstanding_bytes": r.outstanding_bytes,
              "outstanding_stderr_bytes": r.outstanding_stderr_bytes, "first_seen": r.first_seen,
-             "last_seen": r.last_seen, "time_to_oom_hours": ttoom, "time_to_oom_basis": basis or None,
-             "memory_limit_bytes": limit or None, "pattern": r.pattern, "classification": "leak",
-             "z": r.z, "recording_id": r.recording_id}))
+             "last_seen": r.last_seen, "measured_until": r.measured_until,
+             "time_to_oom_hours": oom.hours, "time_to_oom_low_hours": oom.low, "time_to_oom_high_hours": oom.high,
+             "time_to_oom_basis": oom.basis or None, "memory_limit_bytes": limit or None, "pattern": r.pattern,
+             "classification": "leak", "attribution": r.attribution, "also_seen_as": r.also_seen_as,
+             "merged_stack_ids": r.merged_stack_ids, "z": r.z, "recording_id": r.recording_id}))
     findings += _unexplained(ds, series)
     return findings
+
+
+def one_per_cause(ds: Dataset, leaks: pd.DataFrame, series: pd.DataFrame) -> pd.DataFrame:
+    """The leak series that are causes of their own, with `attribution` and `also_seen_as`.
+    Memory seen through two sources is one cause: the page faults inside a sampled mapping carry
+    the mapping's stack (sampler/record/recorder.py), and the resident view (fault) stands for
+    both; an allocator's own mappings (glibc's mmapped chunks, jemalloc's extents: an mmap whose
+    site is in the allocator) hold the blocks that the malloc source counts, when it was measured."""
+    if leaks.empty:
+        return leaks.assign(attribution=None, also_seen_as=None)
+    kind = series["source"].astype(str)
+
+    def keys(source: str, cols: tuple[str, ...]) -> set:
+        return set(zip(*(series.loc[kind == source, c] for c in cols), strict=True))
+
+    mapped = keys(MMAP, ("recording_id", "pid", "stack_id"))
+    with_malloc = keys(MALLOC, ("recording_id", "pid"))
+    fault_leaks = {(r.recording_id, r.pid, r.stack_id) for r in leaks.itertuples() if r.source == FAULT}
+    site_module = ds.frames[ds.frames["depth"] == 0].drop_duplicates("stack_id").set_index("stack_id")["module"]
+    keep, attribution, also = [], [], []
+    for r in leaks.itertuples():
+        k = (r.recording_id, r.pid, r.stack_id)
+        by_allocator = bool(ALLOCATOR_MODULES.match(str(site_module.get(r.stack_id, ""))))
+        keep.append(not (r.source == MMAP and (k in fault_leaks or (by_allocator and k[:2] in with_malloc))))
+        attribution.append("first_touch" if r.source == FAULT and k not in mapped else "allocation")
+        also.append(MMAP if r.source == FAULT and k in mapped else None)
+    out = leaks.assign(attribution=attribution, also_seen_as=also)[np.array(keep)]
+    return _across_sources(ds, out)
+
+
+def _across_sources(ds: Dataset, leaks: pd.DataFrame) -> pd.DataFrame:
+    """One finding for the same code seen through different sources (frames.site_key): malloc
+    until a tier change and its page faults after it, an allocator's extent and the allocations
+    carved from it. The series measured last stands for the others (its rate is the current one);
+    series of one source are separate causes and all stay."""
+    if len(leaks) < 2:
+        return leaks
+    leaks = leaks.assign(_key=[(r.recording_id, r.pid, site_key(frames_json(ds, r.stack_id)))
+                               for r in leaks.itertuples()])
+    drop = set()
+    for _, g in leaks.groupby("_key", sort=False):
+        if g["source"].nunique() < 2:
+            continue
+        lead = g.sort_values(["last_seen", "rate_bytes_per_s"]).index[-1]
+        others = g[(g.index != lead) & (g["source"] != g.at[lead, "source"])]
+        if others.empty:
+            continue
+        drop |= set(others.index)
+        seen = [str(x) for x in ([leaks.at[lead, "also_seen_as"]] if leaks.at[lead, "also_seen_as"] else [])]
+        leaks.at[lead, "also_seen_as"] = ", ".join(dict.fromkeys(seen + [str(x) for x in others["source"]]))
+        ids = list(leaks.at[lead, "merged_stack_ids"] or []) + [int(x) for x in others["stack_id"]]
+        leaks.at[lead, "merged_stack_ids"] = ids
+    return leaks.drop(index=list(drop)).drop(columns="_key")
 
 
 def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
@@ -337,5 +516,6 @@ def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
         cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
         per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
         ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
-        out.update({(str(r), int(p)): float(v["last"] - v["first"]) for (r, p), v in ends.iterrows()})
+        for (r, p), v in ends.iterrows():   # a process that changed tier has both, in turn
+            out[(str(r), int(p))] = out.get((str(r), int(p)), 0.0) + float(v["last"] - v["first"])
     return out

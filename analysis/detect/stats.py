@@ -65,3 +65,19 @@ def bin_series(t: np.ndarray, y: np.ndarray, s: np.ndarray, max_points: int) -> 
     counts = np.diff(np.append(starts, len(t)))
     mean = lambda a: np.add.reduceat(a, starts) / counts  # noqa: E731
     return mean(t), mean(y), np.sqrt(mean(s * s))
+
+
+def theil_sen_interval(t: np.ndarray, y: np.ndarray, z: float = 1.96) -> tuple[float, float]:
+    """Confidence interval of the Theil-Sen slope (Sen 1968): the pairwise slopes ranked
+    (N -/+ z sqrt(Var S)) / 2, with Var S of Mann-Kendall's statistic; (-inf, inf) when too short."""
+    n = len(t)
+    if n < 3:
+        return -math.inf, math.inf
+    i, j = _pairs(n)
+    dt = t[j] - t[i]
+    ok = dt > 0
+    slopes = np.sort((y[j] - y[i])[ok] / dt[ok])
+    c = z * math.sqrt(n * (n - 1) * (2 * n + 5) / 18.0)
+    lo, hi = int(math.floor((len(slopes) - c) / 2)), int(math.ceil((len(slopes) + c) / 2))
+    return (float(slopes[lo]) if lo >= 0 else -math.inf,
+            float(slopes[hi]) if hi < len(slopes) else math.inf)

@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from analysis.dataset import read_table
+from analysis.dataset import exit_events, read_table, split_exit
 from analysis.frames import Stacks, read_stack_frames
 
 # (sample type, unit, outstanding column); Go's order, so tools default to the last (inuse_space)
@@ -63,8 +63,9 @@ def profile_values(root: str | Path, *, window: Window | None = None, source: st
     if pids:
         flt = flt & ds.field("pid").isin(pids)
     flt = _ts_filter(flt, "ts", "<=", window.end)
-    cols = ["ts", "recording_id", "host", "pid", "comm", "stack_id", *(c for _, _, c in SAMPLE_TYPES)]
+    cols = ["ts", "recording_id", "host", "pid", "comm", "stack_id", *(c for _, _, c in SAMPLE_TYPES), "exiting"]
     out = read_table(root, "outstanding", filter=flt, columns=cols)
+    out, _ = split_exit(out, exit_events(root, pids))     # the running state, not a process's teardown
     keys = ["recording_id", "pid"]
     if out.empty:
         empty = pd.DataFrame(columns=[*keys, "comm", "host", "stack_id", *VALUE_NAMES])

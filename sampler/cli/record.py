@@ -18,8 +18,9 @@ def prepare_parser(r: argparse.ArgumentParser) -> None:
     r.add_argument("--out", "-o", default="allocsampler-out", help="dataset directory (default: %(default)s)")
     r.add_argument("--duration", "-d", type=positive, help="seconds to record (default: until the "
                    "targets exit or SIGINT/SIGTERM)")
-    r.add_argument("--interval", "-i", type=positive, default=10.0, help="snapshot interval in seconds "
-                   "(default: %(default)s)")
+    r.add_argument("--interval", "-i", type=positive, default=None, help="snapshot interval in seconds "
+                   "(default: adaptive, 1 s at the start growing to 10 s, at least 8 snapshots in any "
+                   "recording of 10 s or more)")
     r.add_argument("--sample-bytes", type=size, default=512 << 10, metavar="SIZE",
                    help="mean bytes between samples (default: 512K)")
     r.add_argument("--children", action="store_true", help="also record child processes")

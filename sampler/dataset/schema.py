@@ -26,7 +26,7 @@ from sampler.dataset.sources import (  # noqa: F401  (re-exported)
     TORCH,
 )
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
 #   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
@@ -43,6 +43,10 @@ SCHEMA_VERSION = 4
 #   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed); the
 #   inject tier (processes.tier `inject`, targets event `inject`) with `outstanding.source`
 #   `python` (CPython's small objects) and processes.python_outstanding_bytes/_stderr_bytes.
+# 5 - unknown is not zero: processes' malloc-derived columns (heap/arena live, malloc and python
+#   outstanding) are null while the process's tier does not measure allocations (`rss`,
+#   `syscalls`), not 0 or their last value; outstanding.exiting marks what a process still held
+#   after its own teardown (rows written at its exit), which readers keep apart from its running state.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -133,6 +137,10 @@ OUTSTANDING = Table(
         Column("alloc_samples", pa.int32(), "Sampled allocations during the interval."),
         Column("free_samples", pa.int32(), "Frees of sampled allocations during the interval."),
         Column("oldest_age_s", pa.float64(), "Age of the oldest sampled live allocation, seconds (null if none)."),
+        Column("exiting", pa.bool_(), "Written when the process exited: what it still held after its own "
+                                      "teardown (interpreter finalization, atexit, exit_mmap), not its running "
+                                      "state. `top`, `analyze`, `report` and `diff` use the last snapshot before "
+                                      "the exit (docs/findings.md); null in older data means false."),
     ),
 )
 
@@ -210,15 +218,20 @@ PROCESSES = Table(
         Column("file_rss", pa.int64(), "Resident bytes of file-backed mappings."),
         Column("stack_rss", pa.int64(), "Resident bytes of thread stacks."),
         Column("heap_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in `[heap]` "
-                                                "(sampled blocks, glibc chunk sizes)."),
-        Column("arena_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in arena heaps."),
+                                                "(sampled blocks, glibc chunk sizes). Null while the "
+                                                "process's tier does not measure allocations (`rss`, "
+                                                "`syscalls`)."),
+        Column("arena_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in arena heaps. "
+                                                 "Null while the process's tier does not measure allocations."),
         Column("heap_arena_live_stderr_bytes", pa.float64(), "Standard error of heap + arena live bytes."),
-        Column("malloc_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source malloc."),
+        Column("malloc_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source malloc. Null "
+                                                         "while the process's tier does not measure allocations."),
         Column("malloc_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("mmap_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source mmap."),
         Column("mmap_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("python_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source python (inject "
-                                                         "tier with --python-objects; 0 elsewhere)."),
+                                                         "tier with --python-objects; 0 in other allocation tiers, "
+                                                         "null in `rss` and `syscalls`)."),
         Column("python_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
         Column("lost_events", pa.int64(), "Events lost so far because the ring buffer was full (cumulative)."),
         Column("dropped_samples", pa.int64(), "Sampled allocations not tracked because the live table "
@@ -362,7 +375,9 @@ RECORDINGS = Table(
         Column("sample_mean_bytes", pa.int64(), "Mean bytes between samples (T); a process's own mean "
                                                 "may be a power-of-two multiple of it "
                                                 "(processes.sample_mean_bytes)."),
-        Column("interval_s", pa.float64(), "Snapshot interval."),
+        Column("interval_s", pa.float64(), "Snapshot interval (adaptive, the default: the longest, reached "
+                                           "after 80 s; the first are 1 s, so that short recordings have "
+                                           "enough snapshots)."),
         Column("probe_mode", STR, "`session` (uprobe_multi sessions: return probe only for sampled "
                                   "calls) or `perf` (classic uprobes/uretprobes)."),
         Column("kernel", pa.string(), "Kernel release."),

@@ -527,7 +527,10 @@ def _originals(pid: int, maps: list[Mapping]) -> dict[str, int]:
                         resolved[name] = v
     owners = []
     if "malloc" in resolved:
-        owners.append(next(m for m in maps if m.start <= resolved["malloc"] < m.end))
+        # the offset-0 mapping of malloc's object: _bias measures from there (from its text mapping,
+        # every other function of a non-glibc allocator was off by the text's file offset)
+        m = next(m for m in maps if m.start <= resolved["malloc"] < m.end)
+        owners += [x for x in maps if x.offset == 0 and (x.dev, x.inode, x.path) == (m.dev, m.inode, m.path)][:1]
     owners += [m for m in maps if m.file_backed and os.path.basename(m.path).startswith("libc.so") and m.offset == 0]
     for name in FUNCTIONS:
         if name in resolved:

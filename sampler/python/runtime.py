@@ -374,7 +374,7 @@ def detect(pid: int) -> PyProcess | None:
         pid=pid,
         version=version,
         layout=layout,
-        eval_ranges=eval_ranges,
+        eval_ranges=sorted(eval_ranges),        # bisected: .cold often lies below the function
         module_ranges=[(m.start, m.end) for m in mappings if m.executable],
         offsets=offsets,
         runtime=runtime,

@@ -191,6 +191,16 @@ class ProcessTable:
         bisect.insort(r.starts, start)
         self._born(key, start, length, weight, ts_ns)
 
+    def mapping_stack(self, addr: int) -> int | None:
+        """The stack of the sampled mmap region holding `addr`, None when none does: a page fault
+        there is the same memory, first touched, and belongs to the stack that mapped it."""
+        r = self._ranges[MMAP]
+        i = bisect.bisect_right(r.starts, addr) - 1
+        if i < 0:
+            return None
+        frag = r.frags[r.starts[i]]
+        return frag.mapping.key[1] if addr < frag.end else None
+
     def unmap(self, start: int, length: int, sources: tuple[str, ...] = (MMAP, FAULT)) -> None:
         """Remove [start, start+length) from sampled ranges. A region cut in part keeps its
         fragments; they share one sampling decision, so the mapping still counts as one sample

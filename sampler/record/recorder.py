@@ -66,6 +66,17 @@ from sampler.stacks.unwind import Unwinder
 MADV_REMOVE = 9
 PROT_EXEC, MAP_ANONYMOUS = 4, 0x20
 DLOPEN_RESCAN_S = 1.0       # after an executable file mapping: look for new libraries at every poll
+# Adaptive snapshot interval (no --interval): elapsed / ADAPTIVE_SNAPSHOTS within [MIN, MAX], so a
+# recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
+# long one settles at one per 10 s.
+ADAPTIVE_MIN_S, ADAPTIVE_MAX_S, ADAPTIVE_SNAPSHOTS = 1.0, 10.0, 8
+
+
+def snapshot_interval(elapsed: float, fixed: float | None) -> float:
+    """Seconds to the next snapshot, `elapsed` seconds into the recording."""
+    if fixed:
+        return fixed
+    return min(ADAPTIVE_MAX_S, max(ADAPTIVE_MIN_S, elapsed / ADAPTIVE_SNAPSHOTS))
 
 
 @dataclass
@@ -74,7 +85,7 @@ class RecordOptions:
     pids: list[int] = field(default_factory=list)
     command: list[str] = field(default_factory=list)
     duration: float | None = None
-    interval: float = 10.0
+    interval: float | None = None         # None: adaptive (snapshot_interval)
     sample_mean: int = 512 * 1024
     children: bool = False
     allocators: tuple[Family, ...] = ()
@@ -235,9 +246,10 @@ class Recorder:
 
     def _loop(self) -> None:
         o = self.opts
-        deadline = time.monotonic() + o.duration if o.duration else None
-        next_snap = time.monotonic() + o.interval
-        self._last_snap = time.monotonic()
+        start = time.monotonic()
+        deadline = start + o.duration if o.duration else None
+        next_snap = start + snapshot_interval(0.0, o.interval)
+        self._last_snap = start
         self._last_counters = self.probes.counters()
         self._last_cpu = sum(self._proc.cpu_times()[:2])
         host_wide = o.all_processes or bool(o.cgroups)
@@ -254,9 +266,9 @@ class Recorder:
                 self._rescan(now, every=True)
                 self._snapshot()
                 self.hooks.snapshot_done()
-                next_snap += o.interval
+                next_snap += snapshot_interval(next_snap - start, o.interval)
                 if next_snap < now:
-                    next_snap = now + o.interval
+                    next_snap = now + snapshot_interval(now - start, o.interval)
 
     def _on_signal(self, signum, frame) -> None:
         self._stop = True
@@ -273,7 +285,7 @@ class Recorder:
         t = self.targets.get(pid)
         if t is None:
             return
-        self._write(OUTSTANDING, self._outstanding_rows(t))
+        self._write(OUTSTANDING, self._outstanding_rows(t, exiting=event == "exit"))
         self._target_row(t, event, detail)
         self._drop_target(pid, detail or event, exited=event == "exit")
 
@@ -384,7 +396,7 @@ class Recorder:
         if t is None:
             return
         if write_rows:    # not when the interval's snapshot already has its rows
-            self._write(OUTSTANDING, self._outstanding_rows(t))
+            self._write(OUTSTANDING, self._outstanding_rows(t, exiting=True))
         status = ""
         if self.launched and self.launched.pid == pid:
             # the exit tracepoint fires just before the parent can reap it
@@ -404,7 +416,9 @@ class Recorder:
             self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
             if ev.source == Source.FAULT:
-                t.table.map(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, FAULT)
+                # in a sampled mapping: the mapping's stack (one cause, not a second one at first touch)
+                sid = t.table.mapping_stack(ev.addr)
+                t.table.map(ev.addr, ev.size, ev.weight, self._intern(ev) if sid is None else sid, ev.ts_ns, FAULT)
             elif ev.source == Source.TORCH:         # not governed: no duty
                 t.table.alloc(ev.addr, ev.size, ev.weight, self._intern(ev), ev.ts_ns, TORCH)
             else:
@@ -506,11 +520,13 @@ class Recorder:
                 self._note_sampler_mean(t)
             if self.python is not None:
                 self.python.refresh(pid, force=True)
-            out_rows += self._outstanding_rows(t, now, interval)
             try:
                 proc_rows.append(self._process_row(t, now, arenas))
-            except ProcessLookupError:
+            except ProcessLookupError:      # it exited meanwhile: what is left is its teardown's
+                out_rows += self._outstanding_rows(t, now, interval, exiting=True)
                 self._exit(pid, write_rows=False)
+                continue
+            out_rows += self._outstanding_rows(t, now, interval)
         self._write(OUTSTANDING, out_rows)
         self._write(PROCESSES, proc_rows)
         self._write(MALLOC_ARENAS, arenas)
@@ -537,10 +553,10 @@ class Recorder:
         t.sampler_mean = c["cur_mean"]
 
     def _outstanding_rows(self, t: Target, now: dt.datetime | None = None,
-                          interval: float | None = None) -> list[dict]:
+                          interval: float | None = None, exiting: bool = False) -> list[dict]:
         if interval is None:
             interval = time.monotonic() - self._last_snap
-        return rows.outstanding_rows(t, now or self._wall_now(), interval, time.monotonic_ns())
+        return rows.outstanding_rows(t, now or self._wall_now(), interval, time.monotonic_ns(), exiting=exiting)
 
     def _process_row(self, t: Target, now: dt.datetime, arenas: list[dict]) -> dict:
         s = sample_process(t.pid)
@@ -583,7 +599,7 @@ class Recorder:
             "recording_id": self.recording_id, "host": self.host, "started": self.started,
             "ended": ended, "schema_version": SCHEMA_VERSION,
             "sampler_version": __version__, "sample_mean_bytes": o.sample_mean,
-            "interval_s": o.interval, "probe_mode": "session" if self.probes.session else "perf",
+            "interval_s": o.interval or ADAPTIVE_MAX_S, "probe_mode": "session" if self.probes.session else "perf",
             "kernel": os.uname().release, "argv": o.argv,
             "cpu_budget": o.cpu_budget if self.governor is not None else 0.0,
             "probe_cost_ns": self._cost_ns,

@@ -11,6 +11,7 @@ import datetime as dt
 from sampler.bpf.abi import Counter as C
 from sampler.bpf.abi import VmOp
 from sampler.dataset.schema import int32, int64
+from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.proc.memory import ProcessSample
 from sampler.record.outstanding import MALLOC, MMAP, PYTHON
 from sampler.record.target import ATTACH, Target
@@ -19,8 +20,10 @@ from sampler.stacks.table import Stack
 _VM_NAME = {op.value: op.name.lower() for op in VmOp}
 
 
-def outstanding_rows(t: Target, now: dt.datetime, interval: float, mono_ns: int) -> list[dict]:
-    common = {"ts": now, "interval_s": interval, "pid": t.pid, "comm": t.info.comm}
+def outstanding_rows(t: Target, now: dt.datetime, interval: float, mono_ns: int, *,
+                     exiting: bool = False) -> list[dict]:
+    """`exiting`: the process is gone; the rows hold what its teardown left, not its running state."""
+    common = {"ts": now, "interval_s": interval, "pid": t.pid, "comm": t.info.comm, "exiting": exiting}
     return [{**common, **r} for r in t.table.snapshot(mono_ns)]
 
 
@@ -28,10 +31,14 @@ def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: i
                 probe_cost_ns: float | None, gpu: dict) -> dict:
     """A `processes` row. `probe_cost_ns`: the governor's price of a probe hit (None: no governor)."""
     b = s.breakdown
-    heap_live, arena_live, live_var = t.table.live_by_region(b.regions)
-    mb, ms = t.table.totals(MALLOC)
     mmb, mms = t.table.totals(MMAP)
-    pyb, pys = t.table.totals(PYTHON)
+    # unknown is not zero: outside the allocation tiers nothing sees malloc, so its figures are null
+    if t.tier in ALLOCATION_TIERS:
+        heap_live, arena_live, live_var = t.table.live_by_region(b.regions)
+        (mb, ms), (pyb, pys) = t.table.totals(MALLOC), t.table.totals(PYTHON)
+        live_sd = live_var ** 0.5
+    else:
+        heap_live = arena_live = live_sd = mb = ms = pyb = pys = None
     attach = t.tier == ATTACH
     return {
         "ts": now, "pid": t.pid,
@@ -42,7 +49,7 @@ def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: i
         "arena_heaps": b.arena_heaps, "arenas": b.arenas, "anon_rss": b.anon_rss,
         "file_rss": b.file_rss, "stack_rss": b.stack_rss,
         "heap_live_bytes": heap_live, "arena_live_bytes": arena_live,
-        "heap_arena_live_stderr_bytes": live_var ** 0.5,
+        "heap_arena_live_stderr_bytes": live_sd,
         "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
         "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
         "python_outstanding_bytes": pyb, "python_outstanding_stderr_bytes": pys,

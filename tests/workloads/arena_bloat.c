@@ -9,7 +9,9 @@
  *   top-pin:  the last chunk, which pins the heap top: no automatic trim, malloc_trim frees it all;
  *   page-pin: every 4th chunk (1040-byte chunks: every 4 KiB page keeps a live chunk), which
  *             malloc_trim cannot release.
- * Prints "ready" once every thread is done and sleeps until killed, all threads alive. */
+ * Prints "ready" once every thread is done, then "freed BYTES" (the chunk bytes it freed and left
+ * resident: its ground truth), and sleeps until killed, all threads alive. */
+#include <malloc.h>
 #include <pthread.h>
 #include <semaphore.h>
 #include <stdio.h>
@@ -23,6 +25,7 @@ static size_t per_thread;
 static int page_pin;
 static sem_t turn, done;
 static void *volatile sink;
+static size_t freed;           /* updated by one thread at a time (the turn semaphore) */
 
 static void *worker(void *arg)
 {
@@ -36,8 +39,10 @@ static void *worker(void *arg)
         memset(chunks[i], 1, CHUNK);
     }
     for (size_t i = 0; i < n; i++)
-        if (page_pin ? i % 4 != 3 : i != n - 1)
+        if (page_pin ? i % 4 != 3 : i != n - 1) {
+            freed += malloc_usable_size(chunks[i]) + sizeof(size_t);     /* the chunk, header included */
             free(chunks[i]);
+        }
     sem_post(&done);
     for (;;)
         pause();
@@ -66,7 +71,7 @@ int main(int argc, char **argv)
         sem_post(&turn);
         sem_wait(&done);
     }
-    printf("ready\n");
+    printf("ready\nfreed %zu\n", freed);
     fflush(stdout);
     for (;;)
         pause();
