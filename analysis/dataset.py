@@ -43,14 +43,14 @@ def split_exit(out: pd.DataFrame, exits: pd.DataFrame | None = None) -> tuple[pd
     (ts, recording_id, pid), for processes whose teardown freed everything (no rows at exit)."""
     if out.empty or "exiting" not in out:
         return out.drop(columns="exiting", errors="ignore"), out.iloc[:0]
-    at_exit = out["exiting"].fillna(False).astype(bool).to_numpy()
+    at_exit = out["exiting"].fillna(False).astype(bool).to_numpy(copy=True)
     keys = ["recording_id", "pid"]
     when = out.loc[at_exit, [*keys, "ts"]]
     if exits is not None and len(exits):
         when = pd.concat([when, exits[[*keys, "ts"]]])
     if len(when):
         exited = when.groupby(keys, observed=True)["ts"].min()
-        held = out[~at_exit & out["source"].astype(str).isin(HELD_SOURCES)]
+        held = out[~at_exit & (out["source"].astype(str).isin(HELD_SOURCES) if "source" in out else True)]
         held = held[pd.MultiIndex.from_frame(held[keys]).isin(exited.index)]
         # the last two snapshots of each exited process: (ts, sampled bytes held)
         per_ts = held.groupby([*keys, "ts"], observed=True)["outstanding_bytes"].sum()

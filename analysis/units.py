@@ -8,6 +8,8 @@ import pandas as pd
 
 
 def fmt_hours(h: float) -> str:
+    if h < 1 / 60:
+        return f"{h * 3600:.0f} s"
     if h < 1:
         return f"{h * 60:.0f} min"
     if h < 48:

@@ -33,6 +33,8 @@ WORK_C = r"""
  * stdin starts the work:
  *   hold MB         touch MB of malloc'd memory, then wait for another line (or end of input)
  *   leak KBPS SECS  keep 64 KiB blocks at KBPS KiB/s for SECS seconds, then wait
+ *   fill KBPS       keep 64 KiB blocks, every page touched, at KBPS KiB/s until killed; every
+ *                   0.5 s prints "SECONDS BYTES" (time since the start, bytes kept: its truth)
  *   burst SECS RATE up to RATE malloc/free pairs per second; each second prints
  *                   "SECOND PAIRS CPU_SECONDS"; then "done"
  *   life MS         (no ready line, no input) a few allocations, sleep MS ms, exit
@@ -63,6 +65,13 @@ __attribute__((noinline)) void *leak_block(size_t n)
 {
     char *p = malloc(n);
     p[0] = 1;
+    return p;
+}
+
+__attribute__((noinline)) void *fill_block(void)
+{
+    char *p = malloc(65536);
+    memset(p, 1, 65536);
     return p;
 }
 
@@ -105,6 +114,20 @@ int main(int argc, char **argv)
         printf("leaked\n");
         fflush(stdout);
         wait_line();
+    } else if (!strcmp(argv[1], "fill")) {
+        long kbps = atol(argv[2]), kept = 0;
+        double t0 = now(CLOCK_MONOTONIC), said = 0;
+        for (;;) {
+            double t = now(CLOCK_MONOTONIC) - t0;
+            for (; kept * 64 < kbps * t; kept++)
+                sink = fill_block();
+            if (t - said >= 0.5) {
+                printf("%.3f %ld\n", t, kept * 65536);
+                fflush(stdout);
+                said = t;
+            }
+            usleep(20000);
+        }
     } else if (!strcmp(argv[1], "burst")) {
         int secs = atoi(argv[2]);
         long rate = atol(argv[3]);
@@ -651,18 +674,38 @@ def test_burst_is_governed_and_the_daemon_keeps_its_cpu_budget(daemon, bins):
 
 
 @pytest.mark.bpf
-def test_pre_oom_capture(daemon, bins):
-    """A target whose cgroup passes pre_oom_fraction (50%) of its memory limit: a snapshot at
-    once and after the window, `pre_oom` rows and log lines."""
+@contextlib.contextmanager
+def memory_cgroup(limit: int):
+    """A memory cgroup (v2, else v1) with `limit` bytes; emptied into its parent and removed after."""
     root = Path("/sys/fs/cgroup/unified")
     if not (root / "cgroup.controllers").exists() or "memory" not in (root / "cgroup.controllers").read_text():
         root = Path("/sys/fs/cgroup") if Path("/sys/fs/cgroup/cgroup.controllers").exists() else \
             Path("/sys/fs/cgroup/memory")
     v2 = (root / "cgroup.controllers").exists()
-    cg = root / f"allocsampler-test-{os.getpid()}"
+    cg = root / f"allocsampler-test-{os.getpid()}-{limit}"
     cg.mkdir()
     try:
-        (cg / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(256 * MiB))
+        (cg / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        if v2 and (cg / "memory.swap.max").exists():
+            (cg / "memory.swap.max").write_text("0")
+        yield cg
+    finally:
+        for pid in (cg / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError), open(root / "cgroup.procs", "w") as f:
+                f.write(pid)
+        wait_for(lambda: not (cg / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_pre_oom_capture(daemon, bins):
+    """A target whose cgroup passes pre_oom_fraction (50%) of its memory limit: a snapshot at
+    once and after the window, `pre_oom` rows and log lines."""
+    with memory_cgroup(256 * MiB) as cg:
         # in its cgroup before it execs, as systemd and container runtimes do
         t = Target(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec {bins["as_oom"]} hold 160'])
         daemon.targets.append(t)
@@ -690,17 +733,35 @@ def test_pre_oom_capture(daemon, bins):
         print(f"\n[pre-OOM] {lines}")
         assert len(lines) == 2, lines
         t.kill()
-    finally:
-        for pid in (cg / "cgroup.procs").read_text().split():
-            with open(root / "cgroup.procs", "w") as f:
-                f.write(pid)
-        wait_for(lambda: not (cg / "cgroup.procs").read_text().strip(), 10, "the cgroup to empty")
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+
+
+@pytest.mark.bpf
+def test_a_leak_killed_by_the_oom_killer_keeps_its_diagnosis(daemon, bins):
+    """A process that leaks into its cgroup's limit until the kernel OOM-kills it: the daemon's
+    pre-OOM capture reaches the dataset, and afterwards `analyze` names the leak's site and its
+    rate within 35% of what the workload reported (the kill frees nothing the process held)."""
+    with memory_cgroup(160 * MiB) as cg:
+        t = Target(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec {bins["as_oom"]} fill 12288'])
+        daemon.targets.append(t)
+        wait_for(lambda: daemon.target(t.pid), 30, "the target to be recorded")
+        t.go()
+        assert t.proc.wait(60) == -signal.SIGKILL
+        said = [tuple(map(float, ln.split())) for ln in t.proc.stdout.read().split("\n") if ln.strip()]
+    truth = (said[-1][1] - said[0][1]) / (said[-1][0] - said[0][0])
+    wait_for(lambda: any(e == "exit" for e, _ in daemon.events(t.pid)), 30, "the exit row")
+    assert [d for e, d in daemon.events(t.pid) if e == "pre_oom"], daemon.events(t.pid)
+    procs = daemon.table("processes")
+    assert (procs[procs["pid"] == t.pid]["sample_mean_bytes"] == 65536).any(), "the pre-OOM snapshot is written"
+    r = subprocess.run(allocsampler_cmd("analyze", str(daemon.data), "--pid", str(t.pid), "--json"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)["findings"]
+    leaks = [f for f in found if f["kind"] == "persistent_growth"
+             and any(x["function"] == "fill_block" for x in f["frames"])]
+    assert len(leaks) == 1, [f["summary"] for f in found]
+    rate = leaks[0]["growth_bytes_per_hour"] / 3600
+    print(f"\n[oom] leak {rate / MiB:.1f} MiB/s, the workload's {truth / MiB:.1f} MiB/s: {leaks[0]['summary']}")
+    assert rate == pytest.approx(truth, rel=0.35)
 
 
 @pytest.mark.bpf

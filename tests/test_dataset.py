@@ -102,3 +102,33 @@ def test_arena_growth_is_recognised(workload, record):
     assert p["arena_heaps"] >= 2 and p["arenas"] >= 1
     assert p["arena_rss"] >= truth * 0.9
     assert p["arena_live_bytes"] == pytest.approx(truth * 4112 / 4096, rel=0.25)
+
+
+def test_exit_rows_and_a_teardown_snapshot_are_kept_apart_from_the_running_state(tmp_path):
+    """Rows written at a process's exit, and a last snapshot within 3 s of it that lost most of what
+    the one before held (finalization had begun), are the teardown; older data without the
+    `exiting` column reads as running; a reader that selected one source still splits."""
+    from analysis.dataset import latest_outstanding, split_exit
+
+    t0 = pd.Timestamp("2026-11-25T00:00:00Z")
+    rows = []
+    for pid, series, exit_at in ((1, [100, 200, 10], 11.5), (2, [50, 60, 70], None)):
+        for i, mib in enumerate(series):
+            rows.append({"ts": t0 + pd.Timedelta(seconds=5 * i), "recording_id": "r", "host": "h", "pid": pid,
+                         "comm": "p", "source": "mmap", "stack_id": 7, "outstanding_bytes": mib * 2.0 ** 20,
+                         "outstanding_stderr_bytes": 0.0, "exiting": False})
+        if exit_at is not None:
+            rows.append({**rows[-1], "ts": t0 + pd.Timedelta(seconds=exit_at), "outstanding_bytes": 0.0,
+                         "exiting": True})
+    out = pd.DataFrame(rows)
+    running, teardown = split_exit(out)
+    assert sorted(running[running["pid"] == 1]["outstanding_bytes"] / 2 ** 20) == [100, 200]
+    assert len(running[running["pid"] == 2]) == 3 and len(teardown) == 2
+    running, _ = split_exit(out.drop(columns="source"))
+    assert len(running) == 5
+    assert len(split_exit(out.drop(columns="exiting"))[0]) == len(out)
+
+    w = DatasetWriter(str(tmp_path), "r", host="h")
+    w.write(TABLES["outstanding"], [{k: v for k, v in r.items() if k not in ("recording_id", "host")} for r in rows])
+    last = latest_outstanding(tmp_path)
+    assert dict(zip(last["pid"], last["outstanding_bytes"] / 2 ** 20, strict=True)) == {1: 200, 2: 70}

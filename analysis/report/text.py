@@ -13,7 +13,7 @@ from sampler.units import fmt_bytes
 _NEXT = {
     "persistent_growth": "Find who keeps references to these allocations (the innermost frames are the allocation "
                          "site); compare with `allocsampler top` over time.",
-    "unexplained_growth": "Record with the other sources enabled, or look at the processes table's region split.",
+    "unexplained_growth": "The summary names the region that grew; the `processes` table has it per snapshot.",
     "arena_bloat": "",
     "gpu_growth": "The stack allocates GPU memory that is never freed: look for tensors or buffers kept alive "
                   "(caches, lists of outputs, graphs held by .grad_fn).",
@@ -22,6 +22,16 @@ _NEXT = {
     "gpu_unexplained_growth": "Memory outside traced CUDA calls: check cudaMallocAsync pools, NCCL, "
                               "statically linked CUDA runtimes.",
 }
+
+
+def next_step(f: Finding) -> str:
+    """What to do next, true for the finding's situation (its tier and what was measured)."""
+    d = f.details
+    if f.kind == "persistent_growth" and d.get("attribution") == "first_touch":
+        return ("These stacks first wrote the pages; in the page-fault tier the allocating stack is not seen. "
+                f"Record the process with `allocsampler record --pid {f.pid}` (a sampler injected at in-process "
+                "cost) to see what allocates them and from where.")
+    return _NEXT.get(f.kind, "")
 
 
 def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
@@ -58,6 +68,6 @@ def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
         elif f.kind == "unexplained_growth":
             regions = ", ".join(f"{k[:-4]} {fmt_bytes(v)}" for k, v in d["region_growth_bytes"].items() if v)
             lines.append(f"   region growth: {regions}")
-        if _NEXT.get(f.kind):
-            lines += textwrap.wrap("next: " + _NEXT[f.kind], width, initial_indent="   ", subsequent_indent="         ")
+        if step := next_step(f):
+            lines += textwrap.wrap("next: " + step, width, initial_indent="   ", subsequent_indent="         ")
     return "\n".join(lines)
