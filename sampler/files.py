@@ -75,12 +75,21 @@ def private_dir(path: str | os.PathLike, *, create: bool = True) -> Path | None:
     return path if stat.S_ISDIR(st.st_mode) and is_private(st) else None
 
 
-def read_private(path: str | os.PathLike, max_bytes: int) -> bytes:
-    """A cache file's bytes, checked on the open descriptor: no link followed, no FIFO waited on,
-    a regular file of at most `max_bytes`, owned by us and writable by nobody else. Raises OSError
-    or ValueError."""
+def cache_dir(sub: str, path: str | None = None) -> Path | None:
+    """Where unwind tables, compiled BPF programs, the probe cost and fetched debug files persist
+    across runs: the given directory, else `sub` of $ALLOCSAMPLER_CACHE_DIR or of a root-only
+    default (all of them describe the binaries and the kernel, not the targets, so one cache
+    serves every recording). None when it cannot be made ours alone (nothing is cached then)."""
+    root = os.environ.get("ALLOCSAMPLER_CACHE_DIR") or "/var/cache/allocsampler"
+    return private_dir(path if path else os.path.join(root, sub))
+
+
+def open_private(path: str | os.PathLike, max_bytes: int) -> int:
+    """A read-only fd of a cache file, checked on the descriptor: no link followed, no FIFO waited
+    on, a regular file of at most `max_bytes`, owned by us and writable by nobody else. Raises
+    OSError or ValueError."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a regular file")
@@ -88,4 +97,13 @@ def read_private(path: str | os.PathLike, max_bytes: int) -> bytes:
             raise ValueError(f"{path} is not ours alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
         if st.st_size > max_bytes:
             raise ValueError(f"{path} is {st.st_size} bytes, over the {max_bytes} expected at most")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_private(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """A cache file's bytes, checked as by open_private. Raises OSError or ValueError."""
+    with os.fdopen(open_private(path, max_bytes), "rb") as f:
         return f.read(max_bytes + 1)[:max_bytes]

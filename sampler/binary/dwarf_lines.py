@@ -86,11 +86,12 @@ class LineTables:
             if key in cls._cache:
                 return cls._cache[key]
         tables, transient = None, False
-        for path in (img.path, img.debug_path):
-            if not path:
+        # the debug file as verified when the image was opened: its path may name another file since
+        for path, source in ((img.path, img.path), (img.debug_path, img.debug_elf)):
+            if not path or source is None:
                 continue
             try:
-                sections = _read_sections(path)
+                sections = _read_sections(source)
                 if sections is not None:
                     tables = cls(path, sections)
                     break
@@ -489,9 +490,9 @@ def _int(attr: Any) -> int:
 # Reading the sections
 
 
-def _read_sections(path: str) -> dict[str, Span] | None:
-    """The DWARF sections of `path` (inflated where compressed); None when it has no .debug_info."""
-    elf = ElfReader.open(path)
+def _read_sections(source: str | ElfReader) -> dict[str, Span] | None:
+    """The DWARF sections of a file (inflated where compressed); None when it has no .debug_info."""
+    elf = ElfReader.open(source) if isinstance(source, str) else source
     out: dict[str, Span] = {}
     for sec in elf.sections:
         key = next((sec.name[len(p) :] for p in (".debug_", ".zdebug_") if sec.name.startswith(p)), "")

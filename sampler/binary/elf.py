@@ -6,17 +6,27 @@ with numpy, names decoded lazily: iterating a big symbol table with pyelftools t
 
 from __future__ import annotations
 
-import contextlib
 import os
+import stat
 import threading
+import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
+from sampler.binary import debuginfod
 from sampler.binary.reader import PT_LOAD, SHT_NOBITS, ElfFormatError, ElfReader, Section, open_regular
 
-# Separate debug files, found by build-id as <root>/.build-id/<xx>/<rest>.debug.
+# Separate debug files, found by build-id as <root>/.build-id/<xx>/<rest>.debug, and by
+# .gnu_debuglink as <root>/<the binary's directory>/<name>.
 DEBUG_ROOTS: tuple[str, ...] = ("/usr/lib/debug",)
+# A .gnu_debuglink section: a file name, NUL, padding to 4 bytes and a CRC32. Longer is malformed.
+DEBUGLINK_MAX = 4096
+NAME_MAX = 255
+# A debug file named by a .gnu_debuglink is read whole for its CRC: bigger ones are not.
+DEBUG_FILE_MAX = 4 << 30
+CRC_CHUNK = 16 << 20
 
 SYM_DTYPE = np.dtype(
     [
@@ -42,6 +52,8 @@ STB_GLOBAL = 1
 STB_WEAK = 2
 SHN_UNDEF = 0
 SHN_LORESERVE = 0xFF00  # SHN_ABS, SHN_COMMON...: no section, not code
+SHF_ALLOC = 0x2
+SHF_EXECINSTR = 0x4
 VERSYM_HIDDEN = 0x8000  # a non-default (compat) symbol version
 R_X86_64_64 = 1
 R_X86_64_GLOB_DAT = 6
@@ -151,6 +163,57 @@ class _SymTab:
         return self.defined() & is_func & (self.syms["st_value"] != 0)
 
 
+def preferred_names(entries: Iterable[tuple[_SymTab, int]]) -> list[str]:
+    """Names of symbols sharing an address, the one callers write first: exported, current
+    version, fewest leading '_'."""
+    ranked = []
+    for tab, row in entries:
+        name = tab.name(row)
+        bind = int(tab.syms["st_info"][row]) >> 4
+        ranked.append(((bind == STB_LOCAL, tab.compat(row), len(name) - len(name.lstrip("_"))), name))
+    ranked.sort(key=lambda r: r[0])
+    return list(dict.fromkeys(name for _, name in ranked))
+
+
+class _ExportIndex:
+    """Exported functions (.dynsym: defined, global or weak) sorted by address, each with the end of
+    the executable section holding it: names an address that no symbol covers, approximately."""
+
+    def __init__(self, file: _File, tables: list[_SymTab]):
+        secs = file.sections
+        executable = np.array([s.flags & (SHF_ALLOC | SHF_EXECINSTR) == SHF_ALLOC | SHF_EXECINSTR
+                               and s.type == SHT_PROGBITS for s in secs] or [False])
+        sec_lo = np.array([s.addr for s in secs] or [0], np.uint64)
+        sec_hi = np.array([s.addr + s.size for s in secs] or [0], np.uint64)
+        starts, ends, members = [np.empty(0, np.uint64)], [np.empty(0, np.uint64)], []
+        for tab in tables:
+            bind = tab.syms["st_info"] >> 4
+            shndx = tab.syms["st_shndx"].astype(np.intp)
+            sec = np.minimum(shndx, len(sec_lo) - 1)
+            value = tab.syms["st_value"]
+            keep = tab.functions() & ((bind == STB_GLOBAL) | (bind == STB_WEAK)) & (shndx < len(secs))
+            # only symbols that lie in an executable section bound the addresses they may name
+            keep &= executable[sec] & (value >= sec_lo[sec]) & (value < sec_hi[sec])
+            rows = np.flatnonzero(keep)
+            starts.append(value[rows])
+            ends.append(sec_hi[sec[rows]])
+            members += [(tab, int(r)) for r in rows]
+        start = np.concatenate(starts)
+        order = np.argsort(start, kind="stable")
+        self.start, self.end = start[order], np.concatenate(ends)[order]
+        self.members = [members[i] for i in order]
+
+    def nearest(self, vaddr: int) -> tuple[list[tuple[_SymTab, int]], int] | None:
+        """(the symbols at the nearest exported start at or before `vaddr`, that start), or None when
+        there is none or `vaddr` lies past the end of its section."""
+        v = np.uint64(vaddr)
+        hi = int(np.searchsorted(self.start, v, "right"))
+        if hi == 0 or self.end[hi - 1] <= v:
+            return None
+        lo = int(np.searchsorted(self.start, self.start[hi - 1], "left"))
+        return self.members[lo:hi], int(self.start[hi - 1])
+
+
 class _FuncIndex:
     """Function symbols of all tables, sorted by address, grouped by start address."""
 
@@ -227,16 +290,21 @@ class ElfImage:
         self.build_id = main.build_id
         self.elf_type = main.elf_type
         self._main = main
+        self._debug = debug
         # Search order for names: debug .symtab, own .symtab, .dynsym.
         tables = (debug.symtabs() if debug else []) + main.symtabs()
         self._tables = sorted(tables, key=lambda t: not t.is_symtab)
         self.has_symtab = any(t.is_symtab for t in self._tables)
         self._index: _FuncIndex | None = None
+        self._exports: _ExportIndex | None = None
         self._names: dict[int, list[str]] = {}
         self._plt: dict[int, str] | None = None
 
     @classmethod
-    def open(cls, path: str) -> ElfImage:
+    def open(cls, path: str, seen_as: str | None = None, root: str = "") -> ElfImage:
+        """The image of the file at `path`. `seen_as` is its path as its process names it (default
+        `path`) and `root` what reaches that process's root from here (/proc/PID/root): where a
+        .gnu_debuglink's file is looked for, when the image is first opened."""
         fd = open_regular(path)
         try:
             st = os.fstat(fd)
@@ -254,7 +322,7 @@ class ElfImage:
         if known is not None and (known.has_symtab or not any(s.type == SHT_SYMTAB for s in main.sections)):
             img = known
         else:
-            img = cls(main, _debug_file(bid) if bid else None)
+            img = cls(main, find_debug_file(main, seen_as or path, root))
         with cls._lock:
             cls._by_file[key] = img
             if bid and (known is None or img is not known):
@@ -290,9 +358,8 @@ class ElfImage:
         it is looked up there too.
         """
         files = [self._main.elf]
-        if name == ".debug_frame" and self.debug_path:
-            with contextlib.suppress(OSError, ElfFormatError):
-                files.append(ElfReader.open(self.debug_path))
+        if name == ".debug_frame" and self._debug:
+            files.append(self._debug.elf)
         for f in files:
             for sec in f.sections:
                 if sec.name == name and sec.type != SHT_NOBITS:
@@ -334,6 +401,25 @@ class ElfImage:
         return self._group_names(g)[0], vaddr - int(idx.ustart[g])
 
     @property
+    def debug_elf(self) -> ElfReader | None:
+        """The separate debug file, as read and verified when the image was opened (its path may
+        hold another file since)."""
+        return self._debug.elf if self._debug else None
+
+    def nearest_export(self, vaddr: int) -> tuple[str, int] | None:
+        """(the nearest exported function starting at or before `vaddr` in the same executable
+        section, offset from it): an approximate name for code no symbol covers (static functions of
+        stripped libraries). None before the section's first export or past the section's end."""
+        if self._exports is None:
+            dynsym = [t for t in self._main.symtabs() if not t.is_symtab]
+            self._exports = _ExportIndex(self._main, dynsym)
+        found = self._exports.nearest(vaddr)
+        if found is None:
+            return None
+        members, start = found
+        return preferred_names(members)[0], vaddr - start
+
+    @property
     def index(self) -> _FuncIndex:
         if self._index is None:
             self._index = _FuncIndex(self._tables)
@@ -343,15 +429,8 @@ class ElfImage:
         names = self._names.get(g)
         if names is None:
             idx = self.index
-            ranked = []
-            for k in range(int(idx.lo[g]), int(idx.lo_end[g])):
-                tab, row = self._tables[idx.tab[k]], int(idx.row[k])
-                name = tab.name(row)
-                bind = int(tab.syms["st_info"][row]) >> 4
-                # Prefer what callers write: exported, current version, fewest leading '_'.
-                ranked.append(((bind == STB_LOCAL, tab.compat(row), len(name) - len(name.lstrip("_"))), name))
-            ranked.sort(key=lambda r: r[0])
-            names = list(dict.fromkeys(name for _, name in ranked))
+            rows = range(int(idx.lo[g]), int(idx.lo_end[g]))
+            names = preferred_names((self._tables[idx.tab[k]], int(idx.row[k])) for k in rows)
             self._names[g] = names
         return names
 
@@ -477,7 +556,23 @@ def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
     return None
 
 
-def _debug_file(build_id: str) -> _File | None:
+def find_debug_file(main: _File, seen_as: str, root: str = "") -> _File | None:
+    """The separate debug file of `main`, verified to belong to it: by build-id under DEBUG_ROOTS,
+    else through its .gnu_debuglink (CRC and build-id checked), else from debuginfod (only where
+    $DEBUGINFOD_URLS is set, and only for a file without its own .symtab)."""
+    bid = main.build_id
+    found = build_id_debug_file(bid) if bid else None
+    if found is None:
+        link = debuglink(main.elf)
+        if link is not None:
+            found = debuglink_file(link, bid, debuglink_dirs(os.path.dirname(seen_as), root))
+    if found is None and bid and not any(s.type == SHT_SYMTAB for s in main.sections):
+        elf = debuginfod.debug_file(bid)
+        found = _File(elf) if elf is not None else None
+    return found
+
+
+def build_id_debug_file(build_id: str) -> _File | None:
     for root in DEBUG_ROOTS:
         path = os.path.join(root, ".build-id", build_id[:2], build_id[2:] + ".debug")
         try:
@@ -487,3 +582,69 @@ def _debug_file(build_id: str) -> _File | None:
         if debug.build_id == build_id:
             return debug
     return None
+
+
+def debuglink(elf: ElfReader) -> tuple[str, int] | None:
+    """(file name, CRC32) of the file's .gnu_debuglink; None without one or when the name could
+    leave the directories it is looked for in."""
+    sec = elf.section(".gnu_debuglink")
+    if sec is None or not 0 < sec.file_size <= DEBUGLINK_MAX:
+        return None
+    data = bytes(elf.data(sec))
+    end = data.find(b"\0")
+    crc_at = (end + 4) & ~3  # the name's NUL, then padding to 4 bytes
+    if not 0 < end <= NAME_MAX or crc_at + 4 > len(data):
+        return None
+    name = os.fsdecode(data[:end])
+    if "/" in name or name in (".", ".."):
+        return None
+    return name, int.from_bytes(data[crc_at : crc_at + 4], "little")
+
+
+def debuglink_dirs(binary_dir: str, root: str = "") -> list[str]:
+    """Where gdb looks for a debuglink's file: the binary's directory, its .debug/, and the
+    binary's directory under each debug root."""
+    here = root + binary_dir
+    return [here, os.path.join(here, ".debug")] + [os.path.join(r, binary_dir.lstrip("/")) for r in DEBUG_ROOTS]
+
+
+def debuglink_file(link: tuple[str, int], build_id: str | None, dirs: list[str]) -> _File | None:
+    """The first file called link's name in `dirs` whose CRC32 is link's and whose build-id, when
+    both have one, is `build_id`: any other file there is not this binary's."""
+    name, crc = link
+    for d in dirs:
+        try:
+            elf = open_untrusted(os.path.join(d, name), DEBUG_FILE_MAX)
+        except (OSError, ElfFormatError):
+            continue
+        if crc32(elf.buf) != crc:
+            continue
+        debug = _File(elf)
+        if build_id and debug.build_id and debug.build_id != build_id:
+            continue
+        return debug
+    return None
+
+
+def open_untrusted(path: str, max_bytes: int) -> ElfReader:
+    """`path` read as ELF, checked on the descriptor: the last component not a link, a regular
+    file (no FIFO waited on) of at most `max_bytes`."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
+            raise ElfFormatError(f"{path}: not a regular file of at most {max_bytes} bytes")
+        elf = ElfReader.from_fd(fd, path)
+    finally:
+        os.close(fd)
+    if len(elf.buf) > max_bytes:  # grown since fstat
+        raise ElfFormatError(f"{path}: over {max_bytes} bytes")
+    return elf
+
+
+def crc32(buf: bytes | memoryview) -> int:
+    """The CRC32 of a .gnu_debuglink (zlib's), in chunks: zlib takes lengths below 4 GiB."""
+    view, crc = memoryview(buf), 0
+    for at in range(0, len(view), CRC_CHUNK):
+        crc = zlib.crc32(view[at : at + CRC_CHUNK], crc)
+    return crc

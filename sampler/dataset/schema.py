@@ -174,7 +174,14 @@ FRAMES = Table(
         *_common("When the stack was first seen."),
         Column("stack_id", pa.int64(), "Stack identifier."),
         Column("depth", pa.int16(), "0 = innermost."),
-        Column("function", pa.string(), "Function name (demangled), null when unknown."),
+        Column("function", pa.string(), "Function name (demangled), null when unknown. From the "
+                                        "symbol covering the address (the binary's, or its separate "
+                                        "debug file's: by build-id, `.gnu_debuglink` or debuginfod "
+                                        "with `DEBUGINFOD_URLS`), else DWARF's; where none covers it "
+                                        "(a static function of a stripped library), `name+0xOFF`: the "
+                                        "nearest exported function before it in its section plus the "
+                                        "hex offset, an approximation (the `+0x` marks it; no "
+                                        "function name has one)."),
         Column("module", STR, "Binary file name, `[unknown]` when the address is in no mapping."),
         Column("path", STR, "Binary path as the process sees it."),
         Column("offset", pa.int64(), "Address in the module's ELF address space (call site for "

@@ -639,9 +639,5 @@ class Recorder:
 
 
 def cache_dir(sub: str, path: str | None = None):
-    """Where unwind tables, compiled BPF programs and the probe cost persist across runs: the
-    given directory, else `sub` of $ALLOCSAMPLER_CACHE_DIR or of a root-only default (all of
-    them describe the binaries and the kernel, not the targets, so one cache serves every
-    recording). None when it cannot be made ours alone (nothing is cached then)."""
-    root = os.environ.get("ALLOCSAMPLER_CACHE_DIR") or "/var/cache/allocsampler"
-    return files.private_dir(path if path else os.path.join(root, sub))
+    """files.cache_dir: where unwind tables, compiled BPF programs and the probe cost persist."""
+    return files.cache_dir(sub, path)

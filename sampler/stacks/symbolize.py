@@ -160,16 +160,14 @@ class Symbolizer:
         if img is None or vaddr is None:
             # Without the ELF headers the file offset is the best ASLR-free location.
             return view, Frame(None, module, m.path, file_off, img.build_id if img else None)
-        sym = img.lookup(vaddr)
-        name = demangle(sym[0]) if sym else None
         src = _source(img, vaddr)
         if not src:
-            return view, Frame(name, module, m.path, vaddr, img.build_id)
+            return view, Frame(function_name(img, vaddr), module, m.path, vaddr, img.build_id)
         # DWARF: the innermost entries are inlined calls; the last is the function itself
         inlined = tuple(Frame(demangle(s.function) if s.function else None, module, m.path, vaddr, img.build_id,
                               s.file, s.line, inline=True) for s in src[:-1])
         outer = src[-1]
-        return view, Frame(name or (demangle(outer.function) if outer.function else None), module, m.path,
+        return view, Frame(function_name(img, vaddr, outer.function), module, m.path,
                            vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
 
     def _refresh(self, pid: int, view: _ProcessView) -> _ProcessView:
@@ -198,10 +196,23 @@ class Symbolizer:
         key = (m.dev, m.inode, m.path)
         if key not in view.images:
             try:
-                view.images[key] = ElfImage.open(open_path(pid, m))
+                view.images[key] = ElfImage.open(open_path(pid, m), m.path, f"/proc/{pid}/root")
             except (OSError, ElfFormatError):
                 view.images[key] = None
         return view.images[key]
+
+
+def function_name(img: ElfImage, vaddr: int, dwarf_name: str | None = None) -> str | None:
+    """The name of the function at `vaddr` (demangled): the symbol covering it, else DWARF's
+    subprogram, else the nearest exported function before it in its section as `name+0xOFF`
+    (static functions of a stripped library: the `+` marks an approximation); None when none."""
+    sym = img.lookup(vaddr)
+    if sym is not None:
+        return demangle(sym[0])
+    if dwarf_name:
+        return demangle(dwarf_name)
+    near = img.nearest_export(vaddr)
+    return f"{demangle(near[0])}+{near[1]:#x}" if near is not None else None
 
 
 def _source(img: ElfImage, vaddr: int) -> list:
