@@ -182,3 +182,114 @@ def test_a_source_filter_gives_no_unexplained_verdict():
     assert [f.kind for f in detect_growth(ds)] == ["unexplained_growth"]
     ds.sources = ["mmap"]
     assert detect_growth(ds) == []
+
+
+# -- one finding per cause, unknown is not zero, OOM projections --------------------------------------
+
+def _causes_dataset(series: list[tuple], frames: dict[int, list[tuple]], tiers: list[str] | None = None,
+                    rss_slope: float = 0.0) -> Dataset:
+    """One process; `series`: (source, stack_id, simulate(...) output, measured mask or None);
+    `frames`: stack_id -> [(function, module)] innermost first; `tiers`: per snapshot."""
+    t0 = pd.Timestamp("2026-11-22T00:00:00Z")
+    out_rows, frame_rows, times = [], [], None
+    for source, sid, (t, y, s, churn, live), mask in series:
+        times = t
+        for i, (ti, yi, si, ci, ni) in enumerate(zip(t, y, s, churn, live, strict=True)):
+            if mask is not None and not mask[i]:
+                continue
+            out_rows.append({"ts": t0 + pd.Timedelta(seconds=float(ti)), "recording_id": "r", "host": "h",
+                             "interval_s": 10.0, "pid": 9, "comm": "p", "source": source, "stack_id": sid,
+                             "outstanding_bytes": yi, "outstanding_stderr_bytes": si, "live_samples": int(ni),
+                             "alloc_samples": int(ci), "free_samples": 0})
+    for sid, fr in frames.items():
+        frame_rows += [{"stack_id": sid, "depth": d, "function": fn, "module": mod,
+                        "offset": sum(map(ord, fn)) * 64 + d, "kind": "native"} for d, (fn, mod) in enumerate(fr)]
+    proc_rows = [{"ts": t0 + pd.Timedelta(seconds=float(ti)), "recording_id": "r", "host": "h", "pid": 9, "comm": "p",
+                  "rss": int(500 * MiB + rss_slope * ti), "memory_limit": 16 << 30,
+                  "tier": tiers[i] if tiers else "attach"} for i, ti in enumerate(times)]
+
+    def frame(table, rows):
+        return pd.concat([table.schema.empty_table().to_pandas(), pd.DataFrame(rows)], ignore_index=True)
+
+    return Dataset(root=".", outstanding=frame(OUTSTANDING, out_rows), processes=frame(PROCESSES, proc_rows),
+                   stacks=frame(STACKS, []), frames=frame(FRAMES, frame_rows), vm_events=pd.DataFrame(),
+                   targets=pd.DataFrame(), recordings=pd.DataFrame())
+
+
+def _leaks(ds: Dataset):
+    return [f for f in detect_growth(ds) if f.kind == "persistent_growth"]
+
+
+def test_stacks_that_differ_only_in_their_thread_start_are_one_finding():
+    rng = np.random.default_rng(11)
+    inner = [("grow", "srv"), ("handle", "srv")]
+    frames = {sid: [*inner, (routine, "srv"), ("start_thread", "libc.so.6"), ("clone3", "libc.so.6")]
+              for sid, routine in ((1, "worker_a"), (2, "worker_b"), (3, "worker_c"))}
+    ds = _causes_dataset([("malloc", sid, simulate(rng, 300, 10, rate=1 * MiB), None) for sid in frames], frames)
+    leaks = _leaks(ds)
+    assert len(leaks) == 1, [f.summary for f in leaks]
+    assert leaks[0].details["growth_bytes_per_hour"] / 3600 == pytest.approx(3 * MiB, rel=0.15)
+    assert sorted(leaks[0].details["merged_stack_ids"]) == [2, 3]
+
+
+def test_the_same_memory_through_two_sources_is_one_finding():
+    """Faults inside a sampled mapping (the recorder gives them the mapping's stack) and the
+    mapping: one finding, the resident view; an allocator's extents give none while malloc is
+    measured (the allocations carved from them are the malloc finding)."""
+    rng = np.random.default_rng(12)
+    mapped = simulate(rng, 300, 10, rate=2 * MiB)
+    frames = {1: [("grow_buffers", "srv"), ("main", "srv")],
+              2: [("pages_map", "libjemalloc.so.2"), ("extent_alloc", "libjemalloc.so.2"), ("malloc",
+                  "libjemalloc.so.2"), ("kv_set", "srv"), ("main", "srv")],
+              3: [("kv_set", "srv"), ("main", "srv")]}
+    ds = _causes_dataset([("mmap", 1, mapped, None), ("fault", 1, mapped, None)], frames, tiers=["rss"] * 30)
+    (leak,) = _leaks(ds)
+    assert (leak.details["source"], leak.details["attribution"], leak.details["also_seen_as"]) == \
+        ("fault", "allocation", "mmap")
+    ds = _causes_dataset([("mmap", 2, simulate(rng, 300, 10, rate=4 * MiB), None),
+                          ("malloc", 3, simulate(rng, 300, 10, rate=4 * MiB), None)], frames)
+    (leak,) = _leaks(ds)
+    assert (leak.details["source"], leak.details["stack_id"]) == ("malloc", 3)
+
+
+def test_a_tier_change_cuts_the_malloc_series_and_its_faults_take_over():
+    """Moved to the page-fault tier after 150 s: malloc is not measured from then on (its rows
+    stop; its last value is not carried on), and the same code's page faults continue the story:
+    one finding, at the rate measured last, the malloc series named as seen before."""
+    rng = np.random.default_rng(13)
+    n = 30
+    before = np.arange(n) < 15
+    frames = {1: [("leak_blocks", "app"), ("main", "app")],
+              2: [("_int_malloc", "libc.so.6"), ("malloc", "libc.so.6"), ("leak_blocks", "app"), ("main", "app")]}
+    faults = simulate(rng, 300, 10, rate=2 * MiB, start=150)
+    ds = _causes_dataset([("malloc", 1, simulate(rng, 300, 10, rate=2 * MiB), before), ("fault", 2, faults, ~before)],
+                         frames, tiers=["attach" if b else "rss" for b in before])
+    series = classify_series(ds)
+    m = series[series["source"] == "malloc"].iloc[0]
+    assert m["points"] == 15 and m["measured_until"] == ds.processes["ts"].iloc[14]
+    leaks = _leaks(ds)
+    assert len(leaks) == 1 and leaks[0].details["source"] == "fault", [f.summary for f in leaks]
+    assert leaks[0].details["also_seen_as"] == "malloc" and leaks[0].details["attribution"] == "first_touch"
+    assert "first touched by leak_blocks (app)" in leaks[0].summary
+    assert leaks[0].details["growth_bytes_per_hour"] / 3600 == pytest.approx(2 * MiB, rel=0.2)
+
+
+def test_oom_projections_come_from_a_trend_rising_at_the_end():
+    from analysis.detect.growth import project_oom
+    t = np.arange(0, 600, 10.0)
+    rising = {"rss": 1 << 30, "limit": 2 << 30, "rss_slope": 1 * MiB, "rss_slope_ci": (0.8 * MiB, 1.2 * MiB)}
+    p = project_oom(rising, 0.1 * MiB, 0.05 * MiB, 0.15 * MiB)
+    assert p.basis == "rss_trend" and p.low < p.hours < p.high
+    assert p.hours == pytest.approx(1024 / 3600, rel=1e-6)
+    flat = {**rising, "rss_slope": 0.0, "rss_slope_ci": (-0.1 * MiB, 0.1 * MiB)}
+    p = project_oom(flat, 0.1 * MiB, 0.05 * MiB, 0.15 * MiB)
+    assert p.basis == "leak_rate" and p.hours == pytest.approx(10240 / 3600, rel=1e-6)
+    assert project_oom(flat, 0.1 * MiB, -0.01 * MiB, 0.2 * MiB).hours is None     # not surely rising
+    assert t.size     # (the grid the slopes above would come from)
+    # a process whose RSS grew, then stayed flat: no projection from the whole window's slope
+    rng = np.random.default_rng(14)
+    leak = simulate(rng, 300, 10, rate=1 * MiB)
+    ds = _causes_dataset([("malloc", 1, leak, None)], {1: [("grow", "app"), ("main", "app")]})
+    ds.processes["rss"] = (500 * MiB + np.minimum(ds.processes.index.to_numpy(), 12) * 30 * MiB).astype("int64")
+    (f,) = _leaks(ds)
+    assert f.details["time_to_oom_basis"] == "leak_rate", f.summary

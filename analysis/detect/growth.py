@@ -377,13 +377,14 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
         limit = pt.get("limit", 0)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
         held = f"{fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)}"
+        until = None if pd.isna(r.measured_until) else pd.Timestamp(r.measured_until)
         if r.source == FAULT and r.attribution == "first_touch":
             text = (f"pages first touched by {where} hold {held} (fault: page faults show the code that first "
                     f"wrote memory, not what allocated it) and grow {fmt_bytes(rate_h)}/h to the end of the window")
         else:
             text = (f"{where} holds {held} ({r.source}) and grows {fmt_bytes(rate_h)}/h to the end of the "
-                    + ("window" if r.measured_until is None else
-                       f"measured window (not measured since {pd.Timestamp(r.measured_until):%H:%M:%S} UTC, "
+                    + ("window" if until is None else
+                       f"measured window (not measured since {until:%H:%M:%S} UTC, "
                        f"when the process left the tier that sees it)"))
         text += (" in a sawtooth" if r.pattern == "sawtooth" else "") + oom.text(limit)
         findings.append(Finding(
@@ -392,7 +393,7 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
              "growth_bytes_per_hour": rate_h, "growth_stderr_bytes_per_hour": margin / 1.96 * 3600,
              "outstanding_bytes": r.outstanding_bytes,
              "outstanding_stderr_bytes": r.outstanding_stderr_bytes, "first_seen": r.first_seen,
-             "last_seen": r.last_seen, "measured_until": r.measured_until,
+             "last_seen": r.last_seen, "measured_until": until,
              "time_to_oom_hours": oom.hours, "time_to_oom_low_hours": oom.low, "time_to_oom_high_hours": oom.high,
              "time_to_oom_basis": oom.basis or None, "memory_limit_bytes": limit or None, "pattern": r.pattern,
              "classification": "leak", "attribution": r.attribution, "also_seen_as": r.also_seen_as,

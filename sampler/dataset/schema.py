@@ -46,7 +46,9 @@ SCHEMA_VERSION = 5
 # 5 - unknown is not zero: processes' malloc-derived columns (heap/arena live, malloc and python
 #   outstanding) are null while the process's tier does not measure allocations (`rss`,
 #   `syscalls`), not 0 or their last value; outstanding.exiting marks what a process still held
-#   after its own teardown (rows written at its exit), which readers keep apart from its running state.
+#   after its own teardown (rows written at its exit), which readers keep apart from its running state;
+#   frames.function of an address no symbol covers may be `export+0xOFF` (the nearest exported
+#   function of a stripped library), where it was null.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
