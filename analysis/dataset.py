@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
@@ -39,16 +40,15 @@ HELD_SOURCES = ("malloc", "python", "mmap")
 def split_exit(out: pd.DataFrame, exits: pd.DataFrame | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(running rows, teardown rows) of `outstanding` rows: exit is not a free. The rows written at
     a process's exit (`exiting`) hold what its teardown (interpreter finalization, atexit) left;
-    so does a last snapshot taken while the teardown ran. `exits`: `targets` rows of event `exit`
-    (ts, recording_id, pid), for processes whose teardown freed everything (no rows at exit)."""
-    if out.empty or "exiting" not in out:
-        return out.drop(columns="exiting", errors="ignore"), out.iloc[:0]
-    at_exit = out["exiting"].fillna(False).astype(bool).to_numpy(copy=True)
+    so does a last snapshot taken while the teardown ran. `exits`: (ts, recording_id, pid) of the
+    exits (`targets` rows of event `exit`, or the teardown rows already read apart). The frame is
+    copied only when rows move."""
+    at_exit = (out["exiting"].fillna(False).to_numpy(dtype=bool, copy=True) if "exiting" in out
+               else np.zeros(len(out), bool))
     keys = ["recording_id", "pid"]
-    when = out.loc[at_exit, [*keys, "ts"]]
-    if exits is not None and len(exits):
-        when = pd.concat([when, exits[[*keys, "ts"]]])
-    if len(when):
+    when = [out.loc[at_exit, [*keys, "ts"]]] + ([exits[[*keys, "ts"]]] if exits is not None and len(exits) else [])
+    when = pd.concat(when) if len(when) > 1 else when[0]
+    if len(when) and len(out):
         exited = when.groupby(keys, observed=True)["ts"].min()
         held = out[~at_exit & (out["source"].astype(str).isin(HELD_SOURCES) if "source" in out else True)]
         held = held[pd.MultiIndex.from_frame(held[keys]).isin(exited.index)]
@@ -60,7 +60,9 @@ def split_exit(out: pd.DataFrame, exits: pd.DataFrame | None = None) -> tuple[pd
             if len(g) == 2 and (exited[(rec, pid)] - ts[-1]).total_seconds() <= TEARDOWN_S \
                     and g.iloc[-1] < 0.5 * g.iloc[-2]:
                 at_exit |= ((out["recording_id"] == rec) & (out["pid"] == pid) & (out["ts"] == ts[-1])).to_numpy()
-    out = out.drop(columns="exiting")
+    out = out.drop(columns="exiting") if "exiting" in out else out
+    if not at_exit.any():
+        return out, out.iloc[:0]
     return out[~at_exit], out[at_exit]
 
 
@@ -72,10 +74,28 @@ def exit_events(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame
     return read_table(root, "targets", filter=flt, columns=["ts", "recording_id", "pid"])
 
 
+def read_outstanding(root: str | Path, *, filter=None, columns: list[str] | None = None,
+                     pids: list[int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(running rows, teardown rows) of the `outstanding` table (split_exit). The rows written at
+    exits are filtered apart while scanning, so the big running frame is never copied for them."""
+    cols = None if columns is None else [c for c in columns if c != "exiting"]
+    at_exit = ds.field("exiting") == True  # noqa: E712  (an Arrow expression)
+    running = ds.field("exiting").is_null() | (ds.field("exiting") == False)  # noqa: E712
+    teardown = read_table(root, "outstanding", filter=at_exit if filter is None else filter & at_exit, columns=cols)
+    out = read_table(root, "outstanding", filter=running if filter is None else filter & running, columns=cols)
+    for df in (out, teardown):
+        if "exiting" in df:     # all of one kind here (read with columns=None): ours to drop in place
+            del df["exiting"]
+    exits = exit_events(root, pids)
+    out, late = split_exit(out, pd.concat([teardown[["ts", "recording_id", "pid"]], exits])
+                           if len(teardown) else exits)
+    return out, pd.concat([teardown, late]) if len(late) else teardown
+
+
 def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame:
     """The last snapshot of each (recording, process), joined with stack summaries."""
     flt = ds.field("pid").isin(pids) if pids else None
-    out, _ = split_exit(read_table(root, "outstanding", filter=flt), exit_events(root, pids))
+    out, _ = read_outstanding(root, filter=flt, pids=pids)
     if out.empty:
         return out
     last = out.groupby(["recording_id", "pid"], observed=True)["ts"].transform("max")
@@ -146,9 +166,9 @@ def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] 
         return out
 
     src = ds.field("source").isin(sources) if sources else None
-    outstanding = read_table(root, "outstanding", filter=both(when, by_pid, src), columns=outstanding_columns)
+    outstanding, teardown = read_outstanding(root, filter=both(when, by_pid, src), columns=outstanding_columns,
+                                             pids=pids)
     targets = read_table(root, "targets", filter=by_pid)
-    outstanding, teardown = split_exit(outstanding, targets[targets["event"] == "exit"])
     stacks = read_table(root, "stacks").drop_duplicates("stack_id")
     frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
     return Dataset(

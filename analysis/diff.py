@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis.dataset import exit_events, read_table, split_exit
+from analysis.dataset import read_outstanding, read_table
 from analysis.frames import read_stack_frames
 from sampler.units import fmt_bytes, parse_size
 
@@ -130,9 +130,8 @@ def _peak_final(rows: pd.DataFrame, keys: list[str], last: pd.Series) -> pd.Data
 
 
 def load_side(root: str | Path) -> Side:
-    out = read_table(root, "outstanding", columns=["ts", "recording_id", "pid", "comm", "source", "stack_id",
-                                                   "outstanding_bytes", "outstanding_stderr_bytes", "exiting"])
-    out, _ = split_exit(out, exit_events(root))      # a process's running state, not its teardown
+    out, _ = read_outstanding(root, columns=["ts", "recording_id", "pid", "comm", "source", "stack_id",  # running
+                                             "outstanding_bytes", "outstanding_stderr_bytes"])
     procs = read_table(root, "processes")
     for df in (out, procs):     # plain strings: categoricals of two datasets do not compare
         for c in ("recording_id", "comm", "source"):

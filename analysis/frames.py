@@ -151,7 +151,7 @@ def _finite(v: Any) -> bool:
 def cause_representatives(frames: pd.DataFrame) -> dict[int, int]:
     """stack_id -> the stack that stands for it, for stacks that differ only in their thread start
     (the frames from the first entry function, the thread's start routine or Python's thread
-    bootstrap outwards): one cause, one series. Native frames compare by module and offset,
+    bootstrap outwards): one cause, one series. Native frames compare by module, function and offset,
     Python frames by file, function and line; Python code that allocates through the interpreter
     alone compares by its Python frames. Stacks that stand for themselves are left out."""
     if frames.empty:
@@ -179,7 +179,8 @@ def cause_representatives(frames: pd.DataFrame) -> dict[int, int]:
     def txt(col: str) -> pd.Series:
         return inner[col].astype(object).fillna("").astype(str) if col in inner else pd.Series("", inner.index)
 
-    label = np.where(py, txt("file") + ":" + txt("function") + ":" + txt("line"), txt("module") + "+" + txt("offset"))
+    label = np.where(py, txt("file") + ":" + txt("function") + ":" + txt("line"),
+                     txt("module") + ":" + txt("function") + "+" + txt("offset"))
     keys = pd.Series(label, index=inner.index).groupby(inner["stack_id"].to_numpy()).agg("<".join)
     # stacks cut nowhere keep their full key, so they merge only with an identical inner part
     rep = pd.Series(keys.index, index=keys.index).groupby(keys.to_numpy()).transform("min")

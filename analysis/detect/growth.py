@@ -233,10 +233,11 @@ ALLOCATION_SOURCES = (MALLOC, PYTHON, TORCH)
 def _tiers(ds: Dataset) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
     """(recording, pid) -> (snapshot times in us, tier at each) from `processes`."""
     p = ds.processes
-    if p.empty or "tier" not in p:
-        return {}
+    if p.empty or "tier" not in p or set(p["tier"].dropna().astype(str).unique()) <= set(ALLOCATION_TIERS):
+        return {}       # every snapshot measured allocations (and no page faults were sampled)
     out = {}
-    for (r, pid), g in p.sort_values("ts").groupby(["recording_id", "pid"], observed=True):
+    p = p[["recording_id", "pid", "ts", "tier"]].sort_values("ts")
+    for (r, pid), g in p.groupby(["recording_id", "pid"], observed=True):
         out[(str(r), int(pid))] = (g["ts"].dt.as_unit("us").astype("int64").to_numpy(),
                                    g["tier"].astype(object).fillna("").astype(str).to_numpy())
     return out
@@ -261,10 +262,16 @@ def merge_causes(out: pd.DataFrame, reps: dict[int, int]) -> pd.DataFrame:
     different stacks are sampled independently)."""
     if not reps:
         return out
-    involved = out["stack_id"].isin(set(reps) | set(reps.values())).to_numpy()
+    src = np.fromiter(reps.keys(), np.int64, len(reps))
+    dst = np.fromiter(reps.values(), np.int64, len(reps))
+    order = np.argsort(src)
+    src, dst = src[order], dst[order]
+    sid = out["stack_id"].to_numpy(np.int64)
+    pos = np.minimum(np.searchsorted(src, sid), len(src) - 1)
+    hit = src[pos] == sid
+    involved = hit | np.isin(sid, dst)
     m = out[involved]
-    m = m.assign(stack_id=m["stack_id"].map(lambda s: reps.get(s, s)).astype("int64"),
-                 var=m["outstanding_stderr_bytes"] ** 2)
+    m = m.assign(stack_id=np.where(hit, dst[pos], sid)[involved], var=m["outstanding_stderr_bytes"] ** 2)
     sums = {c: "sum" for c in ("outstanding_bytes", "var", "live_samples", "alloc_samples", "free_samples")
             if c in m}
     g = m.groupby(["recording_id", "pid", "ts", "source", "stack_id"], observed=True, sort=False)

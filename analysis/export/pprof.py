@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from analysis.dataset import exit_events, read_table, split_exit
+from analysis.dataset import read_outstanding, read_table
 from analysis.frames import Stacks, read_stack_frames
 
 # (sample type, unit, outstanding column); Go's order, so tools default to the last (inuse_space)
@@ -63,9 +63,8 @@ def profile_values(root: str | Path, *, window: Window | None = None, source: st
     if pids:
         flt = flt & ds.field("pid").isin(pids)
     flt = _ts_filter(flt, "ts", "<=", window.end)
-    cols = ["ts", "recording_id", "host", "pid", "comm", "stack_id", *(c for _, _, c in SAMPLE_TYPES), "exiting"]
-    out = read_table(root, "outstanding", filter=flt, columns=cols)
-    out, _ = split_exit(out, exit_events(root, pids))     # the running state, not a process's teardown
+    cols = ["ts", "recording_id", "host", "pid", "comm", "stack_id", *(c for _, _, c in SAMPLE_TYPES)]
+    out, _ = read_outstanding(root, filter=flt, columns=cols, pids=pids)   # the running state, not a teardown
     keys = ["recording_id", "pid"]
     if out.empty:
         empty = pd.DataFrame(columns=[*keys, "comm", "host", "stack_id", *VALUE_NAMES])
