@@ -464,16 +464,26 @@ class BpfProbes:
     # events and counters -------------------------------------------------------------------
     def open_events(self, handle: Callable[[bytes], None]) -> None:
         def _cb(data, size):
-            handle(ctypes.string_at(data, size))
+            try:
+                handle(ctypes.string_at(data, size))
+            except BaseException as e:  # noqa: BLE001  (ctypes would print it and go on: raised after the read)
+                self._cb_error = e
+                return -1
             self._read += 1
             # libbpf keeps consuming while records arrive: under a burst faster than Python
             # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
             # this record is consumed, the rest waits for the next poll.
             return -1 if time.monotonic() > self._poll_deadline else 0
         self._cb = _cb
+        self._cb_error: BaseException | None = None
         self._poll_deadline = float("inf")
         self._read = 0
         self.bpf.open_ring_buffer("events", _cb)
+
+    def _raise_callback_error(self) -> None:
+        e, self._cb_error = self._cb_error, None
+        if e is not None:
+            raise e
 
     def poll(self, timeout_ms: int) -> None:
         """Read records, waiting up to `timeout_ms` when there are none. What is there is read
@@ -482,13 +492,16 @@ class BpfProbes:
         self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
         self._read = 0
         self.bpf.ring_buffer_consume()
+        self._raise_callback_error()
         if not self._read:
             self.bpf.ring_buffer_poll(timeout_ms)
+            self._raise_callback_error()
 
     def drain(self, budget_s: float = 1.0) -> None:
         """Read what is in the ring buffer now (bounded in time, like poll)."""
         self._poll_deadline = time.monotonic() + budget_s
         self.bpf.ring_buffer_consume()
+        self._raise_callback_error()
 
     def counters(self) -> list[int]:
         tab = self.bpf["counters"]

@@ -70,6 +70,9 @@ DLOPEN_RESCAN_S = 1.0       # after an executable file mapping: look for new lib
 # recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
 # long one settles at one per 10 s.
 ADAPTIVE_MIN_S, ADAPTIVE_MAX_S, ADAPTIVE_SNAPSHOTS = 1.0, 10.0, 8
+# A target's rescans (maps, new libraries, Python): at most one per RESCAN_MIN_S, and spaced by ten
+# times what the last one cost, so that a process that keeps mapping code cannot take the loop.
+RESCAN_MIN_S, RESCAN_COST_FACTOR = 0.1, 10.0
 
 
 def snapshot_interval(elapsed: float, fixed: float | None) -> float:
@@ -132,6 +135,9 @@ class RecorderHooks:
     def snapshot_done(self) -> None:
         """After every interval's snapshot."""
 
+    def target_failed(self, pid: int, comm: str, why: str) -> None:
+        """A target was dropped because recording it failed (`why`: one line)."""
+
 
 class Recorder:
     def __init__(self, opts: RecordOptions, hooks: RecorderHooks | None = None):
@@ -151,6 +157,7 @@ class Recorder:
         self._hints: dict[int, int | None] = {}
         self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
         self._gone: set[int] = set()           # host-wide pids that exited before adoption
+        self.failed: dict[int, str] = {}       # pid -> why recording it failed (not tried again)
         self._proc = psutil.Process()
         self._cost_ns: float | None = None
         self.probes: BpfProbes | None = None
@@ -338,6 +345,8 @@ class Recorder:
             self.attacher.attach(t)
         except ProcessLookupError:
             self._drop_target(info.pid, "exited while being attached", exited=True)
+        except Exception as e:  # noqa: BLE001
+            self._fail(info.pid, "attaching", e)
 
     def _rescan(self, now: float, every: bool = False) -> None:
         """After an exec the new image maps its libraries a moment later; dlopen can add an
@@ -345,8 +354,15 @@ class Recorder:
         for t in list(self.targets.values()):
             if t.rescan_until and now >= t.rescan_until:
                 t.rescan_until = 0.0        # the exec window is over: warn if still nothing
-            if every or t.rescan_until:
-                self.attacher.rescan(t)
+            # a target that keeps mapping code (hostile or not) is rescanned at a pace that keeps
+            # the rescans' own cost under a tenth of the loop's time
+            if (every or t.rescan_until) and now >= t.next_rescan:
+                try:
+                    self.attacher.rescan(t)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(t.pid, "looking for its libraries", e)
+                    continue
+                t.next_rescan = now + max(RESCAN_MIN_S, RESCAN_COST_FACTOR * (time.monotonic() - now))
 
     def _adopt(self, pid: int) -> Target | None:
         """A process selected host-wide (--all, --cgroup) that the fault program saw first."""
@@ -378,6 +394,24 @@ class Recorder:
         if self._hints.pop(pid, None) is not None:
             self.probes.set_stack_hint(pid, None)
         self.finished.append((t.info, why))
+
+    def _fail(self, pid: int, what: str, e: Exception) -> None:
+        """Recording this target failed on something it supplied (a malformed file, memory that
+        changed under us, a bug its input triggers): it is dropped with one `targets` row and one
+        line, the other targets and the loop go on, and it is not tried again."""
+        t = self.targets.get(pid)
+        if t is None:
+            return
+        why = f"recording failed while {what}: {type(e).__name__}: {str(e)[:200]}"
+        self.failed[pid] = why
+        self._target_row(t, "failed", why + "; no longer recorded")
+        if not self.opts.quiet:
+            print(f"allocsampler: error: pid {pid} ({t.info.comm}): {why}; no longer recorded", file=sys.stderr)
+        self.hooks.target_failed(pid, t.info.comm, why)
+        try:
+            self._drop_target(pid, why)
+        except Exception:  # noqa: BLE001  (detaching what we could; the pid is out of `targets` already)
+            self.targets.pop(pid, None)
 
     def _warn(self, t: Target, msg: str) -> None:
         self._target_row(t, "warning", msg)
@@ -412,6 +446,14 @@ class Recorder:
         t = self.targets.get(ev.pid)
         if t is None and (ev.source != Source.FAULT or (t := self._adopt(ev.pid)) is None):
             return
+        try:
+            self._handle(t, ev)
+        except ProcessLookupError:
+            pass                                # gone while we looked: its exit event follows
+        except Exception as e:  # noqa: BLE001  (what the target supplied broke it: that target alone goes)
+            self._fail(t.pid, "reading its events", e)
+
+    def _handle(self, t: Target, ev: Event) -> None:
         if ev.flags & EvFlag.PY_MISS and self.python is not None:
             self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
@@ -516,15 +558,20 @@ class Recorder:
             self.controls.interval(t, mono, hits)
             h = sum(hits.get(pid, (0, 0)))
             t.hit_rate, t.hits = (h - t.hits) / interval if interval > 0 else 0.0, h
-            if t.injection is not None:
-                self._note_sampler_mean(t)
-            if self.python is not None:
-                self.python.refresh(pid, force=True)
             try:
+                if t.injection is not None:
+                    self._note_sampler_mean(t)
+                if self.python is not None:
+                    self.python.refresh(pid, force=True)
+                n_arenas = len(arenas)
                 proc_rows.append(self._process_row(t, now, arenas))
             except ProcessLookupError:      # it exited meanwhile: what is left is its teardown's
                 out_rows += self._outstanding_rows(t, now, interval, exiting=True)
                 self._exit(pid, write_rows=False)
+                continue
+            except Exception as e:  # noqa: BLE001
+                del arenas[n_arenas:]
+                self._fail(pid, "measuring it", e)
                 continue
             out_rows += self._outstanding_rows(t, now, interval)
         self._write(OUTSTANDING, out_rows)

@@ -26,6 +26,7 @@ class Target:
     failures: list[str] = field(default_factory=list)        # why probes could not be attached
     vm: VmClassifier = field(default_factory=VmClassifier)
     rescan_until: float = 0.0
+    next_rescan: float = 0.0                                 # monotonic: not rescanned before (rate limit)
     warned: bool = False                                     # "no probeable allocator" said once
     py_checked: bool = False                                 # Python detection done for this image
     drops: tuple[int, int, int, int] = (0, 0, 0, 0)          # lost events, live table full, vm
