@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sampler.bpf import abi, events, objcache
+from sampler.bpf import abi, btf, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 
 
@@ -211,3 +211,16 @@ def test_old_entries_are_pruned(tmp_path, monkeypatch):
 def _max_entries(fd: int) -> int:
     with open(f"/proc/self/fdinfo/{fd}") as f:
         return int(next(ln for ln in f if ln.startswith("max_entries:")).split()[1])
+
+
+def test_uretprobe_offsets_come_from_the_kernels_btf(tmp_path):
+    """The members capture_user reads to restore a return address any uretprobe replaced: found
+    in this kernel's BTF (then compiled in), absent without BTF (the feature is then off)."""
+    want = {"task_struct": ("utask", "no_such_member"), "return_instance": ("stack", "orig_ret_vaddr", "next")}
+    off = btf.struct_offsets(want)
+    assert set(off) == {("task_struct", "utask"), ("return_instance", "stack"),
+                                ("return_instance", "orig_ret_vaddr"), ("return_instance", "next")}
+    assert off["return_instance", "stack"] + 8 == off["return_instance", "orig_ret_vaddr"]
+    _, cflags = program_source(ProbeConfig(512 << 10))
+    assert f"-DRI_TASK_STRUCT_UTASK={off['task_struct', 'utask']}" in cflags
+    assert btf.struct_offsets(want, tmp_path / "absent") == {}

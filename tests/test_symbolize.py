@@ -6,13 +6,14 @@ import ctypes
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
+from sampler.stacks import symbolize
 from sampler.stacks.symbolize import Frame, Symbolizer, demangle, module_key
 
 PROG_SRC = r"""
@@ -267,6 +268,29 @@ def test_maps_are_reread_after_dlopen(built, spawn):
     assert sym.frames(p.pid, [p.main_static], first_is_ip=True)[0].function == "main_static"
     lib = p.load(built.lib)  # mapped after the first read of the maps
     assert sym.frames(p.pid, [lib["exported"]], first_is_ip=True)[0].function == "widget_exported"
+
+
+def test_code_in_a_mapping_not_yet_executable_rereads_the_maps(built, spawn, monkeypatch):
+    """Maps read while ld.so was loading a library hold its span read-only (mapped whole first,
+    its code over it a moment later): after the code's mmap event, an address there is a stale
+    view, read again, not code without CFI or symbols."""
+    p = spawn(built.prog)
+    addr = p.load(built.lib)["exported"]
+    reads: list[int] = []
+
+    def mid_dlopen(pid: int):
+        reads.append(pid)
+        maps = read_maps(pid)
+        return maps if len(reads) > 1 else [replace(m, perms="r--p") if m.start <= addr < m.end else m
+                                            for m in maps]
+
+    monkeypatch.setattr(symbolize, "read_maps", mid_dlopen)
+    sym = Symbolizer(maps_refresh_interval=3600)
+    assert sym.frames(p.pid, [p.main_static], first_is_ip=True)[0].function == "main_static"
+    sym.mapped_code(p.pid)                                  # the recorder saw the code's mmap
+    assert sym.locate(p.pid, addr) is not None and len(reads) == 2
+    assert sym.frames(p.pid, [addr], first_is_ip=True)[0].function == "widget_exported"
+    assert sym.locate(p.pid, addr) is not None and len(reads) == 2     # once: the view is current
 
 
 def test_module_key_is_the_same_across_processes(built, spawn):

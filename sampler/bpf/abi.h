@@ -135,7 +135,7 @@ struct ev_stack {
     u64 bp;
     u64 ra_slot;     /* when nonzero: the stack word at ra_slot holds a uretprobe trampoline */
     u64 ra;          /* address instead of this original return address (an event inside a
-                      * sampled allocation call, whose return probe is pending) */
+                      * call whose return probe, ours or another tool's, is pending) */
     u16 stack_len;
     u16 npy;
     u32 pad;

@@ -297,9 +297,38 @@ static __always_inline u32 copy_stack(struct ev_stack *e, u32 off, u64 sp)
     return n;
 }
 
+/* The innermost return address above sp that a uretprobe replaced with its trampoline, from the
+ * thread's pending return instances in the kernel: another tool's uretprobe on the same function
+ * puts one there in calls this recorder did not sample (the walk would end at the trampoline).
+ * Without the offsets (RI_*: sampler/bpf/loader.py, from BTF) the caller's own record stays. */
+static __always_inline void uretprobe_slot(struct ev_stack *e, u64 sp)
+{
+#ifdef RI_TASK_STRUCT_UTASK
+    u64 ut = 0, ri = 0, slot = 0;
+    bpf_probe_read_kernel(&ut, sizeof(ut), (void *)(bpf_get_current_task() + RI_TASK_STRUCT_UTASK));
+    if (!ut)
+        return;
+    bpf_probe_read_kernel(&ri, sizeof(ri), (void *)(ut + RI_UPROBE_TASK_RETURN_INSTANCES));
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (!ri)
+            return;
+        if (bpf_probe_read_kernel(&slot, sizeof(slot), (void *)(ri + RI_RETURN_INSTANCE_STACK)))
+            return;
+        if (slot >= sp) {           /* below sp: a frame left by longjmp, not yet reclaimed */
+            e->ra_slot = slot;
+            bpf_probe_read_kernel(&e->ra, sizeof(e->ra), (void *)(ri + RI_RETURN_INSTANCE_ORIG_RET_VADDR));
+            return;
+        }
+        bpf_probe_read_kernel(&ri, sizeof(ri), (void *)(ri + RI_RETURN_INSTANCE_NEXT));
+    }
+#endif
+}
+
 /* Fill the stack part of a scratch record; returns the record's length. The header is set. */
 static __always_inline u32 capture_user(struct ev_stack *e, u64 ip, u64 sp, u64 bp)
 {
+    uretprobe_slot(e, sp);
     e->ip = ip;
     e->sp = sp;
     e->bp = bp;

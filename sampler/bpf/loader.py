@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sampler.bpf as bpf_sources
-from sampler.bpf import objcache, uprobe_multi
+from sampler.bpf import btf, objcache, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
@@ -96,6 +96,7 @@ def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
     ]
     if _exit_has_group_dead():
         cflags.append("-DEXIT_HAS_GROUP_DEAD")
+    cflags += _uretprobe_flags()
     return text, cflags
 
 
@@ -556,6 +557,21 @@ def _release_compiler_memory() -> None:
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         libc.madvise(lo, hi - lo, MADV_PAGEOUT)      # errors (old kernels: EINVAL) are harmless
+
+
+# Where the kernel keeps a thread's pending uretprobes (their trampolines in its stack), by BTF.
+_URETPROBE_MEMBERS = {"task_struct": ("utask",), "uprobe_task": ("return_instances",),
+                      "return_instance": ("stack", "orig_ret_vaddr", "next")}
+
+
+def _uretprobe_flags() -> list[str]:
+    """-D flags with the offsets that let capture_user (common.h) restore the return address any
+    uretprobe replaced (another tool's too); none when the kernel's BTF lacks one of them."""
+    off = btf.struct_offsets(_URETPROBE_MEMBERS)
+    names = [(s, m) for s, ms in _URETPROBE_MEMBERS.items() for m in ms]
+    if any(k not in off for k in names):
+        return []
+    return [f"-DRI_{s.upper()}_{m.upper()}={off[s, m]}" for s, m in names]
 
 
 def _exit_has_group_dead() -> bool:

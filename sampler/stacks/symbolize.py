@@ -90,9 +90,8 @@ class Symbolizer:
         if view is None:
             return None
         m = find_mapping(view.maps, addr)
-        if m is None:
-            view = self._refresh(pid, view)
-            m = find_mapping(view.maps, addr)
+        if m is None or not m.executable:
+            view, m = self._reread(pid, view, addr)
         if m is None or not m.file_backed or not m.executable:
             return None
         img = self._image(pid, view, m)
@@ -146,9 +145,8 @@ class Symbolizer:
 
     def _resolve(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Frame]:
         m = find_mapping(view.maps, addr)
-        if m is None:
-            view = self._refresh(pid, view)
-            m = find_mapping(view.maps, addr)
+        if m is None or not m.executable:
+            view, m = self._reread(pid, view, addr)
         if m is None:
             return view, _unknown(addr)
         if not m.file_backed:
@@ -169,6 +167,13 @@ class Symbolizer:
         outer = src[-1]
         return view, Frame(function_name(img, vaddr, outer.function), module, m.path,
                            vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
+
+    def _reread(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Mapping | None]:
+        """The view and mapping of code at `addr` after a miss: in no mapping, or in one that is not
+        executable (read while ld.so was mapping a library: its whole span read-only first, the
+        code segment over it a moment later), the maps are read again (rate-limited)."""
+        view = self._refresh(pid, view)
+        return view, find_mapping(view.maps, addr)
 
     def _refresh(self, pid: int, view: _ProcessView) -> _ProcessView:
         """Re-read the maps after a miss (a dlopen since the last read).
