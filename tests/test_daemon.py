@@ -239,11 +239,11 @@ class Target:
 
 
 class DaemonProc:
-    def __init__(self, cfg: Path, data: Path, port: int, log: Path):
+    def __init__(self, cfg: Path, data: Path, port: int, log: Path, env: dict | None = None):
         self.cfg, self.data, self.port, self.log_path = cfg, data, port, log
         self._log = open(log, "a")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(allocsampler_cmd("daemon", "--config", str(cfg)), stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.targets: list[Target] = []
 
     @property

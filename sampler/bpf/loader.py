@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import sampler.bpf as bpf_sources
-from sampler.bpf import btf, objcache, uprobe_multi
+from sampler.bpf import btf, objcache, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
@@ -116,6 +116,7 @@ class BpfProbes:
         self._seq = 0
         self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._closers: list[threading.Thread] = []
+        self.swept = tracefs.sweep_stale_events()     # what SIGKILLed recorders left (no uprobe PMU)
         try:
             self._load(text, cflags, sizes)
         except OSError:
@@ -252,7 +253,7 @@ class BpfProbes:
             probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
         for prog, kind, offset in probes:
             prog_fd = self.bpf.load_func(prog, PROG_KPROBE)
-            ev = f"allocsampler_{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
+            ev = f"{tracefs.EVENT_PREFIX}{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
             self._seq += 1
             with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
                 fd = libbcc().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
@@ -575,9 +576,8 @@ def _uretprobe_flags() -> list[str]:
 
 
 def _exit_has_group_dead() -> bool:
-    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
-        try:
-            return "group_dead" in Path(base, "events/sched/sched_process_exit/format").read_text()
-        except OSError:
-            continue
-    return False
+    base = tracefs.root()
+    try:
+        return base is not None and "group_dead" in (base / "events/sched/sched_process_exit/format").read_text()
+    except OSError:
+        return False

@@ -8,6 +8,7 @@ import platform
 from pathlib import Path
 
 from sampler.bpf import syscall as sc
+from sampler.bpf import tracefs
 from sampler.errors import EnvironmentProblem
 
 _BPF_MAP_TYPE_ARRAY = 2
@@ -58,9 +59,8 @@ def check_bpf() -> None:
 
 
 def check_tracefs() -> None:
-    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
-        if Path(base, "events").is_dir():
-            return
+    if tracefs.root() is not None:
+        return
     raise EnvironmentProblem("tracefs is not mounted (needed for tracepoints and uprobes): "
                              "mount -t tracefs tracefs /sys/kernel/tracing")
 

@@ -34,13 +34,21 @@ EXTRA_LINKS = 8
 DEFAULT_NS = 1500.0
 DEFAULT_LINK_NS = 35.0
 
-_CHILD = r"""
-import ctypes, sys, time
+# Both children die with the recorder (PR_SET_PDEATHSIG), a SIGKILLed one included.
+_DIE_WITH_PARENT = r"""
+import ctypes, os, signal, sys
 libc = ctypes.CDLL(None)
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+"""
+_IDLE = _DIE_WITH_PARENT + "import time\ntime.sleep(600)\n"
+_CHILD = _DIE_WITH_PARENT + r"""
+import time
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
-m, f, n = libc.malloc, libc.free, int(sys.argv[1])
+m, f, n = libc.malloc, libc.free, int(sys.argv[2])
 print("ready", flush=True)
 for line in sys.stdin:
     t = time.perf_counter()
@@ -61,7 +69,7 @@ def _key(probes, lib) -> str:
 def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
     """(ns per probe hit, ns per hit and other link on the address, how they were obtained).
     Never raises: falls back to the defaults."""
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(PAIRS)], stdin=subprocess.PIPE,
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid()), str(PAIRS)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     idle = None
     try:
@@ -89,7 +97,7 @@ def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
             return t, sum(probes.hits().get(child.pid, (0, 0))) - h0
 
         # links of another process on the same functions: it never runs them (it sleeps)
-        idle = subprocess.Popen(["sleep", "600"])
+        idle = subprocess.Popen([sys.executable, "-c", _IDLE, str(os.getpid())])
         run()                                                  # warm-up
         per_hit, per_link = [], []
         for _ in range(ROUNDS):

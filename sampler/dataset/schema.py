@@ -320,7 +320,9 @@ TARGETS = Table(
     (
         *_common("When it happened."),
         Column("pid", pa.int32(), "Process id."),
-        Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `tier` (the process "
+        Column("event", STR, "`attach`, `exec`, `exit`, `detach`, `warning`, `failed` (recording the "
+                             "process failed on something it supplied: detail says what; it is no "
+                             "longer recorded), `tier` (the process "
                              "changed tier; detail says why), `governor` (duty-cycle changes), "
                              "`sampling` (its sampling mean changed: detail gives the mean and why), "
                              "`inject` (the injected sampler redirected objects loaded later, or CPython's "

@@ -47,6 +47,7 @@ from sampler.service.config import Config, format_size
 from sampler.service.config import load as load_config
 from sampler.service.discovery import Discovery
 from sampler.service.preoom import PRE_OOM_CHECK_S, PreOom
+from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
 
 RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
@@ -144,8 +145,9 @@ class Daemon(RecorderHooks):
             log(f"recovery: {line}")
         self.disk = DiskState(self.root, floor_bytes=self.cfg.retention.min_free_bytes,
                               retry_s=min(300.0, max(5.0, 10 * d.interval_s)))
-        self.metrics = MetricsState()
+        self.metrics = MetricsState(stall_after_s=max(60.0, 3 * d.interval_s))
         self.metrics.update_health(live_capacity=LIVE_MAX)
+        self.watchdog = Watchdog.from_env()
         if self.cfg.metrics.enabled:
             m = self.cfg.metrics
             self.server = MetricsServer(self.metrics, m.host, m.port).start()
@@ -168,6 +170,7 @@ class Daemon(RecorderHooks):
         try:
             code = rec.run()
         finally:
+            self.watchdog.stopping()
             self.jobs.stop()
             if self.server is not None:
                 self.server.stop()
@@ -194,8 +197,11 @@ class Daemon(RecorderHooks):
                      "analysis": now + min(a.every_s, 60.0),
                      "compact": now + min(r.compact_after_s, 3600.0)}
         self._write_status()
+        self.watchdog.ready(f"recording {rec.recording_id}")
 
     def tick(self, now: float) -> None:
+        self.metrics.heartbeat(now)
+        self.watchdog.pet(now)
         due = self._due
         if now >= due["scan"]:
             full = now >= due["full_scan"]
@@ -225,6 +231,9 @@ class Daemon(RecorderHooks):
             pause = min(owed, 2.0)
             self.cpu.throttled_s += pause
             self.rec.idle(pause)
+
+    def target_failed(self, pid: int, comm: str, why: str) -> None:
+        log(f"target pid {pid} ({comm!r}): {why}; no longer recorded")
 
     def snapshot_done(self) -> None:
         rec = self.rec

@@ -90,9 +90,10 @@ class Discovery:
             readds = k.readds if k is not None else 0
             if k is not None and k.recorded and pid not in self.rec.targets:
                 # alive, yet dropped by the recorder: a failed attach, or the exit event of the
-                # pid's previous process read late. Tried again, twice at most.
+                # pid's previous process read late. Tried again, twice at most; never when
+                # recording it failed on what it supplied (Recorder.failed)
                 k.recorded = False
-                if k.readds >= 2:
+                if k.readds >= 2 or pid in getattr(self.rec, "failed", ()):
                     k.sig = sig
                     continue
                 readds += 1

@@ -136,7 +136,9 @@ class MetricsState:
     health: RecorderHealth = field(default_factory=RecorderHealth)
     max_processes: int = DEFAULT_MAX_PROCESSES
     start_time: float = field(default_factory=time.time)
+    stall_after_s: float = 60.0           # the loop counts as stalled without a heartbeat this long
     generation: int = field(default=0, init=False, compare=False)
+    loop_heartbeat: float = field(default_factory=time.monotonic, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def set_processes(self, processes: Iterable[ProcessMetrics]) -> None:
@@ -172,6 +174,11 @@ class MetricsState:
                 vm_events_dropped_total=h.vm_events_dropped_total + vm_events_dropped,
                 vm_events_suppressed_total=h.vm_events_suppressed_total + vm_events_suppressed)
             self.generation += 1
+
+    def heartbeat(self, now: float) -> None:
+        """From the recording loop, at every poll (monotonic `now`). One float store: no lock, and
+        no new rendering (the health lines are computed when served)."""
+        self.loop_heartbeat = now
 
     def snapshot(self) -> MetricsState:
         with self._lock:
@@ -453,6 +460,17 @@ def _wants_metrics(head: bytes) -> bool:
     return method == b"GET" and target.split(b"?", 1)[0] == b"/metrics" and version.startswith(b"HTTP/1.")
 
 
+def loop_health(state: MetricsState, now: float) -> bytes:
+    """The loop's liveness, computed when served (the rest of the exposition is rendered once per
+    change): a loop stuck in one target's file shows here while the server thread still answers."""
+    age = max(0.0, now - state.loop_heartbeat)
+    return (f"# HELP {PREFIX}loop_heartbeat_age_seconds Seconds since the recording loop last ran.\n"
+            f"# TYPE {PREFIX}loop_heartbeat_age_seconds gauge\n{PREFIX}loop_heartbeat_age_seconds {age:.3f}\n"
+            f"# HELP {PREFIX}loop_healthy 1 while the recording loop runs, 0 once it has not run for "
+            f"{state.stall_after_s:g} s (stalled: systemd's watchdog restarts the daemon).\n"
+            f"# TYPE {PREFIX}loop_healthy gauge\n{PREFIX}loop_healthy {int(age < state.stall_after_s)}\n").encode()
+
+
 class _Handler(socketserver.BaseRequestHandler):
     """One request per connection, within the server's timeout from accept to the last byte sent.
     The request line is all we need: no header parsing (less to attack), no keep-alive."""
@@ -499,7 +517,7 @@ class _Server(socketserver.ThreadingTCPServer):
             generation = self.state.generation
             body = generate_latest(self._registry)
             self._cache = (generation, body)
-        return body
+        return body + loop_health(self.state, time.monotonic())
 
     def verify_request(self, request: Any, client_address: Any) -> bool:
         if self.connections.admit(request):
