@@ -166,13 +166,17 @@ import sys, time
 from sampler.inprocess import inject, pydomains
 inj = inject.inject(int(sys.argv[1]), 65536, 0, python_objects=True)
 print("placed" if not inj.adopted else "adopted", flush=True)
-py = 0
-for i in range(int(sys.argv[2])):
-    inj.redirect()
-    py = max(py, len(inj.py_fields))        # CPython's allocator fields redirected
-    time.sleep(0.002)
-    inj.restore()
-print("done", py, flush=True)
+py = cycles = 0
+try:
+    for i in range(int(sys.argv[2])):
+        inj.redirect()
+        py = max(py, len(inj.py_fields))    # CPython's allocator fields redirected
+        time.sleep(0.002)
+        inj.restore()
+        cycles += 1
+except ProcessLookupError:
+    pass                                    # the workload finished first (a loaded machine)
+print("done", py, cycles, flush=True)
 """
 
 
@@ -184,7 +188,7 @@ def test_stress_keeps_its_checksum_through_redirects_restores_and_a_killed_recor
     _cycle_through(argv, _reference(argv))
 
 
-@pytest.mark.parametrize(("mode", "iterations"), [("python", 4000), ("torch", 800)])
+@pytest.mark.parametrize(("mode", "iterations"), [("python", 6000), ("torch", 1200)])
 def test_python_and_torch_keep_their_checksum_through_redirects_restores_and_a_killed_recorder(mode, iterations):
     """The same with CPython's object allocator redirected too: 8 Python threads (4 with torch ops)
     building and checking objects of every small size class, an allocating signal handler, forks,
@@ -195,7 +199,7 @@ def test_python_and_torch_keep_their_checksum_through_redirects_restores_and_a_k
 
 def _cycle_through(argv: list[str], expected: str) -> None:
     """Runs the workload while a recorder cycles redirect/restore and is SIGKILLed midway, then a
-    second adopts the sampler and cycles 200 times; checks the workload's own verdict."""
+    second adopts the sampler and cycles up to 200 times; checks the workload's own verdict."""
     s = Stress(argv)
     s.go()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -208,7 +212,8 @@ def _cycle_through(argv: list[str], expected: str) -> None:
     second = subprocess.run([sys.executable, "-c", CYCLER, str(s.pid), "200"], capture_output=True, text=True,
                             env=env, timeout=120)
     python = Path(argv[0]).name.startswith("python")
-    assert second.stdout.split() == ["adopted", "done", "8" if python else "0"], second.stderr
+    said = second.stdout.split()
+    assert said[:3] == ["adopted", "done", "8" if python else "0"] and int(said[3]) >= 1, second.stderr
     ok, checksum, signals, forks = s.result()
     name = " ".join(Path(a).name for a in argv[:3])
     print(f"\n[stress] {name}: checksum {checksum} (expected {expected}), {signals} signal handlers, {forks} forks")
