@@ -64,6 +64,8 @@ def test_python_leak_survives_a_graceful_exit(tmp_path, bpf_ready):
     assert any("record_token" in frames_text(f) for f in leaks), [f["summary"] for f in leaks]
     assert not [f for f in fs if f["kind"] == "unexplained_growth"], fs
     rate = sum(f["growth_bytes_per_hour"] for f in leaks) / 3600
+    print(f"\n[exit] {len(leaks)} findings, {rate / MiB:.2f} MiB/s; "
+          f"the workload's RSS grew {truth['rate_bytes_per_s'] / MiB:.2f} MiB/s")
     assert rate == pytest.approx(truth["rate_bytes_per_s"], rel=0.35), (rate, truth)
     # one finding per cause: no two findings for the same stack summary
     assert len({f["summary"] for f in leaks}) == len(leaks)
@@ -97,6 +99,8 @@ def test_arena_bloat_in_a_20_second_recording(tmp_path, bpf_ready):
         target.kill()
     fs = [f for f in findings(tmp_path / "rec", target.pid) if f["kind"] == "arena_bloat"]
     assert len(fs) == 1, fs
+    print(f"\n[arena] bloat {fs[0]['bloat_bytes'] / MiB:.0f} MiB ({fs[0]['bloat_basis']}, "
+          f"{fs[0]['windows']} snapshots), the workload freed {freed / MiB:.0f} MiB")
     assert fs[0]["bloat_bytes"] == pytest.approx(freed, rel=0.35), (fs[0]["bloat_bytes"], freed)
     assert "record as root" not in fs[0]["recommendation"]       # the recorder is root already
 
@@ -128,6 +132,8 @@ def test_tier_change_in_the_middle_of_a_leak(tmp_path, gated, record):
     leaks = [f for f in fs if f["kind"] == "persistent_growth" and "leak_blocks" in frames_text(f)]
     assert len(leaks) == 1, [f["summary"] for f in fs]
     rate = leaks[0]["growth_bytes_per_hour"] / 3600
+    print(f"\n[tier] {leaks[0]['source']} ({leaks[0]['attribution']}, also {leaks[0]['also_seen_as']}): "
+          f"{rate / MiB:.1f} MiB/s, the workload's {truth / seconds / MiB:.1f} MiB/s")
     assert rate == pytest.approx(truth / seconds, rel=0.35), (rate, truth / seconds, leaks[0]["summary"])
 
 
@@ -160,10 +166,11 @@ def _kv_load(port: int, seconds: float, keys_per_s: int, overwrite_of: int = 0, 
         return k
 
 
-def _kv_used(port: int) -> int:
+def _kv_requested(port: int) -> int:
+    """The bytes the server asked malloc for and still holds (its STATS: its own truth)."""
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(b"STATS\n")
-        return int(s.makefile("rb").readline().split()[1])
+        return int(s.makefile("rb").readline().split()[5])
 
 
 def test_c_server_keyspace_grows_then_plateaus(tmp_path, bpf_ready):
@@ -188,10 +195,10 @@ def test_c_server_keyspace_grows_then_plateaus(tmp_path, bpf_ready):
         _wait_attached(out, rec)
         t0 = time.monotonic()
         keys = _kv_load(port, 12, 3000)
-        grown, seconds = _kv_used(port), time.monotonic() - t0
+        grown, seconds = _kv_requested(port), time.monotonic() - t0
         until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=6)
         _kv_load(port, 14, 3000, overwrite_of=keys)
-        used = _kv_used(port)
+        used = _kv_requested(port)
         rec.send_signal(2)
         _, err = rec.communicate(timeout=120)
         assert rec.returncode == 0, err
@@ -205,6 +212,7 @@ def test_c_server_keyspace_grows_then_plateaus(tmp_path, bpf_ready):
     assert not [f for f in fs if f.get("time_to_oom_hours") is not None], fs
     last = latest_outstanding(out, [server.pid])
     held = last[last["source"] == "malloc"]["outstanding_bytes"].sum()
+    print(f"\n[kv] held {held / MiB:.0f} MiB (malloc), the server counts {used / MiB:.0f} MiB")
     assert held == pytest.approx(used, rel=0.35), (held, used)
 
     fs = findings(out, server.pid, "--until", until.isoformat())

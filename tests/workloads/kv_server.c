@@ -4,8 +4,9 @@
  * usage: kv_server PORT      prints "ready" on stdout once listening; one thread, poll().
  * Protocol, one command per line:
  *   SET KEY N   store N bytes under KEY (replacing its value), reply "OK"
- *   STATS       reply "used BYTES keys COUNT": BYTES is what the server holds for its keys
- *               (malloc_usable_size of every entry, key and value: its own ground truth)
+ *   STATS       reply "used BYTES keys COUNT requested REQ": BYTES is what the server holds for its
+ *               keys (malloc_usable_size of every entry, key and value), REQ what it asked malloc
+ *               for (the bytes a sampler of requests estimates): its own ground truth
  *   QUIT        close the connection */
 #include <malloc.h>
 #include <netinet/in.h>
@@ -28,7 +29,7 @@ struct entry {
 };
 
 static struct entry *table[BUCKETS];
-static size_t used, keys;
+static size_t used, keys, requested;
 
 static unsigned long hash(const char *s)
 {
@@ -50,6 +51,7 @@ __attribute__((noinline)) static struct entry *new_entry(const char *key)
     struct entry *e = calloc(1, sizeof *e);
     e->key = strdup(key);
     used += malloc_usable_size(e) + malloc_usable_size(e->key);
+    requested += sizeof *e + strlen(key) + 1;
     keys++;
     return e;
 }
@@ -65,11 +67,13 @@ static void kv_set(const char *key, size_t n)
         *b = e;
     } else {
         used -= malloc_usable_size(e->value);
+        requested -= e->n;
         free(e->value);
     }
     e->value = store_value(n);
     e->n = n;
     used += malloc_usable_size(e->value);
+    requested += n;
 }
 
 struct conn {
@@ -95,7 +99,8 @@ static int handle(struct conn *c)
             memcpy(out + olen, "OK\n", 3);
             olen += 3;
         } else if (!strcmp(line, "STATS")) {
-            olen += snprintf(out + olen, sizeof out - olen, "used %zu keys %zu\n", used, keys);
+            olen += snprintf(out + olen, sizeof out - olen, "used %zu keys %zu requested %zu\n", used, keys,
+                             requested);
         } else if (!strcmp(line, "QUIT")) {
             return -1;
         }
