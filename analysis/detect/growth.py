@@ -509,21 +509,50 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
 
 def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
     """Per process: growth of sampled outstanding bytes over the window, malloc and Python objects
+    (the recorder's per-snapshot totals in `processes`, over the snapshots that measured them)
     plus the mmap made outside the allocator (glibc's own large-chunk mmaps are already counted
-    under malloc, pymalloc's arenas are not sampled when its objects are); for a
-    process in the always-on tier, the memory its sampled page faults brought in."""
+    under malloc, pymalloc's arenas are not sampled when its objects are); for a process in the
+    always-on tier, the memory its sampled page faults brought in. The big table is only masked:
+    no per-row strings or copies of it."""
+    out: dict[tuple[str, int], float] = {}
+
+    def add(rec, pid, v: float) -> None:     # a process that changed tier has both, in turn
+        out[(str(rec), int(pid))] = out.get((str(rec), int(pid)), 0.0) + v
+
+    p = ds.processes
+    totals = set()
+    if not p.empty and "malloc_outstanding_bytes" in p:
+        held = p["malloc_outstanding_bytes"] + (p["python_outstanding_bytes"].fillna(0.0)
+                                                if "python_outstanding_bytes" in p else 0.0)
+        q = pd.DataFrame({"recording_id": p["recording_id"], "pid": p["pid"], "ts": p["ts"], "b": held}).dropna()
+        for (rec, pid), g in q.sort_values("ts").groupby(["recording_id", "pid"], observed=True)["b"]:
+            add(rec, pid, float(g.iloc[-1] - g.iloc[0]))
+            totals.add((str(rec), int(pid)))
     o = ds.outstanding
     if o.empty:
-        return {}
-    f = ds.frames
-    top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
-    via_libc = o["stack_id"].isin(set(top)).to_numpy()
-    src = o["source"].astype(str).to_numpy()
-    out: dict[tuple[str, int], float] = {}
-    for use in ((src == "malloc") | (src == "python") | ((src == "mmap") & ~via_libc), src == "fault"):
-        cols = ["recording_id", "pid", "ts", "outstanding_bytes"]
-        per_ts = o.loc[use, cols].groupby(cols[:3], observed=True)["outstanding_bytes"].sum()
-        ends = per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"])
-        for (r, p), v in ends.iterrows():   # a process that changed tier has both, in turn
-            out[(str(r), int(p))] = out.get((str(r), int(p)), 0.0) + float(v["last"] - v["first"])
+        return out
+    src = pd.Categorical(o["source"])
+    code = {str(c): i for i, c in enumerate(src.categories)}
+    mmap, fault = src.codes == code.get(MMAP, -2), src.codes == code.get(FAULT, -2)
+    allocs = (src.codes == code.get(MALLOC, -2)) | (src.codes == code.get(PYTHON, -2))
+    if allocs.any() and (p.empty or len(totals) < p[["recording_id", "pid"]].drop_duplicates().shape[0]):
+        # processes without the recorder's totals (imported or synthetic data): from the rows,
+        # masked in place (one float column), grouped without copying the table
+        vals = o["outstanding_bytes"].where(allocs, 0.0)
+        per_ts = vals.groupby([o["recording_id"], o["pid"], o["ts"]], observed=True).sum()
+        for (rec, pid), v in per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"]).iterrows():
+            if (str(rec), int(pid)) not in totals:
+                add(rec, pid, float(v["last"] - v["first"]))
+    if mmap.any():
+        f = ds.frames
+        top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
+        mmap &= ~o["stack_id"].isin(set(top)).to_numpy()
+    for use in (mmap, fault):
+        idx = np.flatnonzero(use)
+        if not len(idx):
+            continue
+        rows = o.iloc[idx]
+        per_ts = rows.groupby(["recording_id", "pid", "ts"], observed=True)["outstanding_bytes"].sum()
+        for (rec, pid), v in per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"]).iterrows():
+            add(rec, pid, float(v["last"] - v["first"]))
     return out
