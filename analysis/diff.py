@@ -19,6 +19,7 @@ import pandas as pd
 
 from analysis.dataset import read_outstanding, read_table
 from analysis.frames import read_stack_frames
+from sampler.text import printable
 from sampler.units import fmt_bytes, parse_size
 
 DIFF_SCHEMA = 1
@@ -314,7 +315,7 @@ def render(report: DiffReport, n: int = 10, width: int = 160) -> str:
              + (f"  (budget {report.budget})" if report.budget else "")]
     for p in report.processes:
         head = {"both": "", "new": "  [only in new]", "gone": "  [only in baseline]"}[p.presence]
-        lines.append(f"\n{p.comm}{head}{'  OVER BUDGET' if p.over_budget else ''}")
+        lines.append(f"\n{printable(p.comm)}{head}{'  OVER BUDGET' if p.over_budget else ''}")
         lines.append(f"  {'metric':<34}{'baseline':>12}{'new':>12}  {'change':>30}")
         for m in p.metrics:
             label = _LABELS[m.name] + (f" ({m.source})" if m.source else "")
@@ -334,12 +335,12 @@ def render(report: DiffReport, n: int = 10, width: int = 160) -> str:
             lines.append(f"  {status} stacks ({len(shown)}), final outstanding baseline -> new:")
             for s in shown[:n]:
                 text = (f"    {s.source:<6} {fmt_bytes(s.baseline_final):>10} -> {fmt_bytes(s.new_final):>10}"
-                        f" (peak {fmt_bytes(s.baseline_peak)} -> {fmt_bytes(s.new_peak)})  {s.stack}")
+                        f" (peak {fmt_bytes(s.baseline_peak)} -> {fmt_bytes(s.new_peak)})  {printable(s.stack)}")
                 lines.append(text if len(text) <= width else text[: width - 3] + "...")
             if len(shown) > n:
                 lines.append(f"    ... {len(shown) - n} more (--json lists all)")
     if report.budget is not None:
-        over = [f"{p.comm}: {_LABELS[m.name]}" + (f" ({m.source})" if m.source else "")
+        over = [f"{printable(p.comm)}: {_LABELS[m.name]}" + (f" ({m.source})" if m.source else "")
                 for p in report.processes for m in p.metrics if m.over_budget]
         lines.append("\n" + (f"OVER BUDGET ({report.budget}): " + "; ".join(over) if over
                              else f"within budget ({report.budget})"))

@@ -1,19 +1,41 @@
-"""Files the recorder writes or trusts: atomic replacement and private (root-only) caches.
+"""Files the recorder writes or trusts: atomic replacement, private caches and outputs, locks.
 
 Everything here runs as root next to files that other users may control, so: no link is followed,
 a cache file is trusted only when it is a regular file owned by us and writable by nobody else
 (checked on the open descriptor, not the path), and a file is replaced by writing a temporary
 beside it and renaming it over, so that a reader or a crash never sees half of one.
+
+Outputs (recordings, reports, exports) are private by default (directories 0700, files 0600) and
+go only where no other user can swap them: every directory on the way is ours or root's, and one
+that others may write to is sticky (/tmp); an existing output directory must be ours and writable
+by nobody else. A refusal is an `UnsafePath`: one line naming the cause and the fix.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from sampler.errors import EnvironmentProblem
+
+OUTPUT_DIR_MODE = 0o700
+OUTPUT_FILE_MODE = 0o600
+
+
+class UnsafePath(EnvironmentProblem, OSError):
+    """A path another user could control (a link, their file or directory, one they may write
+    to). An OSError too, so that writers that survive I/O errors (the daemon's) survive this."""
+
+    def __init__(self, message: str):
+        EnvironmentProblem.__init__(self, message)
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -29,12 +51,11 @@ def fsync_dir(path: str | os.PathLike) -> None:
 def atomic_file(path: str | os.PathLike, mode: int = 0o600, *, durable: bool = True) -> Iterator[BinaryIO]:
     """Open a temporary beside `path` for writing; on a clean exit it is flushed, given `mode`,
     fsynced and renamed over `path` (and the directory fsynced when `durable`). The temporary is a
-    dot-name with our pid, created O_EXCL|O_NOFOLLOW (a planted link or file is never written
+    dot-name with our pid and a random part, created O_EXCL|O_NOFOLLOW (a planted link or file is never written
     through), and removed on any error."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()                    # left by a killed process that had our pid
+    # unguessable: nobody can plant it beforehand (a planted one makes O_EXCL fail, not follow)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         with open(fd, "wb") as f:
@@ -63,8 +84,13 @@ def is_private(st: os.stat_result) -> bool:
 
 def private_dir(path: str | os.PathLike, *, create: bool = True) -> Path | None:
     """`path` as a directory only we control (created 0700 when missing), else None: a cache
-    there could be planted or read by others, so it is not used."""
+    there could be planted or read by others, so it is not used; nor is one under a directory
+    another user could change (check_ancestors: they could swap ours for theirs)."""
     path = Path(path)
+    try:
+        check_ancestors(path)
+    except UnsafePath:
+        return None
     if create:
         with contextlib.suppress(OSError):
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -107,3 +133,122 @@ def read_private(path: str | os.PathLike, max_bytes: int) -> bytes:
     """A cache file's bytes, checked as by open_private. Raises OSError or ValueError."""
     with os.fdopen(open_private(path, max_bytes), "rb") as f:
         return f.read(max_bytes + 1)[:max_bytes]
+
+
+# -- outputs ---------------------------------------------------------------------------------------
+
+def _owner(st: os.stat_result) -> str:
+    return f"uid {st.st_uid}"
+
+
+def check_ancestors(path: str | os.PathLike) -> None:
+    """Raise UnsafePath unless every existing directory above `path` is ours or root's and, when
+    others may write to it, sticky: otherwise its owner (or anyone) could rename our output away
+    and put a link in its place between our check and our write."""
+    here = Path(os.path.abspath(path)).parent
+    for d in (here, *here.parents):
+        try:
+            st = os.stat(d)             # links above the output are the admin's layout: followed
+        except FileNotFoundError:
+            continue
+        if st.st_uid not in (0, os.geteuid()):
+            raise UnsafePath(f"{d} belongs to {_owner(st)}, who could replace {path} with a link: "
+                             "write under a directory you or root own")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise UnsafePath(f"{d} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}), who could "
+                             f"replace {path} with a link: write under a directory only you can change")
+
+
+def check_own_dir(path: str | os.PathLike, what: str = "output directory") -> None:
+    """Raise UnsafePath unless `path` is a real directory (not a link), ours, writable by nobody else."""
+    st = os.stat(path, follow_symlinks=False)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{what} {path} is a symbolic link: give the directory it points to, "
+                         "or a new path")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"{what} {path} exists and is not a directory: give a new path")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(f"{what} {path} belongs to {_owner(st)}, not to us: give a new path "
+                         "(it is created private)")
+    if st.st_mode & 0o022:
+        raise UnsafePath(f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                         f"run chmod go-w {path}, or give a new path")
+
+
+def output_dir(path: str | os.PathLike, mode: int = OUTPUT_DIR_MODE, what: str = "output directory") -> Path:
+    """`path` as an output directory: created with exactly `mode` (missing parents too) when it is
+    not there, else checked by check_own_dir; its ancestors by check_ancestors. Raises UnsafePath,
+    or OSError when it cannot be created."""
+    path = Path(path)
+    check_ancestors(path)
+    missing = []
+    d = path
+    while not os.path.lexists(d):
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        try:
+            m.mkdir(mode=0o700)
+            os.chmod(m, mode)           # exactly: the umask does not apply
+        except FileExistsError:         # created meanwhile by someone else: checked below
+            pass
+    check_own_dir(path, what)
+    return path
+
+
+def subdir(root: Path, name: str, mode: int) -> Path:
+    """root/name as a real directory of ours (created with `mode`): a link or another user's
+    directory planted inside a dataset is refused, not written through. Raises UnsafePath."""
+    d = root / name
+    try:
+        d.mkdir(mode=0o700)
+        os.chmod(d, mode)
+    except FileExistsError:
+        pass
+    st = os.stat(d, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else \
+            ("not a directory" if not stat.S_ISDIR(st.st_mode) else f"owned by {_owner(st)}")
+        raise UnsafePath(f"{d} is {kind}: remove it (data is never written through it)")
+    return d
+
+
+def check_output_file(path: str | os.PathLike) -> None:
+    """Raise UnsafePath unless `path` may be (re)written by us: absent, or a regular file of ours
+    (a link there would be replaced, not followed, but it says someone meddled: refused)."""
+    check_ancestors(path)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"{path} is a symbolic link: remove it or give another file name")
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafePath(f"{path} exists and is not a regular file: give another file name")
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(f"{path} belongs to {_owner(st)}: remove it or give another file name")
+
+
+def write_output(path: str | os.PathLike, data: bytes, mode: int = OUTPUT_FILE_MODE) -> None:
+    """A report or export: checked by check_output_file, written beside it (O_EXCL|O_NOFOLLOW)
+    with `mode` and renamed over it. Raises UnsafePath or OSError."""
+    check_output_file(path)
+    write_atomic(path, data, mode)
+
+
+# -- locks -----------------------------------------------------------------------------------------
+
+def open_lock(path: str | os.PathLike) -> int:
+    """An fd to flock: `path` created 0600 if missing, never through a link, and used only when it
+    is a regular file of ours (another user's lock file could block every write). Raises
+    UnsafePath or OSError."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise UnsafePath(f"lock file {path} is not a regular file of ours ({_owner(st)}, mode "
+                             f"{stat.S_IMODE(st.st_mode):o}): remove it")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

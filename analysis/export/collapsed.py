@@ -10,6 +10,8 @@ from typing import Any
 
 import pandas as pd
 
+from sampler.text import printable
+
 
 def frame_name(f: dict[str, Any]) -> str:
     """Python frames as py-spy writes them, `function (file:line)`; native ones by function, or
@@ -23,7 +25,12 @@ def frame_name(f: dict[str, Any]) -> str:
     else:
         off = f.get("offset")
         name = f"{f.get('module') or '?'}+{int(off) & ((1 << 64) - 1):#x}" if off is not None else "[unknown]"
-    return name.replace(";", ":")      # ';' separates frames
+    return safe_frame(name)
+
+
+def safe_frame(name: str) -> str:
+    """One frame of a line: escaped (a newline would forge a line) and without ';' (a frame)."""
+    return printable(name).replace(";", ":")
 
 
 def collapsed_lines(values: pd.DataFrame, frames: dict[int, list[dict[str, Any]]], value: str) -> list[str]:
@@ -33,6 +40,6 @@ def collapsed_lines(values: pd.DataFrame, frames: dict[int, list[dict[str, Any]]
     for r in values.itertuples(index=False):
         stack = frames.get(int(r.stack_id))
         path = [frame_name(f) for f in reversed(stack)] if stack else ["[no stack]"]
-        key = ";".join([str(r.comm).replace(";", ":"), *path])
+        key = ";".join([safe_frame(str(r.comm)), *path])
         totals[key] = totals.get(key, 0) + round(getattr(r, value))
     return [f"{k} {v}" for k, v in sorted(totals.items(), key=lambda kv: -kv[1]) if v > 0]

@@ -22,6 +22,7 @@ import pyarrow.dataset as ds
 
 from analysis.dataset import read_outstanding, read_table
 from analysis.frames import Stacks, read_stack_frames
+from sampler import files
 
 # (sample type, unit, outstanding column); Go's order, so tools default to the last (inuse_space)
 SAMPLE_TYPES: tuple[tuple[str, str, str], ...] = (
@@ -260,4 +261,4 @@ def write_pprof(root: str | Path, values: pd.DataFrame, out: str | Path, *, sour
     """Write OUT, the gzipped Profile of `profile_values(root, ...)` rows."""
     frames = read_stack_frames(root) if frames is None else frames
     data = build_profile(values, frames, source=source, window=window, period=sample_period(root))
-    Path(out).write_bytes(gzip.compress(data, mtime=0))
+    files.write_output(out, gzip.compress(data, mtime=0))      # 0600, no link followed

@@ -8,6 +8,7 @@ from analysis.dataset import Dataset
 from analysis.findings import Finding
 from analysis.frames import trim_frames
 from analysis.units import fmt_hours
+from sampler.text import printable
 from sampler.units import fmt_bytes
 
 _NEXT = {
@@ -45,9 +46,10 @@ def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
         return "\n".join(lines)
     lines.append(f"\n{len(findings)} finding(s), most severe first:")
     for i, f in enumerate(sorted(findings, key=lambda f: -f.severity), 1):
-        head = f"{i}. [{f.kind}] pid {f.pid} ({f.comm})  severity {f.severity:.0f}  confidence {f.confidence:.0%}"
+        head = (f"{i}. [{f.kind}] pid {f.pid} ({printable(f.comm)})  severity {f.severity:.0f}  "
+                f"confidence {f.confidence:.0%}")
         lines += ["", head]
-        lines += textwrap.wrap(f.summary, width, initial_indent="   ", subsequent_indent="   ")
+        lines += textwrap.wrap(printable(f.summary), width, initial_indent="   ", subsequent_indent="   ")
         d = f.details
         if f.kind in ("persistent_growth", "gpu_growth"):
             lines.append(f"   outstanding {fmt_bytes(d['outstanding_bytes'])} ± "
@@ -56,18 +58,19 @@ def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
                             if d.get("time_to_oom_hours") is not None else ""))
             lines.append("   stack (allocation site first):")
             shown, hidden = trim_frames(d.get("frames", []))
-            lines += [f"     {s}" for s in shown] or ["     [no symbols]"]
+            lines += [f"     {printable(s)}" for s in shown] or ["     [no symbols]"]
             if hidden:
                 lines.append(f"     ({hidden} more frames)")
         elif f.kind == "arena_bloat":
             lines.append(f"   resident {fmt_bytes(d['resident_bytes'])}, live {fmt_bytes(d['live_bytes'])}, "
                          f"bloat {fmt_bytes(d['bloat_bytes'])}, {d.get('arenas')} arenas")
             if d.get("recommendation"):
-                lines += textwrap.wrap("next: " + d["recommendation"], width, initial_indent="   ",
+                lines += textwrap.wrap("next: " + printable(d["recommendation"]), width, initial_indent="   ",
                                        subsequent_indent="         ")
         elif f.kind == "unexplained_growth":
             regions = ", ".join(f"{k[:-4]} {fmt_bytes(v)}" for k, v in d["region_growth_bytes"].items() if v)
             lines.append(f"   region growth: {regions}")
         if step := next_step(f):
-            lines += textwrap.wrap("next: " + step, width, initial_indent="   ", subsequent_indent="         ")
+            lines += textwrap.wrap("next: " + printable(step), width, initial_indent="   ",
+                                   subsequent_indent="         ")
     return "\n".join(lines)

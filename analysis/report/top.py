@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from analysis.dataset import latest_outstanding, read_table
+from sampler.text import printable
 from sampler.units import fmt_bytes
 
 
@@ -19,10 +20,10 @@ def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10):
 def format_top(df, width: int = 160) -> list[str]:
     lines = []
     for (pid, comm), g in df.groupby(["pid", "comm"], observed=True, sort=False):
-        lines.append(f"pid {pid} ({comm}): top stacks by outstanding bytes at {g['ts'].max():%H:%M:%S}")
+        lines.append(f"pid {pid} ({printable(comm)}): top stacks by outstanding bytes at {g['ts'].max():%H:%M:%S}")
         for i, r in enumerate(g.itertuples(), 1):
             est = f"{fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)}"
-            summary = r.summary if isinstance(r.summary, str) and r.summary else "[no stack]"
+            summary = printable(r.summary) if isinstance(r.summary, str) and r.summary else "[no stack]"
             text = f"{i:3d}. {est:>22}  {r.source:<6} {summary}"
             lines.append(text if len(text) <= width else text[: width - 3] + "...")
     return lines
@@ -45,7 +46,7 @@ def print_summary(root: str | Path, recording_id: str, finished) -> None:
         pid = info.pid
         p = procs[procs["pid"] == pid] if not procs.empty else procs
         rss = f"peak RSS {fmt_bytes(p['rss'].max())}, last {fmt_bytes(p['rss'].iloc[-1])}" if len(p) else ""
-        print(f"pid {pid} ({info.comm}): {why}; {rss}")
+        print(f"pid {pid} ({printable(info.comm)}): {printable(why)}; {rss}")
     df = top_stacks(root, None, 5)
     if not df.empty:
         df = df[df["recording_id"] == recording_id]

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from analysis.export.collapsed import collapsed_lines
     from analysis.export.pprof import Window, profile_values, write_pprof
     from analysis.frames import read_stack_frames
+    from sampler import files
     from sampler.units import fmt_bytes
 
     if not args.pprof and not args.collapsed:
@@ -60,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
             if args.collapsed == "-":
                 sys.stdout.write(text)
             else:
-                Path(args.collapsed).write_text(text)
+                files.write_output(args.collapsed, text.encode())
                 print(f"collapsed stacks ({value}) written to {args.collapsed}", file=log)
+    except files.UnsafePath:
+        raise
     except OSError as e:
         raise UsageError(f"cannot write {e.filename}: {e.strerror}") from None
     return 0

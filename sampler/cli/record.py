@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from sampler.cli.args import count, positive, size
@@ -112,6 +113,8 @@ def options(args: argparse.Namespace):
         raise UsageError(f"--sample-bytes must be at most 64G, got {args.sample_bytes}")
     if args.live_max < 1024:
         raise UsageError(f"--live-max must be at least 1024, got {args.live_max}")
+    if os.geteuid() == 0:           # otherwise "must run as root" is the one line to say
+        check_out(args.out)
     try:
         families = tuple(parse_allocator_spec(s) for s in args.allocator)
     except ValueError as e:
@@ -128,6 +131,15 @@ def options(args: argparse.Namespace):
         cpu_budget=args.cpu_budget / 100, probe_cost_ns=args.probe_cost, quiet=args.quiet,
         argv=" ".join(sys.argv), gpu=args.gpu, max_samples_per_s=args.max_samples_per_s,
         vm_events_per_s=args.vm_events_per_s)
+
+
+def check_out(out: str) -> None:
+    """Refuse a foreign, linked or shared output directory now, not after compiling BPF."""
+    from sampler import files
+
+    files.check_ancestors(out)
+    if os.path.lexists(out):
+        files.check_own_dir(out, "dataset directory")
 
 
 def run(args: argparse.Namespace) -> int:

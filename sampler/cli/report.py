@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from sampler.cli.analyze import analyzed
 from sampler.cli.args import add_window
+from sampler.errors import UsageError
 
 HELP = "a report of the findings (terminal, or one HTML file)"
 
@@ -21,11 +21,17 @@ def run(args: argparse.Namespace) -> int:
     ds, findings = analyzed(args)
     if args.html:
         from analysis.report.html import render_html
+        from sampler import files
 
-        Path(args.html).write_text(render_html(ds, findings))
+        try:
+            files.write_output(args.html, render_html(ds, findings).encode())
+        except files.UnsafePath:
+            raise
+        except OSError as e:
+            raise UsageError(f"cannot write {args.html}: {e.strerror or e}") from None
         print(f"report written to {args.html}")
     else:
         from analysis.report.text import render
 
-        print(render(ds, findings))
+        print(render(ds, findings))       # escaped where it names what a target chose
     return 0

@@ -40,11 +40,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sampler import files
+from sampler.dataset.schema import TABLES
 from sampler.dataset.writer import (
+    LOCK_FILE,
+    MARKER_FILE,
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
     DiskFull,
-    make_dirs,
+    is_dataset,
+    mark_dataset,
+    real_subdirs,
     remove_temporary_files,
     root_lock,
 )
@@ -53,6 +58,9 @@ __all__ = ["CompactionReport", "DataFile", "DiskFull", "DiskState", "RetentionRe
            "dataset_bytes", "dataset_files", "enforce", "ensure_private", "recover"]
 
 STAGING = ".compact"
+STATUS_FILE = ".status.json"    # the daemon's (sampler.service.daemon)
+# What a dataset directory holds: a directory with anything else is not taken for one.
+KNOWN_NAMES = frozenset({*TABLES, STAGING, STATUS_FILE, LOCK_FILE, MARKER_FILE})
 # Written once per recording or per stack and referenced by later rows of any age: kept as long
 # as their recording has data (a leak's stack was first seen on its first day).
 METADATA_TABLES = frozenset({"recordings", "stacks", "frames"})
@@ -370,7 +378,11 @@ def _merge(b: _Bin, out: Path) -> int:
 
 
 def _remove_tree(path: Path) -> bool:
+    """rm -r, links removed, never followed."""
     try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            path.unlink()
+            return True
         entries = list(os.scandir(path))
     except FileNotFoundError:
         return False
@@ -389,7 +401,7 @@ def _remove_tree(path: Path) -> bool:
 
 def _compact_partition(root: Path, live: Path, bins: list[_Bin], report: CompactionReport) -> None:
     work = root / STAGING / f"{live.parent.name}.{live.name}"
-    make_dirs(work.parent, 0o700)
+    files.subdir(root, STAGING, 0o700)     # a link there is refused, not written through
     _remove_tree(work)
     work.mkdir(mode=0o700)
     rel = live.relative_to(root)
@@ -482,7 +494,10 @@ def recover(root: str | os.PathLike) -> list[str]:
     done = [f"removed {p.relative_to(root)} (interrupted write)" for p in remove_temporary_files(root)]
     staging = root / STAGING
     with root_lock(root, exclusive=True):
-        for p in sorted(staging.iterdir()) if staging.is_dir() else []:
+        if os.path.islink(staging):     # not ours: removed, never followed
+            staging.unlink()
+            done.append(f"removed {STAGING} (a symbolic link)")
+        for p in real_subdirs(root / STAGING) if staging.is_dir() else []:
             _remove_tree(p)
             done.append(f"removed {p.relative_to(root)} (work area of an interrupted compaction)")
     return done
@@ -492,32 +507,46 @@ def ensure_private(root: str | os.PathLike, *, dir_mode: int = PRIVATE_DIR_MODE,
                    file_mode: int = PRIVATE_FILE_MODE) -> int:
     """Create root if missing and bring the whole tree to `dir_mode` directories and `file_mode`
     files owned by root when running as root (the group is kept: it may be given read access).
-    Stack traces reveal paths and code. Symlinks are neither followed nor changed. Returns how
-    many entries were changed."""
-    root = Path(root)
-    make_dirs(root, dir_mode)
+    Stack traces reveal paths and code. Only a dataset is changed (empty, marked, or holding only
+    our names): any other directory (data_dir = /) raises UnsafePath, so that no tree that is not
+    ours is chowned. Links are neither followed nor changed: each entry is opened O_PATH|O_NOFOLLOW
+    and changed through that descriptor, so a name swapped for a link meanwhile is not followed.
+    Returns how many entries were changed."""
+    root = files.output_dir(root, dir_mode, "data directory") if not os.path.lexists(root) else Path(root)
+    if os.path.islink(root) or not root.is_dir():
+        raise files.UnsafePath(f"{root} is not a directory (or is a link): give a directory path")
+    if not is_dataset(root, KNOWN_NAMES):
+        raise files.UnsafePath(f"{root} is not empty and holds no allocsampler dataset (no {MARKER_FILE}): "
+                               "give a new or empty directory (its modes and owner would be changed)")
+    mark_dataset(root)
     as_root = os.geteuid() == 0
 
-    def fix(path: str, mode: int) -> int:
+    def fix(path: str, want_dir: bool) -> int:
         try:
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                return 0
-            changed = 0
-            if as_root and st.st_uid != 0:
-                os.chown(path, 0, -1, follow_symlinks=False)
-                changed = 1
-            if stat.S_IMODE(st.st_mode) != mode or changed:     # chown clears set-id bits: chmod after
-                os.chmod(path, mode)
-                changed = 1
-            return changed
+            fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return 0
+        try:
+            st = os.fstat(fd)
+            if not (stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)):
+                return 0                # links, FIFOs, devices: left alone
+            mode = dir_mode if want_dir else file_mode
+            via = f"/proc/self/fd/{fd}"     # the inode we opened, whatever the name is now
+            changed = 0
+            if as_root and st.st_uid != 0:
+                os.chown(via, 0, -1)
+                changed = 1
+            if stat.S_IMODE(st.st_mode) != mode or changed:     # chown clears set-id bits: chmod after
+                os.chmod(via, mode)
+                changed = 1
+            return changed
+        finally:
+            os.close(fd)
 
-    n = fix(str(root), dir_mode)
+    n = fix(str(root), True)
     for dirpath, dirnames, filenames in os.walk(root):      # does not descend into symlinked dirs
-        n += sum(fix(os.path.join(dirpath, d), dir_mode) for d in dirnames)
-        n += sum(fix(os.path.join(dirpath, f), file_mode) for f in filenames)
+        n += sum(fix(os.path.join(dirpath, d), True) for d in dirnames)
+        n += sum(fix(os.path.join(dirpath, f), False) for f in filenames)
     return n
 
 

@@ -3,8 +3,16 @@
 Every file is written under a temporary dot-name in its final directory, fsynced, then renamed:
 readers (pyarrow.dataset and pandas skip dot-files; the temporary name does not end in .parquet,
 so DuckDB's globs, which do not skip dot-files, miss it too) and a crash never see a partial file.
-A write holds a shared flock on OUT: whoever deletes temporaries or swaps a partition
-(sampler.dataset.retention) takes it exclusively, so it never removes a file a live writer is writing.
+A write holds a shared flock on OUT/.lock (a file of ours: a lock on the directory itself could be
+taken by anyone who can open it, blocking every write): whoever deletes temporaries or swaps a
+partition (sampler.dataset.retention) takes it exclusively, so it never removes a file a live
+writer is writing.
+
+Recordings are private by default (0700 directories, 0600 files: stack traces reveal paths and
+code); OUT must be a new path or a directory of ours that no one else may write to, and a table
+or partition directory inside it that is a link or not ours is refused (sampler.files). The
+marker file OUT/.allocsampler-dataset says the directory is a dataset (the daemon changes modes
+only in such a directory).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import datetime as dt
 import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,26 +32,31 @@ import pyarrow.parquet as pq
 from sampler import files
 from sampler.dataset.schema import Table
 
-# The daemon's modes: stack traces reveal paths and code, so no world access.
+# The daemon's modes: stack traces reveal paths and code, so no world access (its group may read).
 PRIVATE_DIR_MODE = 0o750
 PRIVATE_FILE_MODE = 0o640
-_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+LOCK_FILE = ".lock"
+MARKER_FILE = ".allocsampler-dataset"
+# Nothing can be written now, but may be later: the daemon pauses, the CLI ends the recording.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 class DiskFull(OSError):
-    """A write failed for lack of space (ENOSPC/EDQUOT); no partial file was left visible."""
+    """A write failed for lack of space (ENOSPC/EDQUOT) or a read-only filesystem (EROFS); no
+    partial file was left visible."""
 
 
 class DatasetWriter:
     def __init__(self, root: str | os.PathLike, recording_id: str, *, host: str | None = None,
-                 dir_mode: int = 0o755, file_mode: int = 0o644):
+                 dir_mode: int = files.OUTPUT_DIR_MODE, file_mode: int = files.OUTPUT_FILE_MODE):
         self.root = Path(root)
         self.recording_id = recording_id
         self.host = host
         self.dir_mode = dir_mode
         self.file_mode = file_mode
         self._seq: dict[str, int] = {}
-        make_dirs(self.root, dir_mode)
+        files.output_dir(self.root, dir_mode, "dataset directory")
+        mark_dataset(self.root)
         remove_temporaries(self.root)
 
     def write(self, table: Table, rows: list[dict] | pa.Table, *, name: str | None = None,
@@ -52,7 +66,8 @@ class DatasetWriter:
         if len(rows) == 0:
             return None
         day = day or dt.datetime.now(dt.timezone.utc).date()
-        directory = self.root / table.name / f"date={day.isoformat()}"
+        partition = f"date={day.isoformat()}"
+        directory = self.root / table.name / partition
         if name is None:
             seq = self._seq[table.name] = self._seq.get(table.name, 0) + 1
             name = f"{self.recording_id}-{seq:06d}"
@@ -61,9 +76,11 @@ class DatasetWriter:
             rows = self._stamp(table, rows)
         data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=table.schema)
         try:
-            make_dirs(self.root, self.dir_mode)         # deleted under a running recorder: back
+            if not self.root.is_dir():                  # deleted under a running recorder: back
+                files.output_dir(self.root, self.dir_mode, "dataset directory")
             with root_lock(self.root):
-                make_dirs(directory, self.dir_mode)     # under the lock: retention removes empty ones
+                # under the lock: retention removes empty ones
+                files.subdir(files.subdir(self.root, table.name, self.dir_mode), partition, self.dir_mode)
                 # a dot-name until complete (readers skip it), then exactly file_mode
                 with files.atomic_file(path, self.file_mode) as f:
                     pq.write_table(data, f, compression="zstd")
@@ -84,8 +101,8 @@ class DatasetWriter:
 
 @contextlib.contextmanager
 def root_lock(root: Path, *, exclusive: bool = False) -> Iterator[None]:
-    """flock on the dataset directory: writers share it, cleanup and partition swaps exclude them."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    """flock on ROOT/.lock: writers share it, cleanup and partition swaps exclude them."""
+    fd = files.open_lock(Path(root) / LOCK_FILE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
@@ -118,7 +135,42 @@ def remove_temporary_files(root: Path) -> list[Path]:
     a writer still at work is not touched."""
     removed = []
     with root_lock(root, exclusive=True):
-        for tmp in root.glob("*/date=*/.*.parquet*.tmp"):
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
+        for part in partitions(root):   # not glob: it would follow a linked table directory
+            for e in os.scandir(part):
+                if e.name.startswith(".") and ".parquet" in e.name and e.name.endswith(".tmp") \
+                        and not e.is_dir(follow_symlinks=False):
+                    os.unlink(e.path)
+                    removed.append(Path(e.path))
     return removed
+
+
+def real_subdirs(path: Path) -> list[Path]:
+    """Directories in `path`, links not followed (nor listed)."""
+    try:
+        return sorted(Path(e.path) for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def partitions(root: Path) -> list[Path]:
+    """ROOT/<table>/date=*/ directories, links not followed."""
+    return [p for t in real_subdirs(root) for p in real_subdirs(t) if p.name.startswith("date=")]
+
+
+def mark_dataset(root: Path) -> None:
+    """Leave the marker (once): the directory is a dataset, whose modes we may set."""
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(root / MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600))
+
+
+def is_dataset(root: Path, known: frozenset[str]) -> bool:
+    """Whether `root` (a directory) may be taken as a dataset: empty, marked (a regular file of
+    ours), or holding only names of ours (`known`: a dataset written before the marker existed)."""
+    try:
+        st = os.stat(root / MARKER_FILE, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+            return True
+    except FileNotFoundError:
+        pass
+    return all(e.name in known for e in os.scandir(root))

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import psutil
@@ -42,8 +43,8 @@ from sampler.dataset.schema import (
     VM_EVENTS,
     Table,
 )
-from sampler.dataset.writer import DatasetWriter
-from sampler.errors import EnvironmentProblem, TargetGone
+from sampler.dataset.writer import DatasetWriter, DiskFull
+from sampler.errors import EXIT_ENVIRONMENT, EnvironmentProblem, TargetGone
 from sampler.gpu import cuda
 from sampler.gpu.cuda import GpuTracer
 from sampler.probes import allocators
@@ -62,6 +63,7 @@ from sampler.record.vm_events import MADV_DONTNEED, MADV_FREE
 from sampler.stacks.symbolize import Symbolizer
 from sampler.stacks.table import COMPLETE, StackTable
 from sampler.stacks.unwind import Unwinder
+from sampler.text import printable
 
 MADV_REMOVE = 9
 PROT_EXEC, MAP_ANONYMOUS = 4, 0x20
@@ -150,6 +152,8 @@ class Recorder:
         self.finished: list[tuple[ProcessInfo, str]] = []     # (process, why) for the CLI's summary
         self.launched: LaunchedCommand | None = None
         self._stop = False
+        self.disk_full: DiskFull | None = None     # the write that ended the recording
+        self._snap_at: dict[int, float] = {}       # pid -> its last snapshot (monotonic)
         self._vm_rows: list[dict] = []
         self._vm_dropped = 0
         self._events = 0
@@ -249,14 +253,14 @@ class Recorder:
             self._loop()
         finally:
             self._finish()
-        return 0
+        return EXIT_ENVIRONMENT if self.disk_full is not None else 0
 
     def _loop(self) -> None:
         o = self.opts
         start = time.monotonic()
         deadline = start + o.duration if o.duration else None
         next_snap = start + snapshot_interval(0.0, o.interval)
-        self._last_snap = start
+        self._last_snap = self._prev_full = start
         self._last_counters = self.probes.counters()
         self._last_cpu = sum(self._proc.cpu_times()[:2])
         host_wide = o.all_processes or bool(o.cgroups)
@@ -310,9 +314,9 @@ class Recorder:
         """The process's sampling mean in BPF now (an in-process sampler has its own: `sampling` rows)."""
         return self.controls.sample_mean(pid)
 
-    def snapshot_now(self) -> None:
-        """An extra snapshot of every target (an interval shorter than the others)."""
-        self._snapshot()
+    def snapshot_now(self, pids: Collection[int] | None = None) -> None:
+        """An extra snapshot of these targets (default: every one); their interval is shorter."""
+        self._snapshot(None if pids is None else frozenset(pids))
 
     def idle(self, seconds: float) -> None:
         """Pause reading events (the daemon's own CPU budget): the ring buffer fills meanwhile
@@ -416,7 +420,7 @@ class Recorder:
     def _warn(self, t: Target, msg: str) -> None:
         self._target_row(t, "warning", msg)
         if not self.opts.quiet:
-            print(f"allocsampler: warning: pid {t.pid} ({t.info.comm}): {msg}", file=sys.stderr)
+            print(f"allocsampler: warning: pid {t.pid} ({printable(t.info.comm)}): {printable(msg)}", file=sys.stderr)
 
     def _reap_launched(self) -> None:
         if self.launched is None or self.launched.pid not in self.targets:
@@ -541,11 +545,16 @@ class Recorder:
             self._exit(t.pid)
 
     # snapshots --------------------------------------------------------------------------------
-    def _snapshot(self) -> None:
+    def _snapshot(self, only: frozenset[int] | None = None) -> None:
+        """Rows of every target, or of `only` (pre-OOM: one process, not all; the recorder row,
+        which covers all of them, waits for the next full snapshot)."""
         now = self._wall_now()
         mono = time.monotonic()
         interval = mono - self._last_snap
-        self._last_snap = mono
+        if only is None:
+            self._last_snap = mono
+            self._snap_at = {p: v for p, v in self._snap_at.items() if p in self.targets}
+        since = interval
         drops = self.probes.drops()
         out_rows: list[dict] = []
         proc_rows: list[dict] = []
@@ -554,6 +563,11 @@ class Recorder:
         if self.gpu is not None:
             self.gpu.sample()
         for pid, t in list(self.targets.items()):
+            if only is not None and pid not in only:
+                continue
+            # each target's own interval: a scoped snapshot shortened only its own
+            interval = mono - self._snap_at.get(pid, mono - since)
+            self._snap_at[pid] = mono
             t.drops = drops.get(pid, t.drops)
             self.controls.interval(t, mono, hits)
             h = sum(hits.get(pid, (0, 0)))
@@ -582,10 +596,13 @@ class Recorder:
         self._write(FRAMES, frame_rows)
         self._write(VM_EVENTS, self._vm_rows)
         self._vm_rows = []
+        if only is not None:
+            return
         if self.gpu is not None:
             self._write(GPU, [{"ts": now, **r} for r in self.gpu.device_rows()])
             self._write(GPU_EVENTS, self.gpu.drain_rows())
-        self._write_recorder_row(now, interval)
+        self._write_recorder_row(now, mono - self._prev_full)
+        self._prev_full = mono
 
     def _note_sampler_mean(self, t: Target) -> None:
         """A `sampling` row when the injected sampler's own rate cap changed its mean."""
@@ -659,7 +676,17 @@ class Recorder:
         self._write_recording(ended=None)
 
     def _write(self, table: Table, rows: list[dict], **kw) -> None:
-        self.writer.write(table, rows, **kw)
+        """A full or read-only disk ends the recording cleanly (said once; files already written
+        stay valid: each is renamed into place whole). The daemon's writer never raises it: it pauses."""
+        if self.disk_full is not None:
+            return
+        try:
+            self.writer.write(table, rows, **kw)
+        except DiskFull as e:
+            self.disk_full = e
+            self._stop = True
+            print(f"allocsampler: error: cannot write to {self.opts.out} ({e.strerror}): the recording ends; "
+                  "what was written before stays readable", file=sys.stderr)
 
     def _finish(self) -> None:
         if self.probes is None:

@@ -49,6 +49,7 @@ from sampler.service.discovery import Discovery
 from sampler.service.preoom import PRE_OOM_CHECK_S, PreOom
 from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
+from sampler.text import printable
 
 RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
 LIVE_MAX = 65536                # sampled live blocks (32 GiB of sampled heap at 512K): ~25 MB of Python at most
@@ -60,7 +61,7 @@ _MiB = 1 << 20
 
 def log(msg: str) -> None:
     """One line on stderr (the journal under systemd)."""
-    print(f"allocsampler: {' '.join(msg.split())}", file=sys.stderr, flush=True)
+    print(f"allocsampler: {printable(' '.join(msg.split()))}", file=sys.stderr, flush=True)
 
 
 # --- keeping pandas out ------------------------------------------------------------------------
@@ -138,6 +139,8 @@ class Daemon(RecorderHooks):
         d = self.cfg.daemon
         try:
             ensure_private(self.root, dir_mode=PRIVATE_DIR_MODE)
+        except files.UnsafePath as e:
+            raise EnvironmentProblem(f"daemon.data_dir = {str(self.root)!r}: {e}") from None
         except OSError as e:
             raise EnvironmentProblem(f"daemon.data_dir = {str(self.root)!r}: cannot create it or make it private "
                                      f"({e.strerror or e}): choose a local directory root can write") from None

@@ -13,6 +13,7 @@ from pathlib import Path
 from sampler.errors import EnvironmentProblem
 from sampler.service.config import DEFAULT_PATH, Config
 from sampler.service.config import load as load_config
+from sampler.text import printable
 from sampler.units import fmt_bytes
 
 STATUS_FILE = ".status.json"      # sampler.service.daemon.STATUS_FILE (not imported: that module is heavier)
@@ -106,8 +107,8 @@ def render(doc: dict, live: dict[str, float]) -> str:
             tier = t.get("tier") or "?"
             if t.get("pre_oom"):
                 tier += "*"
-            lines.append(f"    {t.get('pid'):>8}  {str(t.get('comm'))[:16]:<16} {tier:<8} "
-                         f"{fmt_bytes(t.get('rss_bytes')):>9}  {t.get('rule') or ''}")
+            lines.append(f"    {t.get('pid'):>8}  {printable(t.get('comm'), 16):<16} {tier:<8} "
+                         f"{fmt_bytes(t.get('rss_bytes')):>9}  {printable(t.get('rule') or '')}")
         if len(targets) > 30:
             lines.append(f"    ... {len(targets) - 30} more (allocsampler status --json)")
         if any(t.get("pre_oom") for t in targets):
@@ -117,7 +118,7 @@ def render(doc: dict, live: dict[str, float]) -> str:
         if s:
             extra = (f", {s['findings']} findings" if "findings" in s else
                      f", {s.get('merged_files', 0)} files merged" if kind == "compaction" else "")
-            err = f", failed: {s['error']}" if s.get("error") else ""
+            err = f", failed: {printable(s['error'])}" if s.get("error") else ""
             child = s.get("max_rss_bytes")
             peak = f", peak RSS {fmt_bytes(child)}" if child else ""
             lines.append(f"  {kind}: last run {s.get('at')} ({s.get('seconds')} s{extra}{peak}{err})")
@@ -127,8 +128,8 @@ def render(doc: dict, live: dict[str, float]) -> str:
     if findings:
         lines.append("  findings of the last analysis:")
         for f in findings[:10]:
-            lines.append(f"    {f.get('kind')} pid {f.get('pid')} ({f.get('comm')}), severity "
-                         f"{float(f.get('severity') or 0):.0f}: {f.get('summary')}")
+            lines.append(f"    {f.get('kind')} pid {f.get('pid')} ({printable(f.get('comm'))}), severity "
+                         f"{float(f.get('severity') or 0):.0f}: {printable(f.get('summary'))}")
     return "\n".join(lines)
 
 
