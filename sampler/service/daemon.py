@@ -236,7 +236,7 @@ class Daemon(RecorderHooks):
             self.rec.idle(pause)
 
     def target_failed(self, pid: int, comm: str, why: str) -> None:
-        log(f"target pid {pid} ({comm!r}): {why}; no longer recorded")
+        log(f"target pid {pid} ({printable(comm)}): {printable(why)}; no longer recorded")
 
     def snapshot_done(self) -> None:
         rec = self.rec
