@@ -410,7 +410,8 @@ class Recorder:
         self.failed[pid] = why
         self._target_row(t, "failed", why + "; no longer recorded")
         if not self.opts.quiet:
-            print(f"allocsampler: error: pid {pid} ({t.info.comm}): {why}; no longer recorded", file=sys.stderr)
+            print(f"allocsampler: error: pid {pid} ({printable(t.info.comm)}): {printable(why)}; no longer recorded",
+                  file=sys.stderr)
         self.hooks.target_failed(pid, t.info.comm, why)
         try:
             self._drop_target(pid, why)
