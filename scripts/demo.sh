@@ -9,7 +9,7 @@ bash "$here/scripts/setup.sh"
 rm -rf "$out"
 echo "recording the demo service for 30 s into $out ..." >&2
 # The service would run for 10 minutes; the recording ends after 30 s and stops it.
-"$here/.venv/bin/allocsampler" record --out "$out" --interval 5 --duration 30 -- \
+"$here/.venv/bin/allocsampler" record --out "$out" --duration 30 -- \
     "$here/.venv/bin/python" "$here/scripts/demo_workload.py" --seconds 600
 echo
 "$here/.venv/bin/allocsampler" analyze "$out"
