@@ -110,22 +110,44 @@ def cache_dir(sub: str, path: str | None = None) -> Path | None:
     return private_dir(path if path else os.path.join(root, sub))
 
 
-def open_private(path: str | os.PathLike, max_bytes: int) -> int:
-    """A read-only fd of a cache file, checked on the descriptor: no link followed, no FIFO waited
-    on, a regular file of at most `max_bytes`, owned by us and writable by nobody else. Raises
-    OSError or ValueError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+def is_magic_link(path: str | os.PathLike) -> bool:
+    """/proc/PID/map_files/<range>: a link the kernel resolves to the mapped inode itself, not
+    through a path anyone can change; the one kind of link a target's file is opened through."""
+    parts = os.fspath(path).split("/")
+    return len(parts) == 5 and parts[:2] == ["", "proc"] and parts[3] == "map_files"
+
+
+def open_untrusted(path: str | os.PathLike, max_bytes: int) -> tuple[int, os.stat_result]:
+    """(read-only fd, its fstat) of a file another user may control, the one open policy for
+    them: a last component that is a link is refused (but for map_files' magic links), anything
+    but a regular file is refused before open() (device files have side effects on open) and
+    again on the descriptor (swapped in since: O_NONBLOCK, so a FIFO never blocks), and so is a
+    file over `max_bytes`. Raises OSError or ValueError."""
+    magic = is_magic_link(path)
+    st = os.stat(path, follow_symlinks=magic)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if magic else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} is not a regular file")
-        if not is_private(st):
-            raise ValueError(f"{path} is not ours alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
         if st.st_size > max_bytes:
             raise ValueError(f"{path} is {st.st_size} bytes, over the {max_bytes} expected at most")
     except BaseException:
         os.close(fd)
         raise
+    return fd, st
+
+
+def open_private(path: str | os.PathLike, max_bytes: int) -> int:
+    """A read-only fd of a cache file, checked on the descriptor as by open_untrusted, and owned
+    by us and writable by nobody else. Raises OSError or ValueError."""
+    fd, st = open_untrusted(path, max_bytes)
+    if not is_private(st):
+        os.close(fd)
+        raise ValueError(f"{path} is not ours alone (owner {st.st_uid}, mode {st.st_mode & 0o777:o})")
     return fd
 
 

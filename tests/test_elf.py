@@ -219,16 +219,23 @@ def test_separate_debug_file(tmp_path, monkeypatch):
     assert disasm(img, "hidden_helper")
 
 
-def test_stripped_copy_borrows_symbols_by_build_id(tmp_path):
+def test_build_id_shares_only_identical_contents(tmp_path):
+    """A file claiming another's build-id (a stripped copy, or a stranger's file) supplies nothing
+    for it; an identical copy under another inode is the same image."""
     lib = build(tmp_path, "libfull.so", HELPER_SRC, "-shared", '-DVARIANT="borrow"')
     stripped = tmp_path / "libstripped.so"
     shutil.copy(lib, stripped)
     subprocess.run(["strip", str(stripped)], check=True)
+    copy = tmp_path / "libcopy.so"
+    shutil.copy(lib, copy)
 
     full = ElfImage.open(str(lib))
     assert ElfImage.open(str(lib)) is full
-    assert ElfImage.open(str(stripped)) is full
+    other = ElfImage.open(str(stripped))
+    assert other is not full and other.build_id == full.build_id
+    assert other.symbol("hidden_helper") is None and not other.has_symtab
     assert full.symbol("hidden_helper") is not None
+    assert ElfImage.open(str(copy)) is full
 
 
 def test_stripped_library_keeps_dynsym(tmp_path):

@@ -17,38 +17,50 @@ and tests/test_dwarf_lines.py::test_pyelftools_internals fails on one that lacks
 
 from __future__ import annotations
 
-import mmap
 import os
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from elftools.dwarf.compileunit import CompileUnit
 from elftools.dwarf.dwarfinfo import DebugSectionDescriptor, DwarfConfig, DWARFInfo
 from elftools.dwarf.lineprogram import LineProgram
 from elftools.dwarf.ranges import RangeLists, RangeListsPair
 
+from sampler.binary.reader import ElfFormatError, FileBytes
+
+# Children of one DIE walked at most (a CU's DIEs number in the hundreds of thousands at most).
+MAX_CHILDREN = 1 << 20
+
 # The .debug_<name> sections pyelftools reads.
 SECTIONS = ("info", "abbrev", "str", "line", "ranges", "addr", "str_offsets", "line_str", "rnglists")
 
 
 class Span(NamedTuple):
-    """The bytes of one section: a range of the mapped file, or inflated contents."""
+    """The bytes of one section: a range of the file (read on demand), or inflated contents."""
 
-    buf: mmap.mmap | bytes
+    buf: FileBytes | bytes
     start: int
     size: int
 
     def data(self) -> memoryview:
+        """The whole section in memory (FileBytes caps the size read)."""
+        if isinstance(self.buf, FileBytes):
+            return memoryview(self.buf.read(self.start, self.size))
         return memoryview(self.buf)[self.start : self.start + self.size]
 
 
 class _Stream:
-    """A read-only file over a section, for pyelftools: mmap'ed sections are parsed in place."""
+    """A read-only file over a section, for pyelftools, which reads a few bytes at a time: sections
+    read on demand go through a window of WINDOW bytes, read with one pread when a read leaves it."""
 
-    __slots__ = ("_buf", "_start", "_end", "_pos")
+    __slots__ = ("_buf", "_file", "_start", "_end", "_pos", "_win", "_win_lo")
+    WINDOW = 64 << 10
 
     def __init__(self, sec: Span):
         self._buf, self._start, self._end = sec.buf, sec.start, sec.start + sec.size
-        self._pos = sec.start  # absolute, so that a read is one slice of the mmap
+        self._file = sec.buf if isinstance(sec.buf, FileBytes) else None
+        self._pos = sec.start  # absolute, so that a read is one slice of the buffer
+        self._win, self._win_lo = b"", 0
 
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
         self._pos = pos + (self._start if whence == os.SEEK_SET else self._pos if whence == os.SEEK_CUR else self._end)
@@ -60,8 +72,18 @@ class _Stream:
     def read(self, n: int = -1) -> bytes:
         start = self._pos
         end = self._end if n is None or n < 0 else min(start + n, self._end)
-        self._pos = max(end, start)
-        return self._buf[start:end]
+        if end <= start:
+            return b""
+        self._pos = end
+        lo = self._win_lo
+        if lo <= start and end <= lo + len(self._win):
+            return self._win[start - lo : end - lo]
+        if self._file is None:
+            return self._buf[start:end]
+        if end - start >= self.WINDOW:
+            return self._file.read(start, end - start)
+        self._win, self._win_lo = self._file.read(start, min(self.WINDOW, self._end - start)), start
+        return self._win[: end - start]
 
 
 class DwarfInfo:
@@ -86,8 +108,12 @@ class DwarfInfo:
         return self._info.debug_info_sec.size
 
     def parse_cu(self, offset: int) -> CompileUnit:
-        """The CU at `offset` in .debug_info, parsed anew: not get_CU_at(), whose cache would keep it."""
-        return self._info._parse_CU_at_offset(offset)
+        """The CU at `offset` in .debug_info, parsed anew: not get_CU_at(), whose cache would keep it.
+        Its children are walked through guarded_children: pyelftools follows DW_AT_sibling wherever
+        it points, and one pointing back at or before itself loops forever."""
+        cu = self._info._parse_CU_at_offset(offset)
+        cu.iter_DIE_children = guarded_children(cu)  # also what pyelftools recurses through
+        return cu
 
     @staticmethod
     def parsed_dies(cu: CompileUnit) -> int:
@@ -106,3 +132,20 @@ class DwarfInfo:
 
     def range_lists(self) -> RangeLists | RangeListsPair | None:
         return self._range_lists
+
+
+def guarded_children(cu: CompileUnit) -> Any:
+    """CompileUnit.iter_DIE_children of `cu`, refusing (ElfFormatError) a child that is not past the
+    one before it, lies outside the CU, or is one too many: every walk ends."""
+    unguarded = CompileUnit.iter_DIE_children.__get__(cu)
+    end = cu.cu_offset + cu.size
+
+    def iter_children(die: Any) -> Iterator[Any]:
+        last = die.offset
+        for n, child in enumerate(unguarded(die)):
+            if not last < child.offset < end or n >= MAX_CHILDREN:
+                raise ElfFormatError(f"DIE at {child.offset:#x}: a child out of order (DW_AT_sibling?)")
+            last = child.offset
+            yield child
+
+    return iter_children

@@ -4,8 +4,10 @@ Debug info of big binaries runs to gigabytes, so everything is lazy: the compila
 address comes from a sorted index of .debug_aranges (of CU top DIEs for CUs it lacks), and only that
 CU's line program and the DIEs on the way to the address are parsed. pyelftools parses the DIEs, through
 dwarf_info.DwarfInfo (CUs and caches this module can let go); line programs are decoded here, 4x faster
-than through its per-row objects. Uncompressed sections are read in place from a mmap; compressed ones
-(SHF_COMPRESSED, .zdebug_*) are inflated once, up to reader.MAX_INFLATED bytes.
+than through its per-row objects. Uncompressed sections are read from the file on demand (pread, no
+mapping: see reader.FileBytes); compressed ones (SHF_COMPRESSED, .zdebug_*) are inflated once, up to
+reader.MAX_INFLATED bytes. Every walk is bounded: children in offset order (dwarf_info), line programs
+to MAX_LINE_PROGRAM bytes and MAX_LINE_ROWS rows, DIEs per CU to DIE_BUDGET.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sampler.binary.dwarf_info import DwarfInfo, Span
 from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
-from sampler.binary.reader import SHT_NOBITS, ElfReader
+from sampler.binary.reader import SHF_COMPRESSED, SHT_NOBITS, ElfFormatError, ElfReader, FileBytes
 
 # .debug_<name> sections read: those pyelftools parses, and the aranges indexed here.
 _SECTIONS = (*_DWARF_SECTIONS, "aranges")
@@ -45,6 +47,9 @@ _ADDR_FORMS = frozenset(("DW_FORM_addr", "DW_FORM_addrx", "DW_FORM_addrx1", "DW_
 MEMO_SIZE = 65536  # addresses remembered per image
 UNIT_CACHE = 16  # parsed CUs kept per image
 DIE_BUDGET = 50_000  # parsed DIEs kept per image, about 60 MiB
+MAX_LINE_PROGRAM = 32 << 20  # bytes of one CU's line program (real ones: under a few MiB)
+MAX_LINE_ROWS = 2_000_000  # rows decoded from one line program
+MAX_WALK = 1_000_000  # DIEs visited indexing one CU's functions
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +62,9 @@ class SourceFrame:
 class LineTables:
     """File/line and inlined frames of the addresses of one ELF image, from its DWARF."""
 
-    _cache: dict[str, LineTables | None] = {}
+    # By image, not build-id: a file claiming another's build-id must not supply its lines (images
+    # of identical files are one ElfImage).
+    _cache: dict[ElfImage, LineTables | None] = {}
     _cache_lock = threading.Lock()
     CACHE_MAX = 256         # files whose line tables are kept
 
@@ -81,13 +88,14 @@ class LineTables:
     @classmethod
     def for_image(cls, img: ElfImage) -> LineTables | None:
         """The DWARF of `img` itself, else of its separate debug file; None when neither has any."""
-        key = img.build_id or img.path
+        key = img
         with cls._cache_lock:
             if key in cls._cache:
                 return cls._cache[key]
         tables, transient = None, False
-        # the debug file as verified when the image was opened: its path may name another file since
-        for path, source in ((img.path, img.path), (img.debug_path, img.debug_elf)):
+        # both files as opened (and the debug file verified) with the image, read through the fds
+        # it holds: their paths may name other files since
+        for path, source in ((img.path, img.elf), (img.debug_path, img.debug_elf)):
             if not path or source is None:
                 continue
             try:
@@ -174,6 +182,7 @@ class _Unit:
                 self.files = self._file_names(prog.header)
                 sec = sections["line"]
                 start, end = prog.program_start_offset, min(prog.program_end_offset, sec.size)
+                end = min(end, start + MAX_LINE_PROGRAM)
                 self.addr, self.rows = _decode_line_program(sec.buf[sec.start + start : sec.start + end], prog.header)
             except Exception:
                 pass  # a malformed line program: functions and inlined calls, without lines
@@ -240,10 +249,14 @@ class _Unit:
         lambdas, in the abstract instance of their function) and nested functions."""
         lo, hi, off = [], [], []
         parents = [self.top]
+        walked = 0
         while parents:
             parent = parents.pop()
             local = parent.tag in _LOCAL_SCOPES
             for die in parent.iter_children():
+                walked += 1
+                if walked > MAX_WALK:
+                    raise ElfFormatError(f"{self.cu.cu_offset:#x}: over {MAX_WALK} DIEs")
                 tag = die.tag
                 if tag == "DW_TAG_subprogram":
                     if "DW_AT_declaration" in die.attributes:
@@ -403,6 +416,8 @@ def _decode_line_program(code: bytes, hdr: Any) -> tuple[np.ndarray, np.ndarray]
     while pos < n:
         op = code[pos]
         pos += 1
+        if len(addrs) > MAX_LINE_ROWS:
+            raise ElfFormatError(f"a line program of over {MAX_LINE_ROWS} rows")
         if op >= opcode_base:  # special opcode: advance address and line, append a row
             adj = op - opcode_base
             addr += adj // line_range * min_len
@@ -498,9 +513,9 @@ def _read_sections(source: str | ElfReader) -> dict[str, Span] | None:
         key = next((sec.name[len(p) :] for p in (".debug_", ".zdebug_") if sec.name.startswith(p)), "")
         if key not in _SECTIONS or key in out or sec.type == SHT_NOBITS:
             continue
-        data = elf.contents(sec)
-        if isinstance(data, memoryview):  # in place: as a range of the mmap, which _Stream slices fastest
+        compressed = sec.flags & SHF_COMPRESSED or sec.name.startswith(".zdebug_")
+        if not compressed and isinstance(elf.buf, FileBytes | bytes):  # read on demand, in blocks
             out[key] = Span(elf.buf, sec.offset, sec.size)
-        elif data is not None:  # inflated; None: a compression ElfReader cannot read (zstd)
-            out[key] = Span(data, 0, len(data))
+        elif (data := elf.contents(sec)) is not None:  # inflated; None: a compression ElfReader cannot read (zstd)
+            out[key] = Span(bytes(data), 0, len(data))
     return out if "info" in out and "abbrev" in out else None

@@ -6,8 +6,9 @@ with numpy, names decoded lazily: iterating a big symbol table with pyelftools t
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
-import stat
 import threading
 import zlib
 from collections.abc import Iterable
@@ -16,7 +17,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from sampler.binary import debuginfod
-from sampler.binary.reader import PT_LOAD, SHT_NOBITS, ElfFormatError, ElfReader, Section, open_regular
+from sampler.binary.reader import (
+    MALFORMED,
+    PT_LOAD,
+    SHT_NOBITS,
+    ElfFormatError,
+    ElfReader,
+    Section,
+    SectionTooLarge,
+    format_errors,
+    open_regular,
+)
 
 # Separate debug files, found by build-id as <root>/.build-id/<xx>/<rest>.debug, and by
 # .gnu_debuglink as <root>/<the binary's directory>/<name>.
@@ -27,6 +38,12 @@ NAME_MAX = 255
 # A debug file named by a .gnu_debuglink is read whole for its CRC: bigger ones are not.
 DEBUG_FILE_MAX = 4 << 30
 CRC_CHUNK = 16 << 20
+# A symbol name is read up to this many bytes (C++ names run to a few hundred; a file could make
+# every name megabytes long).
+MAX_SYMBOL_NAME = 1024
+# Images cached process-wide: older ones are let go past this (their fds close when unused).
+MAX_IMAGES = 1024
+MAX_CLAIMS = 4  # distinct files kept per build-id
 
 SYM_DTYPE = np.dtype(
     [
@@ -78,7 +95,6 @@ class _File:
 
     def __init__(self, elf: ElfReader):
         self.path = elf.path
-        self.mm = elf.buf
         self.elf_type = elf.elf_type
         self.sections = elf.sections
         self.loads = [seg for seg in elf.segments if seg.type == PT_LOAD]
@@ -91,7 +107,12 @@ class _File:
         return np.frombuffer(data, dtype, len(data) // dtype.itemsize)
 
     def symtabs(self) -> list[_SymTab]:
-        tabs = [self.symtab(i) for i in range(len(self.sections)) if self.is_symtab(i)]
+        tabs = []
+        for i in range(len(self.sections)):
+            if self.is_symtab(i):
+                # a table too big to read: the others still name what they cover
+                with contextlib.suppress(SectionTooLarge):
+                    tabs.append(self.symtab(i))
         return [t for t in tabs if len(t.syms) > 1]  # entry 0 is always the null symbol
 
     def is_symtab(self, i: int) -> bool:
@@ -116,15 +137,15 @@ class _SymTab:
         self.is_symtab = sec.type == SHT_SYMTAB
         self.syms = file.array(sec, SYM_DTYPE)
         self.versym = file.array(versym, np.dtype("<u2")) if versym else None
-        self._str_lo = strtab.offset
-        self._str_hi = strtab.offset + strtab.file_size
+        self.strtab = bytes(file.elf.data(strtab))  # read once: names are searched in it
 
     def raw_name(self, i: int) -> str:
-        """The name as stored; .symtab names of versioned symbols carry '@VER' or '@@VER'."""
-        mm = self.file.mm
-        lo = self._str_lo + int(self.syms["st_name"][i])
-        hi = mm.find(b"\0", lo, self._str_hi)
-        return mm[lo : hi if hi >= 0 else self._str_hi].decode("utf-8", "replace")
+        """The name as stored, at most MAX_SYMBOL_NAME bytes; .symtab names of versioned symbols
+        carry '@VER' or '@@VER'."""
+        lo = int(self.syms["st_name"][i])
+        cap = lo + MAX_SYMBOL_NAME
+        hi = self.strtab.find(b"\0", lo, cap)
+        return self.strtab[lo : hi if hi >= 0 else cap].decode("utf-8", "replace")
 
     def name(self, i: int) -> str:
         return self.raw_name(i).split("@", 1)[0]
@@ -139,16 +160,16 @@ class _SymTab:
     def find(self, name: str) -> np.ndarray:
         """Rows named `name` or `name@VERSION`."""
         needle = name.encode()
-        mm, hi = self.file.mm, self._str_hi
+        strtab, hi = self.strtab, len(self.strtab)
         offsets = []
         # Linkers share string tails ("free" inside "cfree"), so any occurrence followed by
         # NUL or '@' can be a symbol's name, not only those that start a string.
-        pos = mm.find(needle, self._str_lo, hi)
+        pos = strtab.find(needle)
         while pos >= 0:
             end = pos + len(needle)
-            if end < hi and mm[end] in (0, ord("@")):
-                offsets.append(pos - self._str_lo)
-            pos = mm.find(needle, pos + 1, hi)
+            if end < hi and strtab[end] in (0, ord("@")):
+                offsets.append(pos)
+            pos = strtab.find(needle, pos + 1)
         if not offsets:
             return np.empty(0, np.intp)
         return np.flatnonzero(np.isin(self.syms["st_name"], np.array(offsets, np.uint32)))
@@ -274,14 +295,15 @@ class _FuncIndex:
 class ElfImage:
     """One ELF file: path, debug_path, build_id, elf_type ('DYN', 'EXEC'), has_symtab.
 
-    Cached process-wide by file identity and by build-id. Files sharing a build-id hold the same
-    code, so a stripped copy borrows the symbols of an unstripped one already opened.
-    Symbols come from the separate debug file's .symtab when there is one, then the file's own
-    .symtab and .dynsym; addresses and code always come from the file itself.
+    Cached process-wide by file identity (device, inode, size, mtime), and shared between files
+    with the same build-id only when their contents are identical (a digest of the whole file,
+    taken only then): anyone can write a file that claims another's build-id, and nothing read
+    from it may describe the other. Symbols come from the separate debug file's .symtab when there
+    is one, then the file's own .symtab and .dynsym; addresses and code always come from the file itself.
     """
 
     _by_file: dict[tuple[int, int, int, int], ElfImage] = {}
-    _by_build_id: dict[str, ElfImage] = {}
+    _by_build_id: dict[str, list[ElfImage]] = {}  # a few per build-id: anyone can claim one
     _lock = threading.Lock()
 
     def __init__(self, main: _File, debug: _File | None):
@@ -299,8 +321,31 @@ class ElfImage:
         self._exports: _ExportIndex | None = None
         self._names: dict[int, list[str]] = {}
         self._plt: dict[int, str] | None = None
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """A digest of the whole file (read in chunks, once): two images with equal digests and
+        sizes hold the same bytes."""
+        if self._digest is None:
+            self._digest = file_digest(self._main.elf)
+        return self._digest
 
     @classmethod
+    def forget(cls) -> None:
+        """Drop the process-wide caches (tests; memory pressure)."""
+        with cls._lock:
+            cls._by_file.clear()
+            cls._by_build_id.clear()
+
+    @classmethod
+    def _remember(cls, cache: dict, key: object, value: object) -> None:
+        cache.pop(key, None)
+        cache[key] = value
+        while len(cache) > MAX_IMAGES:  # oldest first: dicts keep insertion order
+            del cache[next(iter(cache))]
+
+    @classmethod
+    @format_errors
     def open(cls, path: str, seen_as: str | None = None, root: str = "") -> ElfImage:
         """The image of the file at `path`. `seen_as` is its path as its process names it (default
         `path`) and `root` what reaches that process's root from here (/proc/PID/root): where a
@@ -318,15 +363,19 @@ class ElfImage:
             os.close(fd)
         bid = main.build_id
         with cls._lock:
-            known = cls._by_build_id.get(bid) if bid else None
-        if known is not None and (known.has_symtab or not any(s.type == SHT_SYMTAB for s in main.sections)):
-            img = known
-        else:
+            claims = list(cls._by_build_id.get(bid, ())) if bid else []
+        size = len(main.elf.buf)
+        same_size = [c for c in claims if len(c._main.elf.buf) == size]
+        digest = file_digest(main.elf) if same_size else None
+        # the same bytes under another inode (a copy, another mount namespace): the same image
+        img = next((c for c in same_size if c.digest() == digest), None)
+        if img is None:
             img = cls(main, find_debug_file(main, seen_as or path, root))
+            img._digest = digest
         with cls._lock:
-            cls._by_file[key] = img
-            if bid and (known is None or img is not known):
-                cls._by_build_id[bid] = img
+            if bid and img not in claims:
+                cls._remember(cls._by_build_id, bid, [*claims[-(MAX_CLAIMS - 1):], img])
+            cls._remember(cls._by_file, key, img)
         return img
 
     # Addresses
@@ -348,11 +397,11 @@ class ElfImage:
         for seg in self._main.loads:
             if seg.vaddr <= vaddr < seg.vaddr + seg.filesz:
                 off = seg.offset + vaddr - seg.vaddr
-                return self._main.mm[off : min(off + n, seg.offset + seg.filesz)]
+                return self._main.elf.read_at(off, min(n, seg.offset + seg.filesz - off))
         raise ValueError(f"{self.path}: vaddr {vaddr:#x} is not backed by the file")
 
-    def section(self, name: str) -> tuple[int, memoryview] | None:
-        """(sh_addr, contents) of section `name` of the file itself, without copying.
+    def section(self, name: str) -> tuple[int, memoryview | bytes] | None:
+        """(sh_addr, contents) of section `name` of the file itself, read anew (keep what is used).
 
         `.debug_frame` is not loaded at run time, so strip moves it to the separate debug file:
         it is looked up there too.
@@ -401,6 +450,11 @@ class ElfImage:
         return self._group_names(g)[0], vaddr - int(idx.ustart[g])
 
     @property
+    def elf(self) -> ElfReader:
+        """The file itself, as opened (read through its fd: the path may name another file since)."""
+        return self._main.elf
+
+    @property
     def debug_elf(self) -> ElfReader | None:
         """The separate debug file, as read and verified when the image was opened (its path may
         hold another file since)."""
@@ -412,7 +466,10 @@ class ElfImage:
         stripped libraries). None before the section's first export or past the section's end."""
         if self._exports is None:
             dynsym = [t for t in self._main.symtabs() if not t.is_symtab]
-            self._exports = _ExportIndex(self._main, dynsym)
+            try:
+                self._exports = _ExportIndex(self._main, dynsym)
+            except MALFORMED:  # tables that make no index: no names from them (lookups are per sample)
+                self._exports = _ExportIndex(self._main, [])
         found = self._exports.nearest(vaddr)
         if found is None:
             return None
@@ -422,7 +479,10 @@ class ElfImage:
     @property
     def index(self) -> _FuncIndex:
         if self._index is None:
-            self._index = _FuncIndex(self._tables)
+            try:
+                self._index = _FuncIndex(self._tables)
+            except MALFORMED:
+                self._index = _FuncIndex([])
         return self._index
 
     def _group_names(self, g: int) -> list[str]:
@@ -436,6 +496,7 @@ class ElfImage:
 
     # PLT
 
+    @format_errors
     def plt_targets(self) -> dict[int, str]:
         """PLT stub address -> name of the function it jumps to through the GOT."""
         if self._plt is None:
@@ -485,6 +546,7 @@ class ElfImage:
         return out
 
 
+@format_errors
 def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
     """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
     GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache)."""
@@ -506,6 +568,7 @@ def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
     return out
 
 
+@format_errors
 def data_slot_values(elf: ElfReader, slots: set[int]) -> dict[int, int]:
     """The link-time value that each of `slots` (vaddrs of pointers, e.g. GOT entries) gets from its
     relocation, where the file alone says it: RELATIVE (the addend), or GLOB_DAT/64 to a data symbol
@@ -539,6 +602,7 @@ def exported_function(elf: ElfReader, name: str) -> int | None:
     return found[1] if found else None
 
 
+@format_errors
 def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
     """(vaddr of st_value in the loaded .dynsym, st_value) of `name` as a defined, global or weak,
     non-IFUNC, current-version function: the entry the dynamic linker reads to bind others to it."""
@@ -584,6 +648,7 @@ def build_id_debug_file(build_id: str) -> _File | None:
     return None
 
 
+@format_errors
 def debuglink(elf: ElfReader) -> tuple[str, int] | None:
     """(file name, CRC32) of the file's .gnu_debuglink; None without one or when the name could
     leave the directories it is looked for in."""
@@ -617,7 +682,7 @@ def debuglink_file(link: tuple[str, int], build_id: str | None, dirs: list[str])
             elf = open_untrusted(os.path.join(d, name), DEBUG_FILE_MAX)
         except (OSError, ElfFormatError):
             continue
-        if crc32(elf.buf) != crc:
+        if crc32(elf) != crc:
             continue
         debug = _File(elf)
         if build_id and debug.build_id and debug.build_id != build_id:
@@ -629,22 +694,30 @@ def debuglink_file(link: tuple[str, int], build_id: str | None, dirs: list[str])
 def open_untrusted(path: str, max_bytes: int) -> ElfReader:
     """`path` read as ELF, checked on the descriptor: the last component not a link, a regular
     file (no FIFO waited on) of at most `max_bytes`."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_regular(path, max_bytes)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            raise ElfFormatError(f"{path}: not a regular file of at most {max_bytes} bytes")
-        elf = ElfReader.from_fd(fd, path)
+        return ElfReader.from_fd(fd, path, max_bytes)
     finally:
         os.close(fd)
-    if len(elf.buf) > max_bytes:  # grown since fstat
-        raise ElfFormatError(f"{path}: over {max_bytes} bytes")
-    return elf
 
 
-def crc32(buf: bytes | memoryview) -> int:
-    """The CRC32 of a .gnu_debuglink (zlib's), in chunks: zlib takes lengths below 4 GiB."""
-    view, crc = memoryview(buf), 0
-    for at in range(0, len(view), CRC_CHUNK):
-        crc = zlib.crc32(view[at : at + CRC_CHUNK], crc)
+def chunks(elf: ElfReader) -> Iterable[bytes]:
+    """The whole file, CRC_CHUNK bytes at a time (read anew, never all held)."""
+    for at in range(0, len(elf.buf), CRC_CHUNK):
+        yield elf.read_at(at, CRC_CHUNK)
+
+
+def crc32(elf: ElfReader) -> int:
+    """The CRC32 of a .gnu_debuglink (zlib's) over the whole file."""
+    crc = 0
+    for chunk in chunks(elf):
+        crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def file_digest(elf: ElfReader) -> str:
+    """SHA-256 of the whole file (OpenSSL's, with the CPU's SHA instructions: about 2 GB/s)."""
+    h = hashlib.sha256()
+    for chunk in chunks(elf):
+        h.update(chunk)
+    return h.hexdigest()

@@ -5,18 +5,25 @@ probes/usdt.py (probe notes) all read through ElfReader. The files belong to oth
 anything, so every count, offset and size read from one is checked against the file before it is used;
 a malformed file raises ElfFormatError, never struct.error, IndexError or a read past its end.
 Only 64-bit little-endian files are read (the sampler runs on x86-64).
+
+Files are read with pread into private memory (FileBytes), never mapped: a target can truncate a
+file it owns, and touching a mapping past the new end kills the reader with SIGBUS. Only the
+sections asked for are read, each at most MAX_SECTION_BYTES.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
-import stat
+import struct
+import weakref
 import zlib
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from functools import wraps
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
+
+from sampler import files
 
 SHDR_DTYPE = np.dtype(
     [
@@ -67,18 +74,113 @@ MAX_SEGMENTS = 65535
 # Compressed sections are inflated into memory: a declared size above this is refused, and the stream is
 # never inflated past the size it declares (a zlib bomb stops there).
 MAX_INFLATED = 256 << 20
+# A file is opened up to this size (debug files of big binaries run to gigabytes; only the sections
+# used are read); one section is read into memory up to MAX_SECTION_BYTES (libtorch_cpu's biggest
+# read, .strtab, is 72 MiB).
+MAX_FILE_BYTES = 16 << 30
+MAX_SECTION_BYTES = 256 << 20
+MAX_NOTES = 4096  # per note section or segment (libc's stapsdt: ~60)
+MAX_NAME_TABLE = 1 << 20  # .shstrtab: a few KiB in practice
+MAX_SECTION_NAME = 1024
 
 
 class ElfFormatError(ValueError):
     """The file is not an ELF image this module can read (64-bit little-endian), or is malformed."""
 
 
-def open_regular(path: str) -> int:
-    """A read-only fd of `path`. Processes map device files (/dev/nvidia*) whose open() has side
-    effects: anything but a regular file is refused before it is opened."""
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise ElfFormatError(f"{path}: not a regular file")
-    return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+class SectionTooLarge(ElfFormatError):
+    """A section over MAX_SECTION_BYTES: refused, while the rest of the file stays readable."""
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# What malformed bytes make Python or numpy raise. MemoryError too: sizes are capped, so one means a
+# file asked for more than its share. OSError (the file gone, EIO) is not the file's format.
+MALFORMED = (ValueError, IndexError, KeyError, struct.error, OverflowError,
+             MemoryError, RecursionError, UnicodeDecodeError, zlib.error, TypeError, AssertionError)
+
+
+def format_errors(fn: Callable[P, R]) -> Callable[P, R]:
+    """A parser's public entry point: whatever malformed input makes the code below it raise comes
+    out as ElfFormatError (ElfFormatError itself and OSError pass unchanged)."""
+
+    @wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except ElfFormatError:
+            raise
+        except MALFORMED as e:
+            raise ElfFormatError(f"malformed input: {type(e).__name__}: {e}") from e
+
+    return wrapper
+
+
+def open_regular(path: str, max_bytes: int = MAX_FILE_BYTES) -> int:
+    """A read-only fd of a target's file, under files.open_untrusted's policy (no link but map_files',
+    no device or FIFO opened, at most `max_bytes`); anything else is ElfFormatError."""
+    try:
+        fd, _ = files.open_untrusted(path, max_bytes)
+    except ValueError as e:
+        raise ElfFormatError(f"{path}: {e}") from e
+    return fd
+
+
+class FileBytes:
+    """An open file read by pread into private memory, sliced like bytes. Holds its own fd (closed
+    when collected), so later reads reach the same inode whatever its path names since. Small reads
+    go through a few cached blocks; a read that comes back short (the file was truncated) is
+    ElfFormatError, never SIGBUS."""
+
+    BLOCK = 64 << 10
+    BLOCKS = 32
+
+    def __init__(self, fd: int, size: int, path: str, max_read: int = MAX_SECTION_BYTES):
+        self.fd = os.dup(fd)  # non-inheritable
+        self._closer = weakref.finalize(self, os.close, self.fd)
+        self.size = size
+        self.path = path
+        self.max_read = max_read
+        self._blocks: dict[int, bytes] = {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        self._closer()
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Exactly `n` bytes at `offset` (the caller checked them against the size)."""
+        if n <= 0:
+            return b""
+        if n > self.max_read:
+            raise SectionTooLarge(f"{self.path}: a read of {n} bytes, over {self.max_read}")
+        parts, got = [], 0
+        while got < n:
+            part = os.pread(self.fd, n - got, offset + got)
+            if not part:
+                raise ElfFormatError(f"{self.path}: shorter than {offset + n} bytes (truncated while read)")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def __getitem__(self, key: slice | int) -> bytes | int:
+        if isinstance(key, int):
+            return self[key : key + 1][0] if 0 <= key < self.size else b""[key]
+        start, stop, _ = key.indices(self.size)
+        if stop <= start:
+            return b""
+        k = start // self.BLOCK
+        if (stop - 1) // self.BLOCK != k:  # across blocks: read directly
+            return self.read(start, stop - start)
+        blk = self._blocks.get(k)  # dict operations are atomic: no lock on this path
+        if blk is None:
+            if len(self._blocks) >= self.BLOCKS:
+                self._blocks.clear()  # cheaper than an LRU here; a working set refills it at once
+            at = k * self.BLOCK
+            blk = self._blocks[k] = self.read(at, min(self.BLOCK, self.size - at))
+        at = k * self.BLOCK
+        return blk[start - at : stop - at]
 
 
 class Section(NamedTuple):  # a tuple: made thousands of times, 3x faster than a frozen dataclass
@@ -118,13 +220,16 @@ class Note(NamedTuple):
 
 
 class ElfReader:
-    """The headers of one ELF file, checked against its size; `buf` holds the whole file."""
+    """The headers of one ELF file, checked against its size; `buf` is the file (bytes, or a
+    FileBytes read on demand)."""
 
-    def __init__(self, buf: mmap.mmap | bytes, path: str = "<bytes>"):
+    @format_errors
+    def __init__(self, buf: FileBytes | bytes, path: str = "<bytes>"):
         self.buf = buf
         self.path = path
-        self._view = memoryview(buf)
+        self._view = memoryview(buf) if isinstance(buf, bytes | bytearray) else None
         size = len(buf)
+        buf = bytes(buf[:EHDR_SIZE])  # the header, read once
         if size < EHDR_SIZE or buf[:4] != b"\x7fELF":
             raise ElfFormatError(f"{path}: not an ELF file")
         if buf[4] != 2 or buf[5] != 1:
@@ -162,18 +267,24 @@ class ElfReader:
             os.close(fd)
 
     @classmethod
-    def from_fd(cls, fd: int, path: str) -> ElfReader:
-        try:
-            # mmap dups the fd: the file stays readable after the caller closes it, even deleted.
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        except ValueError as e:  # an empty file
-            raise ElfFormatError(f"{path}: {e}") from e
-        return cls(mm, path)
+    def from_fd(cls, fd: int, path: str, max_bytes: int = MAX_FILE_BYTES) -> ElfReader:
+        """The file behind `fd` (a regular file: see open_regular); the reader keeps a dup of the fd,
+        so the file stays readable after the caller closes it, even deleted."""
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise ElfFormatError(f"{path}: {size} bytes, over {max_bytes}")
+        return cls(FileBytes(fd, size, path), path)
 
     def _table(self, offset: int, count: int, dtype: np.dtype, what: str) -> np.ndarray:
         if offset + count * dtype.itemsize > len(self.buf):
             raise ElfFormatError(f"{self.path}: {what} headers past the end of the file")
-        return np.frombuffer(self.buf, dtype, count, offset)
+        return np.frombuffer(self._bytes(offset, count * dtype.itemsize), dtype, count)
+
+    def _bytes(self, offset: int, n: int) -> memoryview | bytes:
+        # a view of in-memory bytes; else what was read (no copy: bytes() of it is free)
+        if self._view is not None:
+            return self._view[offset : offset + n]
+        return self.buf.read(offset, n)
 
     def _read_sections(self, shoff: int, shnum: int, shstrndx: int) -> list[Section]:
         # Raw headers through numpy: pyelftools' iter_sections() parses every .gnu.hash table on the
@@ -183,12 +294,12 @@ class ElfReader:
         if shstrndx >= shnum:
             raise ElfFormatError(f"{self.path}: section name table {shstrndx} of {shnum}")
         rows = self._table(shoff, shnum, SHDR_DTYPE, "section").tolist()
-        names = (0, 0)  # (start, end) of the name table in the file; SHN_UNDEF: no names
+        names = b""  # the name table; SHN_UNDEF: no names
         if shstrndx:
             _, typ, _, addr, off, size, *_ = rows[shstrndx]
             in_file = 0 if typ in (SHT_NOBITS, SHT_NULL) else size
             self._check_range(off, in_file, addr, size, "section")
-            names = (off, off + in_file)
+            names = bytes(self._bytes(off, min(in_file, MAX_NAME_TABLE)))
         out = []
         for name, typ, flags, addr, off, size, link, info, _align, entsize in rows:
             sec = Section(self._name(names, name), typ, flags, addr, off, size, link, info, entsize)
@@ -196,14 +307,13 @@ class ElfReader:
             out.append(sec)
         return out
 
-    def _name(self, table: tuple[int, int], at: int) -> str:
-        lo, hi = table[0] + at, table[1]
-        if lo >= hi:
+    def _name(self, table: bytes, at: int) -> str:
+        if at >= len(table):
             if at:
                 raise ElfFormatError(f"{self.path}: section name at {at} past its table")
             return ""
-        end = self.buf.find(b"\0", lo, hi)  # in place: no copy of the table per name
-        return self.buf[lo : hi if end < 0 else end].decode("utf-8", "replace")
+        end = table.find(b"\0", at, at + MAX_SECTION_NAME)
+        return table[at : at + MAX_SECTION_NAME if end < 0 else end].decode("utf-8", "replace")
 
     def _read_segments(self, phoff: int, phnum: int) -> list[Segment]:
         if phnum > MAX_SEGMENTS:
@@ -220,18 +330,27 @@ class ElfReader:
     def _check_range(self, offset: int, size: int, addr: int, mem_size: int, what: str) -> None:
         if size and offset + size > len(self.buf):
             raise ElfFormatError(f"{self.path}: {what} at {offset:#x} of {size} bytes past the end of the file")
-        if addr + mem_size > 1 << 64:  # the symbol index computes ends as uint64
+        if addr + mem_size >= 1 << 64:  # the symbol index computes ends as uint64
             raise ElfFormatError(f"{self.path}: {what} at {addr:#x} of {mem_size} bytes past the address space")
 
     def section(self, name: str) -> Section | None:
         """The first section called `name`."""
         return next((s for s in self.sections if s.name == name), None)
 
-    def data(self, part: Section | Segment) -> memoryview:
-        """The bytes of a section or segment in the file, in place (empty for NOBITS). Checked when
-        the headers were read: they lie in the file."""
-        return self._view[part.offset : part.offset + part.file_size]
+    def data(self, part: Section | Segment) -> memoryview | bytes:
+        """The bytes of a section or segment in the file (empty for NOBITS), read anew at each call:
+        keep what is needed. Checked when the headers were read to lie in the file; SectionTooLarge
+        over MAX_SECTION_BYTES, ElfFormatError when the file was truncated since."""
+        if part.file_size > MAX_SECTION_BYTES:
+            raise SectionTooLarge(f"{self.path}: {part.file_size} bytes at {part.offset:#x}, over {MAX_SECTION_BYTES}")
+        return self._bytes(part.offset, part.file_size)
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Up to `n` bytes of the file at `offset` (fewer at its end)."""
+        n = max(0, min(n, len(self.buf) - offset))
+        return bytes(self._bytes(offset, n)) if n else b""
+
+    @format_errors
     def contents(self, sec: Section) -> memoryview | bytes | None:
         """The bytes of a section, inflated where compressed: SHF_COMPRESSED (an Elf64_Chdr, then the
         stream) or GNU's .zdebug_* ("ZLIB", the size as 8 big-endian bytes, then the stream). None for a
@@ -264,11 +383,14 @@ class ElfReader:
         return out
 
     def notes(self, part: Section | Segment) -> Iterator[Note]:
-        """The notes of a note section or PT_NOTE segment."""
+        """The notes of a note section or PT_NOTE segment (at most MAX_NOTES)."""
         data = self.data(part)
-        pos, end = 0, len(data)
+        pos, end, count = 0, len(data), 0
         # Name and descriptor are padded to 4 bytes; what follows the last whole header is padding.
         while pos + NHDR_SIZE <= end:
+            count += 1
+            if count > MAX_NOTES:
+                raise ElfFormatError(f"{self.path}: over {MAX_NOTES} notes at {part.offset:#x}")
             namesz, descsz, ntype = (int.from_bytes(data[pos + i : pos + i + 4], "little") for i in (0, 4, 8))
             name_at = pos + NHDR_SIZE
             desc_at = name_at + (namesz + 3) // 4 * 4
@@ -278,6 +400,7 @@ class ElfReader:
             yield Note(name.split(b"\0", 1)[0], ntype, bytes(data[desc_at : desc_at + descsz]))
             pos = desc_at + (descsz + 3) // 4 * 4
 
+    @format_errors
     def build_id(self) -> str | None:
         """The GNU build-id, as hex. PT_NOTE covers the allocated notes; the section is the fallback for
         files whose program headers do not list it. Other note sections (stapsdt: thousands of probes)
@@ -287,7 +410,7 @@ class ElfReader:
         for part in parts:
             for note in self.notes(part):
                 # Note types are per owner: a stapsdt note has the build-id's number too.
-                if note.name == b"GNU" and note.type == NT_GNU_BUILD_ID:
+                if note.name == b"GNU" and note.type == NT_GNU_BUILD_ID and len(note.desc) <= 64:
                     return note.desc.hex()
         return None
 

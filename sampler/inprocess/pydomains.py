@@ -89,7 +89,7 @@ def _code(elf: ElfReader, vaddr: int) -> bytes | None:
     for s in elf.segments:
         if s.type == PT_LOAD and s.vaddr <= vaddr < s.vaddr + s.filesz:
             start = vaddr - s.vaddr
-            return bytes(elf.data(s)[start:start + _WINDOW])
+            return elf.read_at(s.offset + start, min(_WINDOW, s.filesz - start))  # the window alone
     return None
 
 

@@ -25,6 +25,7 @@ from sampler.probes.sites import ProbeSite, choose_site, forwards_to
 from sampler.proc.maps import Mapping, open_path, read_maps
 
 # glibc functions that hand some calls to malloc or free (sampler/bpf/alloc.bpf.c: delegated()).
+MAX_BODY = 1 << 20  # bytes of an allocator entry point read (they run to a few KiB)
 GLIBC_DELEGATING = frozenset({Fn.REALLOC, Fn.MEMALIGN, Fn.ALIGNED_ALLOC, Fn.POSIX_MEMALIGN})
 
 
@@ -160,7 +161,8 @@ def own_probes(image: ElfImage, names: Collection[str], skipped: list[tuple[str,
         if sym.value in seen:
             skipped.append((name, f"alias of {seen[sym.value]}"))
             continue
-        body = image.read_vaddr(sym.value, sym.size) if sym.size else b""
+        # a symbol's size is the file's word: an entry point's code is read up to MAX_BODY
+        body = image.read_vaddr(sym.value, min(sym.size, MAX_BODY)) if sym.size else b""
         if not body and not sizeless:
             skipped.append((name, "no code (size 0)"))
             continue

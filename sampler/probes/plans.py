@@ -6,6 +6,7 @@ from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 from sampler.binary.elf import ElfImage
+from sampler.binary.reader import format_errors
 
 T = TypeVar("T")
 
@@ -23,9 +24,10 @@ class PlanCache(Generic[T]):
         if got is None:
             try:
                 image = ElfImage.open(path)
+                got = format_errors(plan)(image)  # a malformed file's code or symbols: no plan
             except (OSError, ValueError):
                 return None
-            got = self._plans[key] = plan(image)
+            self._plans[key] = got
         return got
 
     def prune(self, shed: int = 0) -> None:

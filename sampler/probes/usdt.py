@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import re
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
-from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment
+from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment, format_errors, open_regular
 from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
 
 PROVIDER = "otel_memory"
@@ -122,25 +123,48 @@ def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
     return SPEC.pack(*fields, len(args), kind, fn, source)
 
 
+# Files whose probes are remembered, by identity: (device, inode, size, mtime). Not by path: a
+# map_files path names a mapping, not a file, and a path may name another file since.
+PROBE_CACHE = 4096
+MAX_ARG_STRING = 1024  # a probe's argument string (a dozen operands: under 200 bytes)
+_probes: OrderedDict[tuple[int, int, int, int], tuple[UsdtProbe, ...]] = OrderedDict()
+_probes_lock = threading.Lock()
+
+
 def read_probes(path: str) -> tuple[UsdtProbe, ...]:
-    """USDT probes of a file (empty when it has none or is not an ELF file). Cached by identity."""
+    """USDT probes of a file (empty when it has none, is not an ELF file, or is malformed).
+    Cached by identity."""
     try:
-        st = os.stat(path)
-    except OSError:
-        return ()
-    return _read_probes(path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-@lru_cache(maxsize=4096)
-def _read_probes(path: str, _dev: int, _ino: int, _size: int, _mtime: int) -> tuple[UsdtProbe, ...]:
-    # ElfReader, not elf.ElfImage: every executable mapping of every target is checked for notes, and
-    # ElfImage also loads symbol tables and looks for debug files.
-    try:
-        elf = ElfReader.open(path)
-        sec = elf.section(".note.stapsdt")
-        notes = list(elf.notes(sec)) if sec is not None else []
+        fd = open_regular(path)
     except (OSError, ElfFormatError):
         return ()
+    try:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with _probes_lock:
+            found = _probes.get(key)
+        if found is None:
+            try:
+                found = _parse_probes(ElfReader.from_fd(fd, path))
+            except ElfFormatError:
+                found = ()
+            with _probes_lock:
+                _probes[key] = found
+                if len(_probes) > PROBE_CACHE:
+                    _probes.popitem(last=False)
+        return found
+    except OSError:
+        return ()
+    finally:
+        os.close(fd)
+
+
+@format_errors
+def _parse_probes(elf: ElfReader) -> tuple[UsdtProbe, ...]:
+    # ElfReader, not elf.ElfImage: every executable mapping of every target is checked for notes, and
+    # ElfImage also loads symbol tables and looks for debug files.
+    sec = elf.section(".note.stapsdt")
+    notes = list(elf.notes(sec)) if sec is not None else []
     loads = [seg for seg in elf.segments if seg.type == PT_LOAD]
     base_sec = elf.section(".stapsdt.base")
     probes = []
@@ -148,7 +172,9 @@ def _read_probes(path: str, _dev: int, _ino: int, _size: int, _mtime: int) -> tu
         if ntype != NT_STAPSDT or owner != b"stapsdt" or len(desc) < 24:
             continue
         pc, base, sem = struct.unpack_from("<QQQ", desc)
-        provider, name, argstr = (desc[24:].split(b"\0") + [b"", b"", b""])[:3]
+        provider, name, argstr = (desc[24:].split(b"\0", 3) + [b"", b"", b""])[:3]
+        if len(provider) > 255 or len(name) > 255 or len(argstr) > MAX_ARG_STRING:
+            continue
         if base_sec and base:          # prelinked: move pc and semaphore with .stapsdt.base
             pc += base_sec.addr - base
             if sem:

@@ -39,6 +39,12 @@ _OTHER_BINS = list(range(2, 99))
 _MALLOC_CHUNK = 48                    # sizeof(struct malloc_chunk): mtrim keeps this much
 _MINSIZE = 32
 _CHUNK_HDR = struct.Struct("<QQ")     # size, fd (at chunk + 8)
+# The target sizes what is read: a heap's page map (8 bytes a page, and as much again indexed) up
+# to this heap size, libc's data and what follows it up to _MAX_LIBC_DATA, and main_arena
+# candidates in it up to _MAX_CANDIDATES. Past them: no row for that heap, no main arena found.
+MAX_HEAP_BYTES = 32 << 30
+_MAX_LIBC_DATA = 4 << 20
+_MAX_CANDIDATES = 1024
 DEFAULT_BUDGET = 1 << 17              # free chunks read per process and snapshot (~0.5 s)
 
 
@@ -139,6 +145,8 @@ def _heaps(mem: _Mem, regions: list[tuple[int, int, str]]) -> list[_Heap]:
             h = _Heap(start, end, _HEAP_INFO.unpack(raw)[0])
         else:
             continue
+        if end - start > MAX_HEAP_BYTES:
+            continue
         entries = np.frombuffer(mem.read(start // PAGE * 8, (end - start) // PAGE * 8, "pagemap"), "<u8")
         if len(entries) != (end - start) // PAGE:
             continue
@@ -179,9 +187,10 @@ def _find_main_arena(mem: _Mem, pid: int, heap: _Heap) -> int:
             continue
         end = maps[i + 1].end if i + 1 < len(maps) and maps[i + 1].start == m.end and not maps[i + 1].path \
             else m.end                        # libc's .bss follows its .data
-        words = np.frombuffer(mem.read(m.start, end - m.start), "<u8")
+        raw = mem.read(m.start, min(end - m.start, _MAX_LIBC_DATA))
+        words = np.frombuffer(raw, "<u8", len(raw) // 8)
         cand = np.nonzero((words >= heap.start) & (words < heap.end))[0] * 8 - _TOP
-        for off in cand[cand >= 0]:
+        for off in cand[cand >= 0][:_MAX_CANDIDATES]:
             base = m.start + int(off)
             if _bins(mem, base, [(heap.start, heap.end)]) is not None and _top(mem, base, [heap], True) is not None:
                 return base

@@ -64,10 +64,12 @@ def open_path(pid: int, m: Mapping) -> str:
     map_files reaches the mapped inode itself, so it works for deleted or replaced files and
     across mount namespaces; it needs CAP_SYS_ADMIN. /proc/PID/root resolves the path in the
     process's root (containers) and is the fallback.
+    The path is only checked to resolve (stat, never open: a mapped device's open has side
+    effects); it is opened by sampler.files.open_untrusted's policy (reader.open_regular).
     """
     mf = f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
     try:
-        os.close(os.open(mf, os.O_RDONLY | os.O_CLOEXEC))
+        os.stat(mf)  # follows the magic link: needs the same capability as opening it
         return mf
     except OSError:
         return f"/proc/{pid}/root{m.path}"

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from sampler.python.runtime import ADDR_MASK, OWNER_CSTACK, PyProcess
 
-_MAX_TABLE = 1 << 24  # longest line table read
+_MAX_TABLE = 1 << 20  # longest line table read (a 10,000-line function's is ~40 KiB)
+# Code objects cached per process, bounded by count and by bytes: line tables and what they
+# decode to are the target's to size (the cost counts a decoded table as 4x its bytes).
+_MAX_CACHED_BYTES = 64 << 20
 _MAX_CODE_UNITS = 1 << 24
 _MAX_REFCNT = 1 << 40  # beyond: a freed block whose first word is now a free-list pointer
 
@@ -115,6 +118,10 @@ class _Code:
     ncode: int  # instructions, in code units
     raw_table: bytes
     table: LineTable | None = None
+
+    @property
+    def cost(self) -> int:
+        return 5 * len(self.raw_table) + 512
     frames: dict[tuple[int, bool], PyFrame] = field(default_factory=dict)  # (index, entry) -> frame
 
 
@@ -125,6 +132,7 @@ class CodeReader:
         self._proc = proc
         self._cache_size = cache_size
         self._codes: OrderedDict[int, _Code] = OrderedDict()
+        self._bytes = 0  # cost of the cached codes
         o = proc.offsets
         self._v310 = proc.version < (3, 11)
         self._shims = proc.version >= (3, 12)
@@ -186,7 +194,10 @@ class CodeReader:
         if not 0 <= index < code.ncode:
             return None
         if code.table is None:
-            code.table = self._decode(code.raw_table, code.firstlineno)
+            try:
+                code.table = self._decode(code.raw_table, code.firstlineno)
+            except (IndexError, ValueError, OverflowError, MemoryError):
+                code.table = LineTable([], [])  # a malformed table: no lines
         return code.table.line(index)
 
     def _code(self, addr: int) -> _Code | None:
@@ -202,12 +213,15 @@ class CodeReader:
             self._codes.move_to_end(addr)
             return cached
         code = self._load(tuple(ident))
+        old = self._codes.pop(addr, None)
+        if old is not None:
+            self._bytes -= old.cost
         if code is None:
-            self._codes.pop(addr, None)
             return None
         self._codes[addr] = code
-        if len(self._codes) > self._cache_size:
-            self._codes.popitem(last=False)
+        self._bytes += code.cost
+        while self._codes and (len(self._codes) > self._cache_size or self._bytes > _MAX_CACHED_BYTES):
+            self._bytes -= self._codes.popitem(last=False)[1].cost
         return code
 
     def _load(self, ident: tuple[int, ...]) -> _Code | None:

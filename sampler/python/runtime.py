@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from sampler.binary.elf import ElfImage
-from sampler.binary.reader import ElfFormatError
+from sampler.binary.reader import MALFORMED, ElfFormatError
 from sampler.bpf.abi import PY_LAYOUT
 from sampler.proc.maps import Mapping, open_path, read_maps
 
@@ -337,9 +337,16 @@ def detect(pid: int) -> PyProcess | None:
     """The CPython interpreter of `pid`; None when it has none.
 
     Raises PyUnsupported (PyNotReady while it has no Python frames yet) when it has one this
-    module cannot read, ProcessLookupError when the process is gone, PermissionError when its
-    memory cannot be read.
+    module cannot read (a malformed file or memory too), ProcessLookupError when the process is
+    gone, PermissionError when its memory cannot be read.
     """
+    try:
+        return _detect(pid)
+    except MALFORMED as e:  # what the target's bytes can make the code below raise
+        raise PyUnsupported(f"pid {pid}: malformed interpreter ({type(e).__name__}: {e})") from e
+
+
+def _detect(pid: int) -> PyProcess | None:
     maps = read_maps(pid)
     found = _interpreter_module(pid, maps)
     if found is None:

@@ -4,8 +4,12 @@ Big libraries have hundreds of thousands of FDEs (libtorch_cpu: 335k, 2.5M rows)
 all of them takes minutes and gigabytes. Instead `.eh_frame_hdr`'s sorted search table is viewed
 with numpy, and only the FDE (and its CIE) covering a looked-up pc is decoded, once. Without a
 header, `.eh_frame` (else `.debug_frame`, also from the separate debug file) is scanned once
-for the same sorted index. Decoded FDEs are kept per build-id, in memory and on disk, so a
-restart does not decode again.
+for the same sorted index. Decoded FDEs are kept per image in memory, and on disk under the
+build-id and a digest of the CFI bytes they were decoded from (a file claiming another's build-id
+never supplies its rules), so a restart does not decode again.
+
+The bytes are the target's: a decode runs at most MAX_INSNS instructions with a remember_state
+stack of MAX_STATES, and a file at most MAX_WORK instructions in all; past that FDEs are unreadable.
 
 A rule says how to find the caller's registers from this frame's (see `Rule`); the forms
 compilers emit on x86-64 are covered, anything else is `UNSUPPORTED`, which ends a walk.
@@ -14,7 +18,9 @@ compilers emit on x86-64 are covered, anything else is `UNSUPPORTED`, which ends
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import logging
 import struct
 import time
 from bisect import bisect_right
@@ -27,6 +33,7 @@ from sampler import files
 from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
+from sampler.binary.reader import MALFORMED, ElfFormatError
 
 # Rule kinds (Rule[0]).
 MAX_TABLE_BYTES = 256 << 20  # a saved table; libtorch_cpu's is a few MiB
@@ -59,7 +66,14 @@ _ENTRY_ROW: _Row = (ENTRY, 0, 0, BP_UNKNOWN, 0, 0)
 # than an LRU on the hot path; a steady state refills them in a few samples).
 MEMO_MAX = 1 << 16
 DECODED_MAX = 1 << 15
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+# Bounds on the work one file's CFI may ask for (a compiler's FDE runs a few dozen instructions, a
+# remember_state stack two deep).
+MAX_INSNS = 1 << 16  # per FDE, its CIE's included
+MAX_STATES = 64
+MAX_WORK = 1 << 24  # per CFI section, over all its decodes
+
+log = logging.getLogger(__name__)
 
 _MASK = (1 << 64) - 1
 _RSP, _RBP = 7, 6
@@ -144,8 +158,10 @@ class _Fde:
 class _Machine:
     """Runs CIE + FDE instructions, tracking the CFA, rbp and the return address column."""
 
-    def __init__(self, cie: _Cie, fde_enc_vaddr: tuple[int, int, ElfImage | None]):
+    def __init__(self, cie: _Cie, fde_enc_vaddr: tuple[int, int, ElfImage | None], budget: int = MAX_INSNS):
         self.cie = cie
+        self.budget = min(budget, MAX_INSNS)  # instructions left to run
+        self.ran = 0
         self.ra = cie.ra_reg
         self.cfa_reg, self.cfa_off, self.cfa_expr = _RSP, 8, b""
         self.regs: dict[int, tuple] = {}
@@ -164,7 +180,7 @@ class _Machine:
             self.init = dict(self.regs)
             self.run(insns, cie=False)
             self.emit(hi)
-        except (CfiError, IndexError, struct.error, ValueError):
+        except (CfiError, IndexError, struct.error, ValueError, MemoryError):
             # Rows already emitted stay valid; the rest of the range is not followed.
             self.emit_row(self.loc, _UNSUPPORTED_ROW)
         return _Fde(start, hi, tuple(self.los), tuple(self.rows))
@@ -194,6 +210,9 @@ class _Machine:
         ca, da = self.cie.code_align, self.cie.data_align
         p, n = 0, len(b)
         while p < n:
+            self.ran += 1
+            if self.ran > self.budget:
+                raise CfiError("too many CFI instructions")
             op = b[p]
             p += 1
             top = op & 0xC0
@@ -233,6 +252,8 @@ class _Machine:
                 reg2, p = _uleb(b, p)
                 self.set(reg, ("r", reg2))
             elif op == 0x0A:  # remember_state
+                if len(self.stack) >= MAX_STATES:
+                    raise CfiError("remember_state stack too deep")
                 self.stack.append((self.cfa_reg, self.cfa_off, self.cfa_expr, dict(self.regs)))
             elif op == 0x0B:  # restore_state
                 if not self.stack:
@@ -343,6 +364,7 @@ class _Frames:
         self.cies: dict[int, _Cie] = {}
         self.decoded: dict[int, _Fde] = {}  # by initial location
         self.decodes = 0
+        self.work = 0  # instructions run by all decodes
 
     # Index
 
@@ -354,8 +376,8 @@ class _Frames:
             ptr_enc, count_enc, table_enc = hdr[1], hdr[2], hdr[3]
             if count_enc == 0xFF or table_enc == 0xFF:
                 return False
-            _, p = _pointer(hdr, 4, ptr_enc, hdr_addr, self.img)
-            count, p = _pointer(hdr, p, count_enc, hdr_addr, self.img)
+            _, p = _pointer(hdr, 4, ptr_enc, hdr_addr, None)
+            count, p = _pointer(hdr, p, count_enc, hdr_addr, None)
         except (CfiError, IndexError, struct.error, ValueError):
             return False
         # ld always writes datarel sdata4 (or sdata8) pairs: (initial location, FDE address).
@@ -394,9 +416,10 @@ class _Frames:
                 cie_id = int.from_bytes(data[body : body + idsz], "little")
                 if not self._is_cie(cie_id, idsz):
                     cie = self._cie(self._cie_offset(body, cie_id))
-                    start, _ = _pointer(data, body + idsz, cie.fde_enc, self.addr, self.img)
-                    starts.append(start)
-                    offs.append(p)
+                    start, _ = _pointer(data, body + idsz, cie.fde_enc, self.addr, None)
+                    if start < 1 << 63:  # what find() looks up
+                        starts.append(start)
+                        offs.append(p)
             except (CfiError, IndexError, struct.error, ValueError):
                 pass  # an unreadable FDE (or its CIE) is left out of the index
             p = end
@@ -493,15 +516,22 @@ class _Frames:
             raise CfiError(f"CIE where an FDE was expected at {off:#x}")
         cie = self._cie(self._cie_offset(body, cie_id))
         p = body + idsz
-        start, p = _pointer(data, p, cie.fde_enc, self.addr, self.img)
+        # No indirect pointer is followed (img None): rows depend on this section's bytes alone,
+        # which the on-disk cache's key covers. Compilers write direct ones.
+        start, p = _pointer(data, p, cie.fde_enc, self.addr, None)
         size, p = _pointer(data, p, cie.fde_enc & 0x0F, self.addr, None)
         if cie.has_z:
             aug, p = _uleb(data, p)
             p += aug
         if p > end:
             raise CfiError(f"FDE at {off:#x} truncated")
-        machine = _Machine(cie, (cie.fde_enc, self.addr + p, self.img))
-        return machine.run_fde(bytes(data[p:end]), start, start + size)
+        if self.work >= MAX_WORK:
+            raise CfiError(f"over {MAX_WORK} CFI instructions run for this file")
+        machine = _Machine(cie, (cie.fde_enc, self.addr + p, None), MAX_WORK - self.work)
+        try:
+            return machine.run_fde(bytes(data[p:end]), start, start + size)
+        finally:
+            self.work += machine.ran
 
     def find(self, vaddr: int) -> _Fde | None:
         if not 0 <= vaddr < 1 << 63:
@@ -514,7 +544,7 @@ class _Frames:
         if fde is None:
             try:
                 fde = self.decode(int(self.offs[i]))
-            except (CfiError, IndexError, struct.error, ValueError):
+            except (CfiError, IndexError, struct.error, ValueError, OverflowError, MemoryError):
                 fde = _Fde(start, start, (), ())  # unreadable: covers nothing
             if len(self.decoded) >= DECODED_MAX:
                 self.decoded.clear()
@@ -530,19 +560,30 @@ class CfiTable:
         self.memo: dict[int, Rule] = {}
         self.dirty = False  # decoded FDEs not yet saved
         self.sources: list[str] = []  # how each CFI section was indexed
+        self.key: str | None = None  # for the on-disk cache: build-id and digest of .eh_frame(_hdr)
         t0 = time.perf_counter()
         self._sections: list[_Frames] = []
         self._debug_frame_pending = True
-        eh = img.section(".eh_frame")
+        try:
+            eh = img.section(".eh_frame")
+            hdr = img.section(".eh_frame_hdr") if use_hdr and eh is not None else None
+        except (OSError, ElfFormatError):  # truncated since opened, or too big: no CFI
+            eh = hdr = None
+            self.sources.append("unreadable")
         if eh is not None:
             frames = _Frames(img, eh[0], eh[1], debug=False)
-            hdr = img.section(".eh_frame_hdr") if use_hdr else None
-            if hdr is not None and frames.index_hdr(*hdr):
-                self.sources.append(".eh_frame_hdr")
-            else:
-                frames.index_scan()
-                self.sources.append(".eh_frame")
-            self._sections.append(frames)
+            if img.build_id:
+                self.key = f"{img.build_id}-{cfi_digest(eh, hdr)}"
+            try:
+                if hdr is not None and frames.index_hdr(*hdr):
+                    self.sources.append(".eh_frame_hdr")
+                else:
+                    frames.index_scan()
+                    self.sources.append(".eh_frame")
+                self._sections.append(frames)
+            except MALFORMED:  # what the section's bytes can make indexing raise: no CFI
+                self.key = None
+                self.sources.append("malformed")
         self.index_seconds = time.perf_counter() - t0
 
     @property
@@ -601,11 +642,17 @@ class CfiTable:
         # Code built without .eh_frame (-fno-asynchronous-unwind-tables) may have .debug_frame:
         # indexed on the first pc that .eh_frame does not cover.
         self._debug_frame_pending = False
-        df = self.image.section(".debug_frame")
+        try:
+            df = self.image.section(".debug_frame")
+        except (OSError, ElfFormatError):
+            df = None
         if df is None:
             return False
         frames = _Frames(self.image, df[0], df[1], debug=True)
-        frames.index_scan()
+        try:
+            frames.index_scan()
+        except MALFORMED:
+            return False
         self._sections.append(frames)
         self.sources.append(".debug_frame")
         return True
@@ -614,8 +661,10 @@ class CfiTable:
     # [version, FDEs in the index, n FDEs, n rows], n x (section, start, hi, rows), rows x (lo, *row).
 
     def export(self) -> np.ndarray:
+        """The decoded FDEs of .eh_frame: those the cache key covers (.debug_frame's, from another
+        section or file, are decoded again after a restart)."""
         fdes, rows = [], []
-        for i, s in enumerate(self._sections):
+        for i, s in enumerate(self._sections[:1] if self.key else []):
             for f in s.decoded.values():
                 fdes.append((i, f.start, f.hi, len(f.rows)))
                 rows.extend((lo, *row) for lo, row in zip(f.los, f.rows, strict=True))
@@ -643,13 +692,11 @@ class CfiTable:
         rows = arr[4 + 4 * n_fde :].reshape(-1, 7).tolist()
         if sum(f[3] for f in fdes) != n_rows:
             return False
-        if any(f[0] == len(self._sections) for f in fdes) and self._debug_frame_pending:
-            self._add_debug_frame()
         if count != self.fde_count:  # not this binary's CFI
             return False
         k = 0
         for sec, start, hi, n in fdes:
-            if not 0 <= sec < len(self._sections):
+            if sec != 0 or not self._sections:
                 return False
             part = rows[k : k + n]
             k += n
@@ -658,25 +705,36 @@ class CfiTable:
         return True
 
 
+def cfi_digest(*sections: tuple[int, bytes | memoryview] | None) -> str:
+    """A digest of CFI sections' addresses and bytes: the rows decoded from them depend on nothing
+    else (no indirect pointer is followed)."""
+    h = hashlib.sha256()
+    for sec in sections:
+        if sec is None:
+            h.update(b"-")
+        else:
+            h.update(f"{sec[0]:x}:{len(sec[1])}:".encode())
+            h.update(sec[1])
+    return h.hexdigest()[:32]
+
+
 class CfiStore:
-    """CfiTables by image, shared by build-id, persisted to `cache_dir/<build-id>.npy`."""
+    """CfiTables by image (images of identical files are one ElfImage: see ElfImage.open), persisted
+    to `cache_dir/<build-id>-<digest of the CFI bytes>.npy`."""
 
     def __init__(self, cache_dir: Path | None = None):
         self.cache_dir = cache_dir
         self._by_image: dict[ElfImage, CfiTable] = {}
-        self._by_build_id: dict[str, CfiTable] = {}
         self._tables: list[CfiTable] = []
+        self._save_failed = False
 
     def table(self, img: ElfImage) -> CfiTable:
         t = self._by_image.get(img)
         if t is None:
-            t = self._by_build_id.get(img.build_id) if img.build_id else None
-            if t is None:
-                t = CfiTable(img)
-                self._tables.append(t)
-                if img.build_id:
-                    self._by_build_id[img.build_id] = t
-                    self._load(t, img.build_id)
+            t = CfiTable(img)
+            self._tables.append(t)
+            if t.key:
+                self._load(t, t.key)
             self._by_image[img] = t
         return t
 
@@ -686,13 +744,17 @@ class CfiStore:
 
     def prune(self, keep: set[ElfImage]) -> None:
         for img in [k for k in self._by_image if k not in keep]:
-            del self._by_image[img]
+            t = self._by_image.pop(img)
+            if t.dirty:
+                self._save(t)
+        live = set(map(id, self._by_image.values()))
+        self._tables = [t for t in self._tables if id(t) in live]
 
-    def _path(self, build_id: str) -> Path | None:
-        return self.cache_dir / f"{build_id}.npy" if self.cache_dir else None
+    def _path(self, key: str) -> Path | None:
+        return self.cache_dir / f"{key}.npy" if self.cache_dir else None
 
-    def _load(self, t: CfiTable, build_id: str) -> None:
-        path = self._path(build_id)
+    def _load(self, t: CfiTable, key: str) -> None:
+        path = self._path(key)
         if path is None:
             return
         # An absent, stale, damaged or foreign file is ignored, and replaced at the next save.
@@ -700,11 +762,21 @@ class CfiStore:
             t.load(np.load(io.BytesIO(files.read_private(path, MAX_TABLE_BYTES)), allow_pickle=False))
 
     def save(self) -> None:
-        if self.cache_dir is None or files.private_dir(self.cache_dir) is None:
+        """Write the tables decoded further since the last save. Never raises: a full or read-only
+        disk (ENOSPC, EROFS) is logged once and the tables stay in memory."""
+        for t in self._tables:
+            if t.dirty:
+                self._save(t)
+
+    def _save(self, t: CfiTable) -> None:
+        path = self._path(t.key) if t.key else None
+        t.dirty = False
+        if path is None or files.private_dir(path.parent) is None:
             return
-        for bid, t in self._by_build_id.items():
-            if not t.dirty:
-                continue
-            with contextlib.suppress(OSError), files.atomic_file(self._path(bid), durable=False) as f:
+        try:
+            with files.atomic_file(path, durable=False) as f:
                 np.save(f, t.export(), allow_pickle=False)
-            t.dirty = False
+        except (OSError, ValueError) as e:
+            if not self._save_failed:
+                self._save_failed = True
+                log.warning("unwind cache %s not written (%s); later failures are not logged", path, e)

@@ -230,6 +230,10 @@ def _unknown(addr: int) -> Frame:
     return Frame(None, "[unknown]", "", addr, None)
 
 
+MAX_MANGLED = 1024
+MAX_DEMANGLED = 4096
+
+
 @functools.lru_cache(maxsize=1)
 def _cxa_demangle() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
     try:
@@ -248,16 +252,18 @@ def _cxa_demangle() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
 
 @functools.lru_cache(maxsize=65536)
 def demangle(name: str) -> str:
-    """The C++ name behind an Itanium-mangled `name`; `name` itself when it is not one."""
-    funcs = _cxa_demangle() if name.startswith("_Z") else None
+    """The C++ name behind an Itanium-mangled `name`; `name` itself when it is not one. Names
+    come from the target's files: one over MAX_MANGLED is not demangled (the demangler's work and
+    output grow fast with nesting), and the result is cut at MAX_DEMANGLED."""
+    funcs = _cxa_demangle() if name.startswith("_Z") and len(name) <= MAX_MANGLED else None
     if funcs is None:
-        return name
+        return name[:MAX_DEMANGLED]
     fn, free = funcs
     status = ctypes.c_int()
     buf = fn(name.encode(), None, None, ctypes.byref(status))
     if not buf:
         return name
     try:
-        return ctypes.string_at(buf).decode("utf-8", "replace") if status.value == 0 else name
+        return ctypes.string_at(buf).decode("utf-8", "replace")[:MAX_DEMANGLED] if status.value == 0 else name
     finally:
         free(buf)

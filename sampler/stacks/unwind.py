@@ -67,7 +67,8 @@ Locate = Callable[[int], tuple[ElfImage, int] | None]
 
 
 class Unwinder:
-    """Unwinds sampled stacks; rules are cached per build-id (in `cache_dir` across restarts).
+    """Unwinds sampled stacks; rules are cached per image, and in `cache_dir` across restarts
+    under the build-id and a digest of the CFI bytes.
 
     Not thread-safe: one Unwinder per thread that unwinds.
     """
@@ -82,8 +83,8 @@ class Unwinder:
         return self.cfi.decodes
 
     def prune(self, keep: set[ElfImage]) -> None:
-        """Drop the tables of images not in `keep` (those of processes gone); per-build-id rules
-        stay, to be saved and found again."""
+        """Drop the tables of images not in `keep` (those of processes gone), saved first to the
+        disk cache to be found again."""
         for img in [k for k in self._tables if k not in keep]:
             del self._tables[img]
         self.cfi.prune(keep)
