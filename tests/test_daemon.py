@@ -763,6 +763,46 @@ def test_a_leak_killed_by_the_oom_killer_keeps_its_diagnosis(daemon, bins):
     print(f"\n[oom] leak {rate / MiB:.1f} MiB/s, the workload's {truth / MiB:.1f} MiB/s: {leaks[0]['summary']}")
     assert rate == pytest.approx(truth, rel=0.35)
 
+@pytest.mark.bpf
+def test_a_storm_of_cgroups_near_their_limits_is_rate_limited(daemon, bins):
+    """Four recorded processes, each in its own delegated cgroup, pass 50% of their limits at once:
+    captures are one per 5 s across the host, each snapshots its own process only, and the ones
+    the limit skipped say so (a targets row and a log line)."""
+    with contextlib.ExitStack() as stack:
+        cgs = [stack.enter_context(memory_cgroup((64 + i) * MiB)) for i in range(4)]
+        ts = []
+        for cg in cgs:
+            t = Target(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec {bins["as_oom"]} hold 40'])
+            daemon.targets.append(t)
+            ts.append(t)
+        for t in ts:
+            wait_for(lambda t=t: daemon.target(t.pid), 30, "the targets to be recorded")
+        t0 = time.monotonic()
+        for t in ts:
+            t.go()
+        for t in ts:
+            assert t.line() == "held"
+
+        def rows(what: str) -> list[tuple[int, str]]:
+            return [(t.pid, d) for t in ts for e, d in daemon.events(t.pid) if e == "pre_oom" and what in d]
+
+        wait_for(lambda: len(rows("snapshot now")) + len(rows("skipped by the rate limit")) >= 4, 30,
+                 "every process's capture or skip")
+        captured, skipped = rows("snapshot now"), rows("skipped by the rate limit")
+        elapsed = time.monotonic() - t0
+        print(f"\n[pre-OOM storm] {len(captured)} captures, {len(skipped)} skipped in {elapsed:.0f} s")
+        assert 1 <= len(captured) <= elapsed / 5 + 1, (captured, skipped)
+        assert skipped and all("another process had one" in d for _, d in skipped), skipped
+        log = daemon.log()
+        assert all(f"pre-OOM: pid {pid} near its cgroup memory limit, capture skipped" in log for pid, _ in skipped)
+        # a capture's snapshot holds its own process: the lowered mean shows only on the captured ones
+        procs = daemon.table("processes")
+        lowered = set(procs[procs["pid"].isin([t.pid for t in ts]) & (procs["sample_mean_bytes"] == 65536)]["pid"])
+        assert lowered <= {pid for pid, _ in captured}, (lowered, captured)
+        for t in ts:
+            t.kill()
+
+
 
 @pytest.mark.bpf
 def test_storm_of_short_lived_processes(daemon, bins):
@@ -909,42 +949,3 @@ def test_kill9_then_restart_cleans_up_and_keeps_a_tiny_budget(daemon, tmpfs):
     assert "Traceback" not in d2.log()
     assert read_table(data, "recordings")["ended"].notna().any()
 
-
-@pytest.mark.bpf
-def test_a_storm_of_cgroups_near_their_limits_is_rate_limited(daemon, bins):
-    """Four recorded processes, each in its own delegated cgroup, pass 50% of their limits at once:
-    captures are one per 5 s across the host, each snapshots its own process only, and the ones
-    the limit skipped say so (a targets row and a log line)."""
-    with contextlib.ExitStack() as stack:
-        cgs = [stack.enter_context(memory_cgroup((64 + i) * MiB)) for i in range(4)]
-        ts = []
-        for cg in cgs:
-            t = Target(["/bin/sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec {bins["as_oom"]} hold 40'])
-            daemon.targets.append(t)
-            ts.append(t)
-        for t in ts:
-            wait_for(lambda t=t: daemon.target(t.pid), 30, "the targets to be recorded")
-        t0 = time.monotonic()
-        for t in ts:
-            t.go()
-        for t in ts:
-            assert t.line() == "held"
-
-        def rows(what: str) -> list[tuple[int, str]]:
-            return [(t.pid, d) for t in ts for e, d in daemon.events(t.pid) if e == "pre_oom" and what in d]
-
-        wait_for(lambda: len(rows("snapshot now")) + len(rows("skipped by the rate limit")) >= 4, 30,
-                 "every process's capture or skip")
-        captured, skipped = rows("snapshot now"), rows("skipped by the rate limit")
-        elapsed = time.monotonic() - t0
-        print(f"\n[pre-OOM storm] {len(captured)} captures, {len(skipped)} skipped in {elapsed:.0f} s")
-        assert 1 <= len(captured) <= elapsed / 5 + 1, (captured, skipped)
-        assert skipped and all("another process had one" in d for _, d in skipped), skipped
-        log = daemon.log()
-        assert all(f"pre-OOM: pid {pid} near its cgroup memory limit, capture skipped" in log for pid, _ in skipped)
-        # a capture's snapshot holds its own process: the lowered mean shows only on the captured ones
-        procs = daemon.table("processes")
-        lowered = set(procs[procs["pid"].isin([t.pid for t in ts]) & (procs["sample_mean_bytes"] == 65536)]["pid"])
-        assert lowered <= {pid for pid, _ in captured}, (lowered, captured)
-        for t in ts:
-            t.kill()

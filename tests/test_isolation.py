@@ -175,3 +175,55 @@ def test_the_daemon_tells_systemd_it_is_ready_and_alive(tmp_path, bpf_ready):
     stuck = MetricsState(stall_after_s=60)
     stuck.heartbeat(time.monotonic() - 61)
     assert b"allocsampler_loop_healthy 0" in loop_health(stuck, time.monotonic())
+
+
+EMIT_C = r"""
+#include <stdio.h>
+#include <sys/sdt.h>
+static char block[4096];
+__attribute__((noinline)) void forged(void)
+{
+    unsigned long long p = (unsigned long long)block, n = 4096, w = 1ULL << 62;
+    STAP_PROBE3(otel_memory, alloc, p, n, w);          /* a weight standing for 4 EiB */
+    unsigned long long q = p + 64, huge = 1ULL << 50;
+    STAP_PROBE3(otel_memory, alloc, q, huge, huge);    /* a size no address space holds */
+}
+__attribute__((noinline)) void released(void)         /* the contract has both probes */
+{
+    unsigned long long p = 0;
+    STAP_PROBE1(otel_memory, free, p);
+}
+int main(void)
+{
+    char line[8];
+    fprintf(stderr, "ready\n");
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    forged();
+    fprintf(stderr, "1\n");
+    if (fgets(line, sizeof line, stdin))
+        released();
+    return 0;
+}
+"""
+
+
+def test_forged_memory_contract_samples_are_bounded(tmp_path, gated, record):
+    """The in-process samplers' reports are probe arguments the process chooses: a forged weight is
+    capped (1 TiB a sample) and a size no address space holds is dropped, so a process can skew only
+    its own estimates, and no further than allocating for real would."""
+    src = tmp_path / "emit.c"
+    src.write_text(EMIT_C)
+    exe = compile_c(src, tmp_path / "emit", "-O2")
+    t = gated([str(exe)], ready="ready")
+    rec = record("--pid", str(t.pid))           # it carries the otel_memory probes: the preload tier
+    rec.wait_attached()
+    t.go()
+    assert t.line() == "1"
+    code, _, err = rec.stop()
+    assert code == 0, err
+    t.go()
+    assert t.proc.wait(10) == 0
+    out = read_table(rec.out, "outstanding")
+    mine = out[(out["pid"] == t.pid) & (out["source"] == "malloc")]
+    assert mine["alloc_samples"].sum() == 1, mine
+    assert mine["outstanding_bytes"].max() == 2.0 ** 40

@@ -23,6 +23,8 @@
  */
 
 #define PT_REGS_WORDS (sizeof(struct pt_regs) / 8)
+#define MAX_USDT_SIZE (1ULL << 47)      /* the x86-64 user address space */
+#define MAX_USDT_WEIGHT (1ULL << 40)    /* a sample standing for 1 TiB: far above any sampling mean */
 
 
 BPF_ARRAY(usdt_specs, struct usdt_spec, USDT_SPECS);
@@ -97,7 +99,10 @@ int usdt_memory(struct pt_regs *ctx)
         return 0;
     }
     u64 size = usdt_arg(regs, &spec->arg[1]);
-    if (!ptr || !size)
+    /* the arguments are the process's to choose (docs/security.md): a size no address space holds
+     * is dropped, a weight is capped, so a hostile emitter can skew only its own estimates, and
+     * only as far as allocating for real would */
+    if (!ptr || !size || size > MAX_USDT_SIZE)
         return 0;
     u64 weight = 0;
     if (torch) {                    /* every tensor: sampled here */
@@ -110,6 +115,8 @@ int usdt_memory(struct pt_regs *ctx)
     u64 arg2 = usdt_arg(regs, &spec->arg[2]);
     if (!torch) {                   /* sampled by the process */
         weight = arg2 < size ? size : arg2;     /* a probability above 1 is an emitter's bug */
+        if (weight > MAX_USDT_WEIGHT)
+            weight = MAX_USDT_WEIGHT;
         count(C_SAMPLED, 1);
     }
     struct alloc_rec r = {.addr = torch ? ptr | TORCH_TAG : ptr, .size = size, .weight = weight,
