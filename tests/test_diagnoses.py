@@ -174,7 +174,7 @@ def _kv_requested(port: int) -> int:
 
 
 def test_c_server_keyspace_grows_then_plateaus(tmp_path, bpf_ready):
-    """A long-lived server on jemalloc fills its keyspace for 12 s, then overwrites keys for 14 s:
+    """A long-lived server on jemalloc fills its keyspace for 10 s, then overwrites keys for 10 s:
     memory plateaus. Over the whole recording: no growth finding and no OOM projection; the held
     estimate matches the server's own count (jemalloc's extents and the allocations carved from
     them are one memory). Over the window that ends 6 s into the plateau (`--until`): what grew has
@@ -194,10 +194,10 @@ def test_c_server_keyspace_grows_then_plateaus(tmp_path, bpf_ready):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         _wait_attached(out, rec)
         t0 = time.monotonic()
-        keys = _kv_load(port, 12, 3000)
+        keys = _kv_load(port, 10, 3000)
         grown, seconds = _kv_requested(port), time.monotonic() - t0
         until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=6)
-        _kv_load(port, 14, 3000, overwrite_of=keys)
+        _kv_load(port, 10, 3000, overwrite_of=keys)
         used = _kv_requested(port)
         rec.send_signal(2)
         _, err = rec.communicate(timeout=120)
