@@ -5,6 +5,7 @@ BPF tests never skip: if this machine cannot load BPF the session fixture fails 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -255,3 +256,14 @@ def leaky_grown(tmp_path_factory, leaky_lib, bpf_ready):
     before = _tree(r.out)
     yield r
     assert _tree(r.out) == before, "a test wrote into the shared recording"
+
+
+@contextlib.contextmanager
+def tmpfs_at(path: Path, size: str):
+    """A small tmpfs mounted at `path` (made here) for disk-full tests, unmounted after (we are root)."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

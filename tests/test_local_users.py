@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import allocsampler_cmd
+from conftest import allocsampler_cmd, tmpfs_at
 
 from analysis.dataset import read_table
 from analysis.export.collapsed import collapsed_lines
@@ -319,13 +319,8 @@ def test_hostile_names_are_escaped_in_top_analyze_and_collapsed(tmp_path, bpf_re
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k,mode=0755", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs_at(tmp_path / "tiny", "512k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.bpf

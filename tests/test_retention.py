@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
+from conftest import tmpfs_at
 
 from analysis.dataset import latest_outstanding, load, read_table
 from sampler.dataset import retention as R
@@ -452,13 +453,8 @@ def test_ensure_private_fixes_an_existing_tree(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 1 MiB tmpfs (we are root)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,mode=0755", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs_at(tmp_path / "disk", "1M") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def incompressible(n: int) -> pa.Table:
