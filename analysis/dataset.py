@@ -23,11 +23,22 @@ def read_table(root: str | Path, name: str, *, filter=None, columns: list[str] |
     if not path.is_dir() or not any(path.glob("date=*/*.parquet")):
         empty = table.schema.empty_table().to_pandas()
         return empty[columns] if columns else empty
+    for _ in range(READ_ATTEMPTS - 1):
+        try:
+            return _scan(path, table, filter, columns)
+        except FileNotFoundError:
+            continue    # a live daemon's compaction replaced files between the listing and the read
+    return _scan(path, table, filter, columns)
+
+
+READ_ATTEMPTS = 5
+
+
+def _scan(path: Path, table, filter, columns: list[str] | None) -> pd.DataFrame:
     dataset = ds.dataset(path, format="parquet", partitioning="hive")
     missing = [f for f in table.schema if f.name not in dataset.schema.names]
     if missing:     # columns added since the first file was written: null there
-        dataset = ds.dataset(path, format="parquet", partitioning="hive",
-                             schema=pa.schema([*dataset.schema, *missing]))
+        dataset = ds.dataset(path, format="parquet", partitioning="hive", schema=pa.schema([*dataset.schema, *missing]))
     return dataset.to_table(filter=filter, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from conftest import final_by_site
 
+from analysis.dataset import read_table
 from sampler.binary import reader
 from sampler.binary.dwarf_lines import LineTables
 from sampler.binary.elf import ElfImage
@@ -626,6 +627,12 @@ def test_recorder_survives_a_target_mapping_hostile_files(base, tmp_path, worklo
         w = workload()
         rec = record("--pid", str(mapper.pid), "--pid", str(w.pid), "-i", "0.5")
         rec.wait_attached()
+        deadline = time.monotonic() + 60             # both attached (the first row may be the mapper's)
+        while time.monotonic() < deadline:
+            t = read_table(rec.out, "targets")
+            if {mapper.pid, w.pid} <= set(t[t["event"] == "attach"]["pid"]):
+                break
+            time.sleep(0.1)
         truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
         rec.wait_snapshots(4)
         assert rec.proc.poll() is None
@@ -640,7 +647,8 @@ def test_recorder_survives_a_target_mapping_hostile_files(base, tmp_path, worklo
     print("hostile process's sites:", sorted(set(hostile_sites["site_fn"].astype(str)))[:10])
     assert len(hostile_sites) > 0
     df = final_by_site(rec.out, w.pid)
-    assert "leak_malloc" in set(df["site_fn"]), df
+    events = read_table(rec.out, "targets")
+    assert "leak_malloc" in set(df["site_fn"]), (df, events[["pid", "event", "detail"]].to_string())
     got = df[df["site_fn"] == "leak_malloc"]["outstanding_bytes"].sum()
     assert got == pytest.approx(truth, rel=0.5)
     assert peak < 1024, peak
