@@ -493,7 +493,8 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
                 "file_rss": "file-backed memory (mapped files, shared libraries, page cache of mmaps)",
                 "stack_rss": "thread stacks (more threads, or deep recursion)"}[where]
         limit = _limit(last["memory_limit"])
-        ttoom, basis = time_to_oom_hours(float(last["rss"]), limit, slope, 0.0)
+        # the same rule as persistent_growth: only from RSS still rising over the end of the window
+        oom = project_oom(_process_trend(ds, rec, pid), 0.0, 0.0, 0.0)
         rate_h = slope * 3600
         findings.append(Finding(
             "unexplained_growth", pid, str(last["comm"]),
@@ -501,8 +502,9 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
             f"RSS grew {fmt_bytes(growth)} ({fmt_bytes(rate_h)}/h) but sampled allocations explain only "
             f"{fmt_bytes(max(0.0, sampled))}: growth is outside sampled allocations, mostly {where[:-4]} - {hint}.",
             {"rss_growth_bytes": growth, "rss_growth_bytes_per_hour": rate_h, "explained_bytes": max(0.0, sampled),
-             "unexplained_bytes": unexplained, "region_growth_bytes": regions, "time_to_oom_hours": ttoom,
-             "time_to_oom_basis": basis or None, "memory_limit_bytes": limit or None,
+             "unexplained_bytes": unexplained, "region_growth_bytes": regions, "time_to_oom_hours": oom.hours,
+             "time_to_oom_low_hours": oom.low, "time_to_oom_high_hours": oom.high,
+             "time_to_oom_basis": oom.basis or None, "memory_limit_bytes": limit or None,
              "first_seen": first["ts"], "last_seen": last["ts"], "recording_id": rec}))
     return findings
 
