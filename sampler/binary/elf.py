@@ -380,6 +380,10 @@ class ElfImage:
 
     # Addresses
 
+    def loads(self) -> list[tuple[int, int, int]]:
+        """The PT_LOAD segments as (file offset, vaddr, file size)."""
+        return [(seg.offset, seg.vaddr, seg.filesz) for seg in self._main.loads]
+
     def file_offset_to_vaddr(self, off: int) -> int | None:
         for seg in self._main.loads:
             if seg.offset <= off < seg.offset + seg.filesz:

@@ -271,6 +271,11 @@ PROCESSES = Table(
                                                    "fraction of one CPU (hits x the calibrated cost per hit, which "
                                                    "grows with the other targets probed on the same "
                                                    "library: each hit runs their links too)."),
+        Column("recorder_cpu_s", pa.float64(), "The recorder's own time spent on this process in the interval, "
+                                               "seconds: decoding, unwinding and accounting its events, and "
+                                               "measuring it at the snapshot (timed per event). Work that all "
+                                               "processes share (reading the ring buffer, writing files, building "
+                                               "unwind tables in the table worker) is only in `recorder.cpu_s`."),
         Column("gpu_used_bytes", pa.int64(), "GPU memory the driver (NVML) says the process uses, summed over "
                                              "devices; null without NVML or for a process without CUDA."),
         Column("gpu_reserved_bytes", pa.float64(), "Outstanding device memory from the traced CUDA calls: the "

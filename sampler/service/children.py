@@ -9,17 +9,17 @@ pyarrow's merge buffers and pandas never enter the daemon; a child dies with the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from sampler.lifetime import die_with_parent
 
 CHILD_TIMEOUT_S = 600
 
@@ -129,17 +129,6 @@ class Children:
 
 # -- the child's side ------------------------------------------------------------------------------
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the daemon dies (kill -9 included), so a compaction is never left running."""
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:           # it died before the prctl
-        os._exit(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)
-
-
 def child_main(argv: list[str]) -> int:
     import argparse
 
@@ -153,7 +142,7 @@ def child_main(argv: list[str]) -> int:
     c.add_argument("dir")
     c.add_argument("--older-than", type=float, required=True)
     args = p.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
     if args.what == "analyze":
         from analysis import analyze
         from analysis.dataset import load

@@ -13,8 +13,9 @@ and removes them, and keeps the host safe around it:
   (sampler/service/children.py).
   Findings go to the `findings` table and one log line each when new.
 - Pre-OOM capture (sampler/service/preoom.py).
-- Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the daemon
-  stops reading events for a moment; the ring buffer counts what that loses) and memory (a 16 MiB
+- Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the per-process sample
+  cap halves, raising the busiest processes' sampling means; at the cap's floor the daemon
+  stops reading events for a moment, and the ring buffer counts what that loses) and memory (a 16 MiB
   ring buffer, a 64k-entry live table, pandas kept out, caches pruned every interval and dropped
   near `max_rss`; above it, no new targets until it is back under).
 - Metrics (sampler/service/metrics.py) filled from the rows it writes; a status file for
@@ -89,6 +90,8 @@ class Daemon(RecorderHooks):
         self.config_path = config_path
         self.root = Path(cfg.daemon.data_dir)
         self.rec = None
+        self._cap_changed = float("-inf")
+        self.sampling_squeezed = 0          # times the sample cap was lowered for the CPU budget
         self.metrics = None
         self.server = None
         self.discovery: Discovery | None = None
@@ -229,11 +232,33 @@ class Daemon(RecorderHooks):
             due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 10.0), 3600.0)
         if (result := self.jobs.poll(now)) is not None:
             self._job_done(result)
+        self._cpu_budget(now)
+
+    def _cpu_budget(self, now: float) -> None:
+        """Over the CPU budget, sampling means rise first (the per-process sample cap halves, once
+        a second at most, so that the busiest processes' means go up); events are dropped (reading
+        paused) only when the cap is at its floor, or while the debt keeps growing meanwhile.
+        Comfortably under budget again, the cap doubles back every 10 s."""
         owed = self.cpu.owed()
         if owed > 0:
+            if now >= self._cap_changed + 1.0:
+                cap = self.rec.sampling_cap(f"the daemon is over its CPU budget of {self.cfg.daemon.cpu_percent:g}%")
+                if cap is not None:
+                    self._cap_changed = now
+                    self.sampling_squeezed += 1
+                    log(f"over its CPU budget ({self.cfg.daemon.cpu_percent:g}%): per-process sample cap "
+                        f"lowered to {cap:g}/s, so that sampling means rise before any event is dropped")
+                    return
+            if now < self._cap_changed + 1.0 and owed < 0.5:
+                return                      # the last change has not had time to act
             pause = min(owed, 2.0)
             self.cpu.throttled_s += pause
             self.rec.idle(pause)
+        elif self.cpu.allowance > 0.8 * self.cpu.cap and now >= self._cap_changed + 10.0:
+            cap = self.rec.sampling_cap(None)
+            if cap is not None:
+                self._cap_changed = now
+                log(f"back within its CPU budget: per-process sample cap raised to {cap:g}/s")
 
     def target_failed(self, pid: int, comm: str, why: str) -> None:
         log(f"target pid {pid} ({printable(comm)}): {printable(why)}; no longer recorded")
@@ -513,6 +538,8 @@ class Daemon(RecorderHooks):
                     "since": _iso(k.since) if k is not None and k.since else None,
                     "rss_bytes": row.get("rss"), "alloc_coverage": row.get("alloc_coverage"),
                     "probe_cpu_estimate": row.get("probe_cpu_estimate"),
+                    # the recorder's own time on it, over the last interval
+                    "recorder_cpu_percent": _percent(row.get("recorder_cpu_s"), self.cfg.daemon.interval_s),
                     "pre_oom": pid in self.pre_oom.windows})
         targets.sort(key=lambda x: -(x["rss_bytes"] or 0))
         h = self.metrics.snapshot().health if self.metrics is not None else None
@@ -530,6 +557,8 @@ class Daemon(RecorderHooks):
                        "max_rss": self.cfg.daemon.max_rss,
                        "cpu_fraction": round(self.cpu_fraction, 4), "cpu_budget": self.cfg.daemon.cpu_percent / 100,
                        "throttled_s": round(getattr(getattr(self, "cpu", None), "throttled_s", 0.0), 1),
+                       "sample_cap_per_s": rec.sample_cap if rec is not None else None,
+                       "sample_cap_lowered": self.sampling_squeezed,
                        "caches_dropped": self.shed_count},
             "health": {"events_per_s": round(self.events_per_s, 1),
                        "events_total": h.events_total if h else 0, "lost_events_total": h.lost_events_total if h else 0,
@@ -558,6 +587,10 @@ def _slope(hist: deque) -> float | None:
     if var <= 0:
         return None
     return sum((t - mt) * (y - my) for t, y in hist) / var
+
+
+def _percent(seconds: float | None, interval_s: float) -> float | None:
+    return None if seconds is None else round(100 * seconds / max(interval_s, 1e-3), 2)
 
 
 def _float(v) -> float | None:

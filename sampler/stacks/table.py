@@ -16,7 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
-from sampler.bpf.abi import EvFlag
+from sampler.bpf.abi import EvFlag, UwStop
 from sampler.bpf.events import Event
 from sampler.probes.allocators import exe_path
 from sampler.python.codeobj import PyFrame
@@ -26,6 +26,9 @@ from sampler.stacks.unwind import Regs, Unwinder
 
 # The walk reached the thread's entry: the stack is complete.
 COMPLETE = "entry"
+# stacks.unwind_stop of the walks that ended in BPF (sampler/stacks/unwind.py's names)
+_BPF_STOPS = {UwStop.ENTRY: COMPLETE, UwStop.NO_CFI: "no_cfi", UwStop.BAD_FRAME: "bad_frame",
+              UwStop.READ: "unreadable"}
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,15 @@ class StackTable:
 
     def intern(self, ev: Event) -> int:
         first_is_ip = bool(ev.flags & EvFlag.FIRST_IS_IP)
-        if ev.stack and not ev.flags & EvFlag.STACK_ERR:
+        if ev.pcs and ev.stop < UwStop.NO_TABLE:
+            pcs, stop = ev.pcs, _BPF_STOPS.get(ev.stop, "bad_frame")     # walked in BPF to its end
+        elif ev.pcs:
+            pcs, stop = self._go_on(ev)                       # handed over: go on from its last frame
+        elif ev.stack and not ev.flags & EvFlag.STACK_ERR:
             res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.ip, ev.sp, ev.bp),
                                        _restore_return_address(ev), self.max_frames)
             pcs, stop = res.pcs, res.stop
-            d = self._depth.get(ev.pid, 0)
-            if stop == "stack_end":
-                self._depth[ev.pid] = -1
-            elif stop == COMPLETE and d >= 0 and res.used > d:
-                self._depth[ev.pid] = res.used
+            self._learn_depth(ev.pid, res)
         else:
             pcs, stop = (), "no_stack"
         self.last_stop, self.last_pcs = stop, pcs
@@ -97,6 +100,27 @@ class StackTable:
         if len(self._memo) > self.memo_size:
             self._memo.popitem(last=False)
         return sid
+
+    def _go_on(self, ev: Event) -> tuple[tuple[int, ...], str]:
+        """The pcs BPF walked, then user space's walk from the last of them over the stack copied
+        there (its rbp unknown where BPF could not restore it)."""
+        walked = ev.pcs[:-1]
+        if not ev.stack or ev.flags & EvFlag.STACK_ERR:
+            return ev.pcs, "stack_end"
+        bp = None if ev.flags & EvFlag.CONT_BP_UNKNOWN else ev.bp
+        res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.pcs[-1], ev.sp, bp),
+                                   _restore_return_address(ev), max(1, self.max_frames - len(walked)),
+                                   precise=not ev.flags & EvFlag.CONT_IMPRECISE)
+        self._learn_depth(ev.pid, res)
+        return walked + res.pcs, res.stop
+
+    def _learn_depth(self, pid: int, res) -> None:
+        """Copy sizes follow the deepest complete walk (stack_hint)."""
+        d = self._depth.get(pid, 0)
+        if res.stop == "stack_end":
+            self._depth[pid] = -1
+        elif res.stop == COMPLETE and d >= 0 and res.used > d:
+            self._depth[pid] = res.used
 
     def _merge(self, pid: int, native: list[Frame], pcs: tuple[int, ...], first_is_ip: bool,
                pyframes: list[PyFrame]) -> list[Frame]:
