@@ -402,6 +402,8 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
     for (u32 i = 0; i < UW_FRAMES; i++) {
         *(u64 *)(e->data + off + i * 8) = pc;
         n = i + 1;
+        if (i == UW_FRAMES - 1)
+            break;                          /* UWS_DEEP: user space goes on from this frame */
         u64 addr = precise ? pc : pc - 1;
         struct uw_map *m = uw_find_map(proc, addr);
         if (!m) {

@@ -43,6 +43,10 @@ SCHEMA_VERSION = 5
 #   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed); the
 #   inject tier (processes.tier `inject`, targets event `inject`) with `outstanding.source`
 #   `python` (CPython's small objects) and processes.python_outstanding_bytes/_stderr_bytes.
+#   Native stacks walked in BPF (issue 20): recorder.stacks_in_bpf/stacks_handed_over/
+#   unwind_worker_cpu_s/unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`;
+#   stack ids no longer hash a native frame's inlined calls again (ids of stacks through inlined
+#   code differ from earlier recordings'; diff matches stacks by names, not ids).
 # 5 - unknown is not zero: processes' malloc-derived columns (heap/arena live, malloc and python
 #   outstanding) are null while the process's tier does not measure allocations (`rss`,
 #   `syscalls`), not 0 or their last value; outstanding.exiting marks what a process still held
@@ -149,7 +153,8 @@ OUTSTANDING = Table(
 STACKS = Table(
     "stacks",
     "One row per distinct stack, written once when the stack is first seen. `stack_id` is a hash "
-    "of the frames' (build-id or path, offset), so it is the same across processes and runs of "
+    "of the frames' (build-id or path, offset) (Python frames: file, function, line; a native "
+    "frame's inlined calls are not hashed again), so it is the same across processes and runs of "
     "the same binaries.",
     (
         *_common("When the stack was first seen."),
@@ -162,7 +167,8 @@ STACKS = Table(
                                        "`function (file:line)`) joined by ` < `."),
         Column("unwind_stop", STR, "Why the native walk ended: `entry` (thread entry reached), `stack_end` "
                                    "(beyond the copied stack: raise `--stack-bytes`), `no_cfi` (code without "
-                                   "unwind info or frame pointer), `bad_frame`, `max_frames`, `no_stack`."),
+                                   "unwind info or frame pointer), `bad_frame`, `unreadable` (stack memory "
+                                   "BPF could not read), `max_frames`, `no_stack`."),
         Column("python_frames", pa.int16(), "Number of Python frames in the stack."),
     ),
 )
@@ -369,6 +375,14 @@ RECORDER = Table(
                                                    "have native frames only; the thread list is re-read)."),
         Column("stacks_unwound", pa.int64(), "Sampled stacks unwound in the interval."),
         Column("stacks_complete", pa.int64(), "Of those, the ones whose walk reached the thread's entry."),
+        Column("stacks_in_bpf", pa.int64(), "Sampled stacks whose native walk ended in BPF (compact unwind "
+                                            "rows: the record carries pcs, not a stack copy)."),
+        Column("stacks_handed_over", pa.int64(), "Sampled stacks that BPF handed over to user space with a copy "
+                                                 "of the stack from the frame where it stopped (a file whose rows "
+                                                 "were being built, code in no known mapping, a signal frame)."),
+        Column("unwind_worker_cpu_s", pa.float64(), "CPU time of the table worker in the interval (building "
+                                                    "files' unwind rows, once per file and host; not in `cpu_s`)."),
+        Column("unwind_rows", pa.int64(), "Unwind rows loaded into BPF at the end of the interval (8 bytes each)."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
         Column("vm_events_suppressed", pa.int64(), "Unsampled syscall events that BPF did not send in the "

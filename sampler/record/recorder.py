@@ -162,6 +162,7 @@ class Recorder:
         self._vm_dropped = 0
         self._events = 0
         self._samples = self._complete = 0
+        self._last_walks: tuple[int, int, float] = (0, 0, 0.0)
         self._hints: dict[int, int | None] = {}
         self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
         self._gone: set[int] = set()           # host-wide pids that exited before adoption
@@ -678,11 +679,17 @@ class Recorder:
         last, self._last_counters = self._last_counters, c
         cpu = sum(self._proc.cpu_times()[:2])
         cpu_d, self._last_cpu = cpu - self._last_cpu, cpu
+        st = self.stacks
+        walks = (st.in_bpf, st.handed_over, self.tables.worker.cpu_seconds() if self.tables is not None else 0.0)
+        in_bpf, handed, worker_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
+        self._last_walks = walks
         self._write(RECORDER, [rows.recorder_row(
             now, interval, [a - b for a, b in zip(c, last, strict=True)],
             targets=len(self.targets), events=self._events, stacks_unwound=self._samples,
             stacks_complete=self._complete, live_entries=sum(len(t.table.blocks) for t in self.targets.values()),
-            cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self._vm_dropped)])
+            cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self._vm_dropped,
+            stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s,
+            unwind_rows=self.tables.rows_used if self.tables is not None else None)])
         self._events = 0
         self._vm_dropped = 0
         self._samples = self._complete = 0

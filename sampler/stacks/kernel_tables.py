@@ -28,7 +28,7 @@ from sampler.stacks.unwind_rows import FileRows
 log = logging.getLogger(__name__)
 
 UNKNOWN_CODE_S = 1.0        # code in no known mapping (JIT, or a dlopen not seen): maps re-read at most this often
-BUILD_ATTEMPTS = 2          # a build lost with a crashed worker is tried once more
+BUILD_ATTEMPTS = 3          # a build lost with a crashed worker, or opened through a mapping gone since
 
 
 @dataclass
@@ -39,7 +39,6 @@ class _File:
     lo: int = 0                             # its rows in uw_rows[lo, lo + n) when loaded
     n: int = -1                             # -1: not loaded
     pids: set[int] = field(default_factory=set)
-    attempts: int = 1
 
 
 @dataclass
@@ -92,6 +91,7 @@ class KernelTables:
         self._procs: dict[int, _Proc] = {}
         self._slots: deque[int] = deque(range(procs_capacity))
         self._dirty_files: set[tuple[str, int]] = set()
+        self._retries: dict[tuple[str, int], int] = {}
         self.full_warned = False
         self.rows_loaded = 0            # rows written to uw_rows so far
         self.load_seconds = 0.0         # spent writing them
@@ -146,9 +146,12 @@ class KernelTables:
             if f is None:
                 continue
             if isinstance(result, BuildFailed):
-                if result.worker_died and f.attempts < BUILD_ATTEMPTS and f.pids:
-                    f.attempts += 1
-                    self._submit(f, next(iter(f.pids)))
+                self._retries[ident] = self._retries.get(ident, 1) + 1      # type: ignore[index]
+                if (result.worker_died or result.gone) and self._retries[ident] <= BUILD_ATTEMPTS and f.pids:
+                    # not the file's doing: built again from the processes' current maps
+                    del self._files[ident]                                # type: ignore[arg-type]
+                    for pid in f.pids:
+                        self.changed(pid)
                     continue
                 f.state = "failed"
                 log.info("unwind rows of %s not built: %s", ident, result)
@@ -171,6 +174,10 @@ class KernelTables:
                 if pid in self._procs:
                     self._write(pid)
 
+    @property
+    def rows_used(self) -> int:
+        return self._ranges.used
+
     def stats(self) -> dict[str, int]:
         states = [f.state for f in self._files.values()]
         return {"files_ready": states.count("ready"), "files_building": states.count("building"),
@@ -185,7 +192,7 @@ class KernelTables:
         p = self._procs[pid]
         old = p.maps
         p.maps = maps
-        for m in maps:
+        for m in sorted(maps, key=lambda m: m.end - m.start):     # small files first: ready sooner
             ident = (m.dev, m.inode)
             f = self._files.get(ident)
             if f is None:
@@ -196,12 +203,7 @@ class KernelTables:
         self._release(pid, old, keep={(m.dev, m.inode) for m in maps})
         self._write(pid)
 
-    def _submit(self, f: _File, pid: int, m: Mapping | None = None) -> None:
-        if m is None:
-            m = next((x for x in self._procs[pid].maps if (x.dev, x.inode) == f.ident), None)
-            if m is None:
-                f.state = "failed"
-                return
+    def _submit(self, f: _File, pid: int, m: Mapping) -> None:
         f.state = "building"
         self.worker.submit(f.ident, open_path(pid, m), m.path, f"/proc/{pid}/root")
 

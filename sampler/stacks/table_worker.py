@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+import psutil
 
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import MALFORMED
@@ -44,9 +45,10 @@ class BuildFailed(Exception):
     """The child could not build a file's rows: unreadable or malformed, or the child died
     (`worker_died`: killed at its address space limit, say, perhaps by another file's build)."""
 
-    def __init__(self, why: str, worker_died: bool = False):
+    def __init__(self, why: str, worker_died: bool = False, gone: bool = False):
         super().__init__(why)
         self.worker_died = worker_died
+        self.gone = gone        # the mapping it was opened through is gone (exec, exit, unmap): not the file's fault
 
 
 class TableWorker:
@@ -62,7 +64,15 @@ class TableWorker:
         self._idle_since = time.monotonic()
         self.builds = 0
         self.failures = 0
-        self.cpu_s = 0.0                 # CPU time of children that have exited
+        self._exited_cpu_s = 0.0          # CPU time of children that have exited
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every child so far, the running one included."""
+        running = 0.0
+        if self._proc is not None:
+            with contextlib.suppress(psutil.Error):
+                running = sum(psutil.Process(self._proc.pid).cpu_times()[:2])
+        return self._exited_cpu_s + running
 
     @property
     def pending(self) -> int:
@@ -119,6 +129,8 @@ class TableWorker:
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        with contextlib.suppress(psutil.Error):
+            self._exited_cpu_s += sum(psutil.Process(proc.pid).cpu_times()[:2])
         with contextlib.suppress(OSError):
             proc.stdin.close()
         try:
@@ -126,9 +138,6 @@ class TableWorker:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        with contextlib.suppress(OSError):
-            ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-            self.cpu_s = ru.ru_utime + ru.ru_stime      # all reaped children: an upper bound
 
 
 def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
@@ -136,7 +145,7 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
         while line := out.readline():
             doc = json.loads(line)
             if "error" in doc:
-                answers.put((doc["id"], BuildFailed(str(doc["error"])[:200])))
+                answers.put((doc["id"], BuildFailed(str(doc["error"])[:200], gone=bool(doc.get("gone")))))
                 continue
             nbytes = int(doc["rows"])
             if not 0 <= nbytes <= MAX_ANSWER_BYTES or nbytes % ROW.itemsize:
@@ -165,7 +174,9 @@ def child_main(argv: list[str]) -> int:
         try:
             fr = build(ElfImage.open(req["path"], req["seen_as"], req["root"]), cache)
         except (OSError, MemoryError, *MALFORMED) as e:
-            out.write(json.dumps({"id": req["id"], "error": f"{type(e).__name__}: {e}"}).encode() + b"\n")
+            gone = isinstance(e, (FileNotFoundError, ProcessLookupError))
+            out.write(json.dumps({"id": req["id"], "error": f"{type(e).__name__}: {e}", "gone": gone}).encode()
+                      + b"\n")
             out.flush()
             continue
         data = fr.rows.tobytes()
