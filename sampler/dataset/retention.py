@@ -32,7 +32,7 @@ import re
 import stat
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,7 +194,9 @@ def _day_end(day: dt.date) -> float:
 
 def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float | None,
             now: float | dt.datetime | None = None, *, keep_recent_s: float = 60.0,
-            keep_recordings: Collection[str] = (), protect: Collection[Path] = ()) -> RetentionReport:
+            keep_recordings: Collection[str] = (),
+            backlog: Callable[[list[DataFile]], tuple[Collection[Path], Collection[Path]]] | None = None,
+            ) -> RetentionReport:
     """Delete data past `max_age_days` (whole day partitions: a day goes when its last moment is
     that old), then the oldest files (by day, then modification time) until the dataset's disk
     usage fits `max_bytes`. None disables a limit.
@@ -203,9 +205,10 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
     so the latest snapshot survives any budget), and the `recordings`/`stacks`/`frames` files of
     a recording that still has data files or is in `keep_recordings` (the daemon passes its own:
     its recording row and stacks are written once and referenced by every later interval). Those
-    of a recording whose data is all gone are deleted with its last data file. Nor the files in
-    `protect` (the daemon's upload backlog, up to its cap). What these leave over the budget is
-    reported in `over_budget_bytes`."""
+    of a recording whose data is all gone are deleted with its last data file. `backlog` (the
+    daemon with [upload], sampler.service.upload) is given the listing and returns the files to
+    keep (not uploaded yet, within its cap) and those to delete first (not uploaded, over the
+    cap). What these leave over the budget is reported in `over_budget_bytes`."""
     root = Path(root)
     now_s = _epoch(now)
     report = RetentionReport()
@@ -220,7 +223,8 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
         recs = {id(f): _recordings_in(f) for f in data}
         live = Counter(r for f in data for r in recs[id(f)])
         keep = set(keep_recordings)
-        protected = {Path(p) for p in protect}
+        protected, dropped = backlog(files) if backlog is not None else ((), ())
+        protected, dropped = set(protected), set(dropped)
         total = dataset_bytes(root)
 
         def delete(f: DataFile) -> None:
@@ -253,7 +257,7 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
         deletable = [f for f in data if now_s - f.mtime >= keep_recent_s and f.path not in protected]
         remaining = []
         for f in deletable:
-            if cutoff is not None and _day_end(f.day) <= cutoff:
+            if f.path in dropped or (cutoff is not None and _day_end(f.day) <= cutoff):
                 drop_data(f)
             else:
                 remaining.append(f)
