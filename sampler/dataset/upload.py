@@ -179,7 +179,12 @@ def put(fs, dest: Destination, key: str, data: bytes) -> None:
         with fs.open_output_stream(tmp) as out:
             out.write(data)
         fs.move(tmp, key)
-    info = fs.get_file_info(key)
+    try:
+        info = fs.get_file_info(key)
+    except OSError as e:
+        if isinstance(classify(e, dest), DestinationError) and dest.is_s3:
+            return          # a writer allowed s3:PutObject only: it cannot look, the PUT succeeded
+        raise
     if info.type != pafs.FileType.File or info.size != len(data):
         raise OSError(f"{key}: {info.size} bytes in the store after the upload, {len(data)} expected")
 
@@ -188,30 +193,33 @@ def classify(e: BaseException, dest: Destination) -> DestinationError | None:
     """A DestinationError for what waiting will not fix, else None (a transient failure)."""
     msg = " ".join(str(e).split())
     low = msg.lower()
-    creds = ("aws_access_key_id/aws_secret_access_key in the daemon's environment (systemd: Environment= or "
+    creds = ("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the daemon's environment (systemd: Environment= or "
              "EnvironmentFile=), /root/.aws/credentials, or an instance profile or role")
-    if any(s in low for s in ("access denied", "accessdenied", "invalidaccesskeyid", "signaturedoesnotmatch",
+    if any(s in low for s in ("access denied", "accessdenied", "access_denied", "invalidaccesskeyid",
+                              "invalid_access_key_id", "signaturedoesnotmatch", "signature_does_not_match",
                               "forbidden", "http status 403", "missingauthenticationtoken", "no credentials",
                               "expiredtoken", "invalidtoken")):
         return DestinationError(f"upload.uri {dest.uri}: the store refuses our credentials ({msg[:200]}): give the "
                                 f"daemon credentials allowed to write there: {creds}")
-    if dest.is_s3 and ("nosuchbucket" in low or ("bucket" in low and ("not found" in low or "does not exist" in low))):
+    if dest.is_s3 and ("nosuchbucket" in low or "no_such_bucket" in low
+                       or ("bucket" in low and ("not found" in low or "does not exist" in low))):
         return DestinationError(f"upload.uri {dest.uri}: the bucket does not exist ({msg[:200]}): create it or fix "
                                 "upload.uri (and upload.endpoint / upload.region)")
     return None
 
 
+PROBE_NAME = ".allocsampler-probe"     # a dot-name: readers and globs of *.parquet skip it
+
+
 def probe(dest: Destination) -> None:
-    """One request to the destination: DestinationError when it refuses us for good, OSError when
-    it cannot be reached (transient), nothing when it answers."""
+    """Write what an upload writes, a (tiny) object under the prefix: DestinationError when the
+    store refuses us for good (credentials, no bucket), OSError when it cannot be reached
+    (transient), nothing when it took it. Only s3:PutObject is needed, as for the uploads."""
     import pyarrow as pa
 
     fs, base = dest.filesystem()
     try:
-        if dest.is_s3:
-            fs.get_file_info(base)
-        else:
-            fs.create_dir(base, recursive=True)
+        put(fs, dest, dest.key(base, PROBE_NAME), b"allocsampler upload probe\n")
     except (OSError, pa.ArrowException) as e:
         raise classify(e, dest) or OSError(" ".join(str(e).split())) from None
 
