@@ -4,12 +4,16 @@ The daemon calls these from its loop (nothing here starts a thread):
 
 - `recover(root)` once at start: removes what a kill -9 left behind.
 - `enforce(root, max_bytes, max_age_days)` periodically: deletes the oldest data first.
-- `compact(root, older_than_s)` hourly: merges the small per-interval files of each partition.
+- `compact(root, older_than_s)` hourly: merges the small per-interval files of each partition
+  (`seal=True` with [upload]: merged files are final, sealed ones are what is uploaded).
 - `DiskState`: stop writing below a free-space floor, resume when space is back.
 - `ensure_private(root)`: 0750 directories, 0640 files, owned by root.
 
+Both layouts of sampler.dataset.layout are handled, also mixed in one dataset.
+
 Compaction is atomic for readers that know nothing of it (pandas, pyarrow, DuckDB). The merged
-files are written in a work area, ROOT/.compact/<table>.date=<day>/, beside hard links of the
+files are written in a work area, ROOT/.compact/<table>.host=<host>.date=<day>/ (schema <= 5:
+<table>.date=<day>), beside hard links of the
 partition's other files; that directory and the partition are then swapped by one
 renameat2(RENAME_EXCHANGE). A reader lists either the old set of files or the new one, never a
 merged file beside its sources, and a crash at any point leaves one of the two sets visible.
