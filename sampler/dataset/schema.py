@@ -26,7 +26,7 @@ from sampler.dataset.sources import (  # noqa: F401  (re-exported)
     TORCH,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
 #   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
@@ -53,6 +53,12 @@ SCHEMA_VERSION = 5
 #   after its own teardown (rows written at its exit), which readers keep apart from its running state;
 #   frames.function of an address no symbol covers may be `export+0xOFF` (the nearest exported
 #   function of a stripped library), where it was null.
+# 6 - fleet layout: files are under <table>/host=<host>/date=<day>/ (was <table>/date=<day>/, which
+#   readers still accept); `host` is a partition column like `date`, no longer in the files (Hive
+#   convention: Spark refuses a file column that repeats a partition column, and pyarrow a type
+#   that differs), with the host name as its key has it (characters other than [A-Za-z0-9._-]
+#   replaced by `_`); recording ids end in a random suffix (unique across hosts that share a
+#   name); targets.exe_build_id, exe_package, exe_version on `attach` and `exec` rows.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -73,9 +79,16 @@ class Table:
 
     @property
     def schema(self) -> pa.Schema:
+        """The files' schema."""
         return pa.schema([pa.field(c.name, c.type) for c in self.columns],
                          metadata={b"allocsampler.schema_version": str(SCHEMA_VERSION).encode(),
                                    b"allocsampler.table": self.name.encode()})
+
+    @property
+    def read_schema(self) -> pa.Schema:
+        """What a reader of the table sees: the files' columns and `host` (a partition column
+        since schema 6, a file column before)."""
+        return self.schema.append(pa.field(HOST.name, HOST.type))
 
 
 def int64(v: int | None) -> int | None:
@@ -99,8 +112,15 @@ def _common(ts_doc: str) -> tuple[Column, ...]:
     return (
         Column("ts", TS, ts_doc),
         Column("recording_id", STR, "Recording that wrote the row (see `recordings`)."),
-        Column("host", STR, "Host name, so that datasets of many hosts can be merged."),
     )
+
+
+# Partition columns: in the paths (<table>/host=<host>/date=<day>/), not in the files.
+HOST = Column("host", STR, "Host name as its partition directory has it (sampler.dataset.layout.host_key: "
+                           "characters other than `[A-Za-z0-9._-]` replaced by `_`). A file column in "
+                           "schema <= 5, whose datasets have no host= directories.")
+DATE = Column("date", STR, "UTC day of the rows (`YYYY-MM-DD`; `recordings`: the day the recording started).")
+PARTITION_COLUMNS = (HOST, DATE)
 
 
 OUTSTANDING = Table(
@@ -343,6 +363,12 @@ TARGETS = Table(
                              "detail raised for a window, snapshot taken)."),
         Column("comm", STR, "Process name."),
         Column("exe", pa.string(), "Executable path."),
+        Column("exe_build_id", pa.string(), "`attach`, `exec`: GNU build-id (hex) of the executable the process "
+                                            "runs, null when it has none or could not be read."),
+        Column("exe_package", STR, "`attach`, `exec`: the distribution package that installed the executable "
+                                   "(Debian: dpkg's database), null when none did (a virtualenv's copy, a "
+                                   "build of your own, a container's file) or the distribution is not known."),
+        Column("exe_version", STR, "`attach`, `exec`: that package's installed version, null without a package."),
         Column("cmdline", pa.string(), "Command line, space-joined."),
         Column("ppid", pa.int32(), "Parent pid."),
         Column("allocators", pa.list_(pa.string()), "Probed allocator libraries as `family:path`."),
@@ -396,8 +422,7 @@ RECORDINGS = Table(
     "recordings",
     "One row per recording (rewritten when it ends).",
     (
-        Column("recording_id", STR, "Unique id: start time and pid of the recorder."),
-        Column("host", STR, "Host name."),
+        Column("recording_id", STR, "Unique id: start time, pid of the recorder and a random suffix."),
         Column("started", TS, "Start of the recording."),
         Column("ended", TS, "End of the recording, null while it runs or if it was killed."),
         Column("schema_version", pa.int32(), "Version of this schema."),

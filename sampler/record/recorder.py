@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -51,6 +52,7 @@ from sampler.probes import allocators
 from sampler.probes.allocators import Family
 from sampler.proc.arenas import arena_rows
 from sampler.proc.cgroups import cgroup_id
+from sampler.proc.exe_identity import ExeIdentities
 from sampler.proc.memory import sample_process
 from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
 from sampler.python.targets import PythonTargets
@@ -151,7 +153,9 @@ class Recorder:
         self.hooks = hooks or RecorderHooks()
         self.host = socket.gethostname()
         self.started = dt.datetime.now(dt.timezone.utc)
-        self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}"
+        # unique across hosts: two that share a name (clones, containers) may start one in the same second
+        self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.exe_ids = ExeIdentities()
         self.targets: dict[int, Target] = {}
         self.finished: list[tuple[ProcessInfo, str]] = []     # (process, why) for the CLI's summary
         self.launched: LaunchedCommand | None = None
@@ -697,10 +701,12 @@ class Recorder:
 
     def _target_row(self, t: Target, event: str, detail: str) -> None:
         gpu = self.gpu
-        self._write(TARGETS, [rows.target_row(
-            t, self._wall_now(), event, detail,
-            gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
-            gpu_labels=gpu.labels(t.pid) if gpu is not None else [])])
+        row = rows.target_row(t, self._wall_now(), event, detail,
+                              gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
+                              gpu_labels=gpu.labels(t.pid) if gpu is not None else [])
+        if event in ("attach", "exec"):
+            row.update(self.exe_ids.of(t.pid, t.info.exe).columns())
+        self._write(TARGETS, [row])
 
     def _write_recording(self, ended: dt.datetime | None) -> None:
         o = self.opts

@@ -11,6 +11,8 @@ and removes them, and keeps the host safe around it:
   meanwhile are kept (bounded) and written then. `targets` rows are written once per interval.
 - Retention (enforce) every few seconds, compaction and analysis in a child process
   (sampler/service/children.py).
+- With [upload]: sealing compaction and an upload child every interval_s (sampler/service/upload.py);
+  retention keeps what is not uploaded yet, within max_backlog_bytes.
   Findings go to the `findings` table and one log line each when new.
 - Pre-OOM capture (sampler/service/preoom.py).
 - Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the per-process sample
@@ -31,6 +33,7 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections import Counter, OrderedDict, deque
@@ -48,6 +51,7 @@ from sampler.service.config import Config, format_size
 from sampler.service.config import load as load_config
 from sampler.service.discovery import Discovery
 from sampler.service.preoom import PRE_OOM_CHECK_S, PreOom
+from sampler.service.upload import Uploads
 from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
 from sampler.text import printable
@@ -102,6 +106,7 @@ class Daemon(RecorderHooks):
         self._pause_logged = self._resume_logged = -1e9
         self._write_errors: dict[str, float] = {}
         self.jobs = Children(self._job_args, log)
+        self.uploads = Uploads(cfg.upload, self.root, log) if cfg.upload is not None else None
         self.findings_seen: OrderedDict[tuple, float] = OrderedDict()
         self.last_findings: list[dict] = []
         self.analysis_state: dict = {}
@@ -149,6 +154,8 @@ class Daemon(RecorderHooks):
                                      f"({e.strerror or e}): choose a local directory root can write") from None
         for line in recover(self.root):
             log(f"recovery: {line}")
+        if self.uploads is not None:
+            self._probe_upload()
         self.disk = DiskState(self.root, floor_bytes=self.cfg.retention.min_free_bytes,
                               retry_s=min(300.0, max(5.0, 10 * d.interval_s)))
         self.metrics = MetricsState(stall_after_s=max(60.0, 3 * d.interval_s))
@@ -227,9 +234,11 @@ class Daemon(RecorderHooks):
         if now >= due["analysis"] and self.cfg.analysis.every_s:
             self.jobs.queue("analyze")
             due["analysis"] = now + self.cfg.analysis.every_s
+        if self.uploads is not None and self.uploads.due(now):
+            self.jobs.queue("upload")
         if now >= due["compact"]:
             self.jobs.queue("compact")
-            due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 10.0), 3600.0)
+            due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 1.0), 3600.0)
         if (result := self.jobs.poll(now)) is not None:
             self._job_done(result)
         self._cpu_budget(now)
@@ -437,10 +446,14 @@ class Daemon(RecorderHooks):
         try:
             rep = enforce(self.root, r.max_bytes, r.max_age_days,
                           keep_recent_s=max(2.5 * self.cfg.daemon.interval_s, 5.0),
-                          keep_recordings={self.rec.recording_id})
+                          keep_recordings={self.rec.recording_id},
+                          backlog=self.uploads.plan if self.uploads is not None else None)
         except OSError as e:
             self.write_failed("retention", e)
             return
+        if self.uploads is not None:
+            self.uploads.retention_done(rep)
+            self.metrics.set_upload(self.uploads.health())
         self._dataset_bytes = rep.total_bytes
         if rep.deleted and (rep.expired or len(rep.deleted) > 50 or not getattr(self, "_said_retention", False)):
             self._said_retention = True
@@ -455,10 +468,41 @@ class Daemon(RecorderHooks):
         if kind == "analyze":
             return ([str(self.root), "--window", str(self.cfg.analysis.window_s)],
                     min(CHILD_TIMEOUT_S, max(60.0, self.cfg.analysis.every_s)))
-        return [str(self.root), "--older-than", str(self.cfg.retention.compact_after_s)], CHILD_TIMEOUT_S
+        if kind == "upload":
+            return self.uploads.job_args()
+        # with [upload], compaction seals: its merged files are final, what is uploaded
+        seal = ["--seal"] if self.uploads is not None else []
+        return [str(self.root), "--older-than", str(self.cfg.retention.compact_after_s), *seal], CHILD_TIMEOUT_S
+
+    def _probe_upload(self) -> None:
+        """One request to the store before recording: refused credentials or a missing bucket stop
+        the daemon (exit 3, one line); an unreachable store is said once and retried later."""
+        u = self.uploads
+        argv = [sys.executable, "-m", "sampler.service.children", str(os.getpid()), "probe", *u.probe_args()]
+        timeout = min(30.0, u.cfg.timeout_s)
+        try:
+            p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                               cwd="/")
+        except subprocess.TimeoutExpired:
+            log(f"upload: {u.cfg.uri} did not answer within {timeout:g} s; recording goes on and closed files "
+                f"are kept (up to upload.max_backlog_bytes, {format_size(u.cfg.max_backlog_bytes)}) and uploaded "
+                "when it answers")
+            return
+        lines = p.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit status {p.returncode}"
+        if p.returncode == 3:
+            raise EnvironmentProblem(why)
+        if p.returncode != 0:
+            log(f"upload: {u.cfg.uri} cannot be reached now ({why}): check upload.uri, upload.endpoint and the "
+                f"network; recording goes on and closed files are kept (up to upload.max_backlog_bytes, "
+                f"{format_size(u.cfg.max_backlog_bytes)}) and uploaded when it can be reached")
 
     def _job_done(self, r: Result) -> None:
         state, doc = r.state, r.doc
+        if r.kind == "upload":
+            self.uploads.done(doc, state, time.monotonic(), r.wall)
+            self.metrics.set_upload(self.uploads.health())
+            return
         if r.kind == "analyze":
             if doc is not None:
                 state["findings"] = self._findings(doc, r.wall)
@@ -570,6 +614,8 @@ class Daemon(RecorderHooks):
             "analysis": self.analysis_state, "compaction": self.compaction_state,
             "findings": self.last_findings,
         }
+        if self.uploads is not None:
+            doc["upload"] = self.uploads.status(time.monotonic())
         with contextlib.suppress(OSError), files.atomic_file(self.root / STATUS_FILE, 0o640, durable=False) as f:
             f.write(json.dumps(doc, default=str).encode())
 
