@@ -43,10 +43,6 @@ SCHEMA_VERSION = 6
 #   `sampling`) and the syscall event budget (processes/recorder.vm_events_suppressed); the
 #   inject tier (processes.tier `inject`, targets event `inject`) with `outstanding.source`
 #   `python` (CPython's small objects) and processes.python_outstanding_bytes/_stderr_bytes.
-#   Native stacks walked in BPF (issue 20): recorder.stacks_in_bpf/stacks_handed_over/
-#   unwind_worker_cpu_s/unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`;
-#   stack ids no longer hash a native frame's inlined calls again (ids of stacks through inlined
-#   code differ from earlier recordings'; diff matches stacks by names, not ids).
 # 5 - unknown is not zero: processes' malloc-derived columns (heap/arena live, malloc and python
 #   outstanding) are null while the process's tier does not measure allocations (`rss`,
 #   `syscalls`), not 0 or their last value; outstanding.exiting marks what a process still held
@@ -59,6 +55,10 @@ SCHEMA_VERSION = 6
 #   that differs), with the host name as its key has it (characters other than [A-Za-z0-9._-]
 #   replaced by `_`); recording ids end in a random suffix (unique across hosts that share a
 #   name); targets.exe_build_id, exe_package, exe_version on `attach` and `exec` rows.
+#   Native stacks walked in BPF: recorder.stacks_in_bpf/stacks_handed_over/unwind_worker_cpu_s/
+#   unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`; stack ids no longer
+#   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
+#   version 5's; diff matches stacks by names, not ids).
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
