@@ -56,6 +56,8 @@ Variants (tiers):
   rss              allocsampler record --rss --pid PID --out DIR: the always-on tier (sampled page
                    faults, mmap/brk tracepoints, no uprobes); n/a without --rss
   attach-perf      (only when named) attach with --probe-mode perf: classic uprobes + uretprobes
+  inject-user      (only when named) inject with --unwind user: stacks copied and unwound in the
+                   recorder instead of walked in BPF (the recorder's bill before the BPF walk)
 
 Every allocsampler command also gets -q (no summary). A variant whose prerequisite is missing
 (the tool, a CLI flag, the sampler.inprocess.preload module or its shim's USDT notes) is reported as
@@ -422,10 +424,10 @@ VARIANTS = ("unprobed", "memleak", "inject", "inject-python", "attach", "attach-
 QUICK_WORKLOADS = ("c",)
 QUICK_VARIANTS = ("unprobed", "memleak", "inject", "attach", "preload", "preload-idle", "rss")   # one of each kind
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
-EXTRA_VARIANTS = ("attach-perf",)                 # only when named in --variants
+EXTRA_VARIANTS = ("attach-perf", "inject-user")  # only when named in --variants
 ALIASES = {"allocsampler": "attach", "allocsampler-perf": "attach-perf"}   # the script's old names
 ATTACH_TIERS = ("attach", "attach-governed", "attach-perf")
-INJECT_VARIANTS = frozenset({"inject", "inject-python"})
+INJECT_VARIANTS = frozenset({"inject", "inject-python", "inject-user"})
 RECORDER_VARIANTS = frozenset({*ATTACH_TIERS, *INJECT_VARIANTS, "preload", "rss"})
 PRELOAD_VARIANTS = frozenset({"preload", "preload-idle"})
 WORKLOAD_TITLES = {"c": "c: malloc/free loop", "python": "python: allocation-heavy loop",
@@ -717,7 +719,7 @@ class Bench:
             elif v in INJECT_VARIANTS:
                 if not has_modes:
                     self.na[v] = "`allocsampler record` has no --attach-mode (no injected sampler yet)"
-                extra = ["--python-objects"] if v == "inject-python" else []
+                extra = {"inject-python": ["--python-objects"], "inject-user": ["--unwind", "user"]}.get(v, [])
                 self.recorder_args[v] = ["--attach-mode", "inject", *extra]
                 self.commands[v] = f"{rec} record --pid PID --out DIR {' '.join(self.recorder_args[v])} {pretty}"
             elif v in ("attach", "attach-perf"):
@@ -1354,7 +1356,8 @@ def write_markdown(path: Path, text: str) -> None:
 # --- SVG ----------------------------------------------------------------------------------------
 COLORS = {"memleak": "#7f7f7f", "inject": "#9467bd", "inject-python": "#c5b0d5", "attach": "#d62728",
           "attach-governed": "#ff7f0e",
-          "attach-perf": "#8c564b", "preload": "#1f77b4", "preload-idle": "#17becf", "rss": "#2ca02c"}
+          "attach-perf": "#8c564b", "preload": "#1f77b4", "preload-idle": "#17becf", "rss": "#2ca02c",
+          "inject-user": "#e377c2"}
 
 
 def svg_chart(rows: list[dict], workloads: list[str], caption: str) -> str:
