@@ -82,7 +82,7 @@ def capture(probes: BpfProbes, raw: list[bytes], argv: list[str], env: dict, sam
     py.add(proc.pid)
     tables = None
     if rows_cache is not None:
-        tables = KernelTables(probes, TableWorker(rows_cache), probes.cfg.unwind_rows, probes.cfg.unwind_procs)
+        tables = KernelTables(probes, TableWorker(rows_cache))
         tables.track(proc.pid)
         deadline = time.monotonic() + 300
         while wait_rows and tables.worker.pending and time.monotonic() < deadline:

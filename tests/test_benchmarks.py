@@ -121,15 +121,21 @@ def test_bench_overhead_quick(bpf_ready: None) -> None:
 @pytest.mark.bpf
 def test_bench_stacks_quick(bpf_ready: None) -> None:
     header, rows = md_table(run_quick("bench_stacks.py"), "workload")
-    assert header == ["workload", "pass", "samples", "mean record bytes", "p95 bytes", "reach entry",
-                      "median µs/sample", "p95 µs/sample"]
-    assert [(r["workload"], r["pass"]) for r in rows] == [
-        (w, p) for w in ("C ext from Python", "torch CPU") for p in ("cold", "warm", "restart")]
+    assert header == ["workload", "unwind", "pass", "samples", "mean record bytes", "p95 bytes", "reach entry",
+                      "median µs/sample", "p95 µs/sample", "max µs"]
+    passes = {"bpf": ("cold", "warm", "restart", "first sight: cold"), "user": ("cold", "warm", "restart")}
+    assert [(r["workload"], r["unwind"], r["pass"]) for r in rows] == [
+        (w, u, p) for u in ("bpf", "user") for w in ("C ext from Python", "torch CPU") for p in passes[u]]
     for r in rows:
         assert num(r["samples"]) > 0 and num(r["mean record bytes"]) > 0 and num(r["median µs/sample"]) > 0
         assert 0 <= num(r["reach entry"]) <= 100
     for w in ("C ext from Python", "torch CPU"):        # the three passes turn the same records into stacks
-        assert len({r["samples"] for r in rows if r["workload"] == w}) == 1
+        for u in ("bpf", "user"):
+            same = [r for r in rows if r["workload"] == w and r["unwind"] == u and r["pass"] != "first sight: cold"]
+            assert len({r["samples"] for r in same}) == 1
+        walked = [r for r in rows if r["workload"] == w and r["pass"] == "warm"]
+        # records that carry walked pcs are far smaller than stack copies
+        assert num(walked[0]["mean record bytes"]) < num(walked[1]["mean record bytes"]) / 4
 
 
 @pytest.mark.bpf

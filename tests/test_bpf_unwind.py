@@ -84,7 +84,7 @@ def record(probes: BpfProbes, tmp_path: Path, argv: list[str], env: dict, want: 
     if not wait_tables:             # first sight of every file
         cache = tmp_path / "rows"
         cache.mkdir(mode=0o700)
-    tables = KernelTables(probes, TableWorker(cache), probes.cfg.unwind_rows, probes.cfg.unwind_procs)
+    tables = KernelTables(probes, TableWorker(cache))
     assert tables.track(proc.pid)
     deadline = time.monotonic() + 120
     while wait_tables and tables.worker.pending and time.monotonic() < deadline:

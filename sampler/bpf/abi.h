@@ -17,7 +17,7 @@
 /* Native frames walked in BPF per sampled event; a deeper stack is copied from there on and
  * user space goes on (UWS_DEEP). */
 #ifndef UW_FRAMES
-#define UW_FRAMES 64
+#define UW_FRAMES 96
 #endif
 /* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
  * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
@@ -77,9 +77,11 @@ enum uw_stop {
 /* uw_map.row_lo of a file whose rows are not (yet) in uw_rows */
 #define UW_PENDING 0xffffffff
 /* executable mappings per process that BPF knows (sorted by start); rows of one file at most
- * 2^UW_ROWS_LOG2 (the default size of uw_rows) */
+ * 2^UW_ROWS_LOG2; pages of the page index, and rows per page at most 2^UW_PAGE_ROWS_LOG2 */
 #define UW_MAPS 256
 #define UW_ROWS_LOG2 23
+#define UW_PAGE_SHIFT 12
+#define UW_PAGE_ROWS_LOG2 9
 
 /* `targets` values: what is recorded for a process besides its allocator probes. */
 enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
@@ -187,13 +189,21 @@ struct uw_row {
     u8 bp_off8;      /* an s8: bcc has no ctype for it */
 };
 
-/* One executable mapping of a file: vaddr = address - bias; its rows are uw_rows[row_lo, row_lo + row_n). */
+/* One executable mapping of a file: vaddr = address - bias; its rows are uw_rows[row_lo, row_lo + row_n).
+ * Its page index is uw_pages[page_lo, page_lo + page_n): entry i holds the rows (relative to
+ * row_lo) in force at the start of page page_first + i (vaddr >> UW_PAGE_SHIFT) and of the next
+ * page, as first | last << 32: a pc's row lies between them, at most 2^UW_PAGE_ROWS_LOG2 apart
+ * (a page with more hands over). */
 struct uw_map {
     u64 start;
     u64 end;
     u64 bias;
     u32 row_lo;      /* UW_PENDING: not loaded */
     u32 row_n;       /* 0: the file has no CFI (frame pointers only) */
+    u32 page_lo;
+    u32 page_n;
+    u32 page_first;
+    u32 pad;
 };
 
 /* A process's mappings are uw_maps[slot * UW_MAPS, + n): looked up by key, not indexed in a map

@@ -28,10 +28,12 @@ CK_NULL_SKIP = 0x20000
 # Compile-time parameters' defaults (the loader passes the configured values with -D).
 STACK_BYTES = 16384
 PY_MAX = 96
-UW_FRAMES = 64
+UW_FRAMES = 96
 UW_PENDING = 0xFFFFFFFF
 UW_MAPS = 256
 UW_ROWS_LOG2 = 23
+UW_PAGE_SHIFT = 12
+UW_PAGE_ROWS_LOG2 = 9
 
 
 # -- enums ---------------------------------------------------------------------------------------
@@ -249,7 +251,8 @@ EV_STACK = Layout("ev_stack", [
     ("stack_len", "H"), ("npy", "H"), ("npc", "H"), ("stop", "B"), ("pad", "B"),
 ], tail="data")
 UW_ROW = Layout("uw_row", [("pc", "I"), ("cfa_off", "h"), ("kind", "B"), ("bp_off8", "B")])
-UW_MAP = Layout("uw_map", [("start", "Q"), ("end", "Q"), ("bias", "Q"), ("row_lo", "I"), ("row_n", "I")])
+UW_MAP = Layout("uw_map", [("start", "Q"), ("end", "Q"), ("bias", "Q"), ("row_lo", "I"), ("row_n", "I"),
+                           ("page_lo", "I"), ("page_n", "I"), ("page_first", "I"), ("pad", "I")])
 UW_PROC = Layout("uw_proc", [("slot", "I"), ("n", "I")])
 TARGET = Layout("target", [("flags", "I"), ("shift", "i")])
 PY_LAYOUT = Layout("py_layout", [

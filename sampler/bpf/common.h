@@ -336,45 +336,81 @@ static __always_inline void uretprobe_slot(struct ev_stack *e, u64 sp)
 BPF_F_TABLE("array", u32, struct uw_row, uw_rows, 1 << UW_ROWS_LOG2, 1U << 10);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_PROCS);
 BPF_ARRAY(uw_maps, struct uw_map, UW_PROCS * UW_MAPS);
+BPF_F_TABLE("array", u32, u64, uw_pages, 1 << 20, 1U << 10);
 
-/* Searches below step through powers of two from the largest down, unrolled: no loop counter
- * and no bound the verifier could resolve, so its states merge instead of multiplying. Each finds
- * the last index in [lo, end) whose key is <= the one sought (the first one is checked after). */
+/* Searches below step through powers of two from the largest down, unrolled, with no branch
+ * but a lookup's null check: a branch the verifier cannot resolve stays pending until the end of
+ * the program, and 64 frames' worth overflow its jump stack. `le` and the clamp are 0/1 by
+ * arithmetic: every value compared is below 2^32, so a difference's sign bit is the comparison.
+ * Each finds the last index in [lo, lo + n) whose key is <= the one sought (checked after). */
+#define UW_NEG(x) ((u64)(x) >> 63)
 
 /* The mapping holding addr (a process's maps are sorted by start), or 0. */
 static __always_inline struct uw_map *uw_find_map(struct uw_proc *p, u64 addr)
 {
-    u32 n = p->n, lo = p->slot * UW_MAPS;
+    u32 n = p->n;
+    u64 lo = (u64)p->slot * UW_MAPS;
     if (n == 0 || n > UW_MAPS)
         return 0;
-    u32 end = lo + n;
+    u64 last = lo + n - 1;
 #pragma unroll
     for (int b = 7; b >= 0; b--) {           /* UW_MAPS = 2^8 */
-        u32 mid = lo + (1u << b);
-        if (mid < end) {
-            struct uw_map *m = uw_maps.lookup(&mid);
-            if (m && m->start <= addr)
-                lo = mid;
-        }
+        u64 mid = lo + (1u << b);
+        mid -= UW_NEG(last - mid) * (mid - last);           /* min(mid, last) */
+        u32 key = mid;
+        struct uw_map *m = uw_maps.lookup(&key);
+        if (!m)
+            return 0;
+        /* start <= addr, for 64-bit values: compared as the top and bottom 32 bits */
+        u64 hi_a = addr >> 32, hi_s = m->start >> 32;
+        u64 lt_hi = UW_NEG(hi_s - hi_a), eq_hi = 1 - UW_NEG(hi_s - hi_a) - UW_NEG(hi_a - hi_s);
+        u64 le_lo = 1 - UW_NEG((addr & 0xffffffff) - (m->start & 0xffffffff));
+        u64 le = lt_hi | (eq_hi & le_lo);
+        lo += le * (mid - lo);
     }
-    struct uw_map *m = uw_maps.lookup(&lo);
+    u32 key = lo;
+    struct uw_map *m = uw_maps.lookup(&key);
     return m && addr >= m->start && addr < m->end ? m : 0;
 }
 
-/* The last row of uw_rows[lo, lo + n) whose pc <= pc, or 0 (n < 2^UW_ROWS_LOG2). */
-static __always_inline struct uw_row *uw_find_row(u32 lo, u32 n, u32 pc)
+/* The row in force at vaddr in m's file, or 0: its page's rows from the page index (the rows in
+ * force at its start and at the next page's, as low | high << 32), then a
+ * search of at most 2^UW_PAGE_ROWS_LOG2 rows. *over: the page has more (hand over). */
+static __always_inline struct uw_row *uw_find_row(struct uw_map *m, u64 vaddr, u8 *over)
 {
-    u32 end = lo + n;
-#pragma unroll
-    for (int b = UW_ROWS_LOG2 - 1; b >= 0; b--) {
-        u32 mid = lo + (1u << b);
-        if (mid < end) {
-            struct uw_row *r = uw_rows.lookup(&mid);
-            if (r && r->pc <= pc)
-                lo = mid;
+    u64 page = vaddr >> UW_PAGE_SHIFT;
+    if (page < m->page_first)
+        return 0;                                           /* before the first row: no CFI */
+    page -= m->page_first;
+    u64 lo, last;
+    if (page >= m->page_n) {                                /* after the last row's page */
+        lo = last = (u64)m->row_lo + m->row_n - 1;
+    } else {
+        u32 k = m->page_lo + page;
+        u64 *range = uw_pages.lookup(&k);
+        if (!range)
+            return 0;
+        lo = (u64)m->row_lo + (u32)*range;
+        last = (u64)m->row_lo + (*range >> 32);
+        if (last - lo >= (1u << UW_PAGE_ROWS_LOG2) || last < lo) {
+            *over = 1;
+            return 0;
         }
     }
-    struct uw_row *r = uw_rows.lookup(&lo);
+    u32 pc = vaddr;
+#pragma unroll
+    for (int b = UW_PAGE_ROWS_LOG2 - 1; b >= 0; b--) {
+        u64 mid = lo + (1u << b);
+        mid -= UW_NEG(last - mid) * (mid - last);           /* min(mid, last) */
+        u32 key = mid;
+        struct uw_row *r = uw_rows.lookup(&key);
+        if (!r)
+            return 0;
+        u64 le = 1 - UW_NEG((u64)pc - r->pc);               /* r->pc <= pc */
+        lo += le * (mid - lo);
+    }
+    u32 key = lo;
+    struct uw_row *r = uw_rows.lookup(&key);
     return r && r->pc <= pc ? r : 0;
 }
 
@@ -399,12 +435,19 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
     u64 pc = ip;
     u8 bp_ok = 1, precise = 1, stop = UWS_DEEP;
     u32 n = 0;
+    e->pad = 1;
     for (u32 i = 0; i < UW_FRAMES; i++) {
         *(u64 *)(e->data + off + i * 8) = pc;
         n = i + 1;
         if (i == UW_FRAMES - 1)
             break;                          /* UWS_DEEP: user space goes on from this frame */
-        u64 addr = precise ? pc : pc - 1;
+        /* the flags as unknowns (anded with a 1 read back from the record): one verifier state
+         * per frame, not one per combination of their values */
+        asm volatile("" ::: "memory");
+        u8 one = *(volatile u8 *)&e->pad;
+        bp_ok &= one;
+        precise &= one;
+        u64 addr = pc - 1 + precise;
         struct uw_map *m = uw_find_map(proc, addr);
         if (!m) {
             stop = UWS_NO_MAP;
@@ -418,7 +461,12 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
         s64 cfa_off = 0, bp8 = 0;
         u64 vaddr = addr - m->bias;
         if (m->row_n && vaddr < (1ULL << 32)) {
-            struct uw_row *r = uw_find_row(m->row_lo, m->row_n, vaddr);
+            u8 over = 0;
+            struct uw_row *r = uw_find_row(m, vaddr, &over);
+            if (over) {
+                stop = UWS_UNSUPPORTED;
+                break;
+            }
             if (r) {
                 kind = r->kind & 15;
                 bpk = r->kind >> 4;

@@ -55,6 +55,7 @@ class ProbeConfig:
     # native unwinding in BPF (sampler/stacks/kernel_tables.py): rows of all loaded files (8 bytes
     # each; libtorch_cpu has ~2.6M) and processes walked in BPF (8 KiB of uw_maps each)
     unwind_rows: int = 8 << 20
+    unwind_pages: int = 1 << 20     # their page index (4 bytes per 4 KiB of code)
     unwind_procs: int = 512
     verify_unwind: bool = False   # tests: also copy every stack from the sample's registers
 
@@ -116,7 +117,7 @@ class BpfProbes:
         pages = max(1, cfg.ringbuf_bytes // page)
         pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
         sizes = {"live": cfg.live_max, "events": pages * page, "uw_rows": cfg.unwind_rows,
-                 "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
+                 "uw_pages": cfg.unwind_pages, "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
         self._attached: dict[int, _Attachment] = {}
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._usdt_ids: dict[bytes, int] = {}

@@ -415,7 +415,8 @@ class Map:
         shared mapping of it, unmapped after (its pages leave this process's RSS)."""
         size = self.max_entries * self._value_bytes
         start, end = first * self._value_bytes, first * self._value_bytes + len(data)
-        if first < 0 or end > size or len(data) % self._value_bytes:
+        # the kernel lays elements out 8-byte aligned: only 8-byte multiples map one to one
+        if first < 0 or end > size or len(data) % self._value_bytes or self._value_bytes % 8:
             raise ValueError(f"map {self.name}: elements {first}.. do not fit")
         page = mmap.PAGESIZE
         lo = start // page * page

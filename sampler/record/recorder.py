@@ -204,8 +204,7 @@ class Recorder:
         self.unwinder = Unwinder(cache_dir("unwind", o.unwind_cache))
         self.tables: KernelTables | None = None
         if o.unwind == "bpf":
-            self.tables = KernelTables(self.probes, TableWorker(cache_dir("unwind", o.unwind_cache)),
-                                       self.probes.cfg.unwind_rows, self.probes.cfg.unwind_procs)
+            self.tables = KernelTables(self.probes, TableWorker(cache_dir("unwind", o.unwind_cache)))
         self.stacks = StackTable(self.symbolizer, self.unwinder, self.python, o.max_frames,
                                  interpreter_frames=o.interpreter_frames)
         self.writer = self.hooks.writer(o.out, self.recording_id, self.host)

@@ -20,7 +20,9 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from sampler.bpf.abi import UW_MAP, UW_MAPS, UW_PENDING, UW_PROC
+import numpy as np
+
+from sampler.bpf.abi import UW_MAP, UW_MAPS, UW_PAGE_SHIFT, UW_PENDING, UW_PROC
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.stacks.table_worker import BuildFailed, TableWorker
 from sampler.stacks.unwind_rows import FileRows
@@ -38,6 +40,9 @@ class _File:
     rows: FileRows | None = None
     lo: int = 0                             # its rows in uw_rows[lo, lo + n) when loaded
     n: int = -1                             # -1: not loaded
+    page_lo: int = 0                        # its page index in uw_pages[page_lo, page_lo + page_n)
+    page_n: int = 0
+    page_first: int = 0                     # vaddr >> UW_PAGE_SHIFT of its first row
     pids: set[int] = field(default_factory=set)
 
 
@@ -80,8 +85,13 @@ class _Ranges:
 
 
 class KernelTables:
-    def __init__(self, probes, worker: TableWorker, rows_capacity: int, procs_capacity: int):
+    def __init__(self, probes, worker: TableWorker):
+        """`probes`: a BpfProbes, whose config sizes the maps (unwind_rows, _pages, _procs)."""
+        cfg = probes.cfg
+        rows_capacity, procs_capacity = cfg.unwind_rows, cfg.unwind_procs
         self._rows = probes.bpf["uw_rows"]
+        self._pages = probes.bpf["uw_pages"]
+        self._page_ranges = _Ranges(cfg.unwind_pages)
         self._maps = probes.bpf["uw_maps"]
         self._procs_map = probes.bpf["uw_procs"]
         self.worker = worker
@@ -182,6 +192,7 @@ class KernelTables:
         states = [f.state for f in self._files.values()]
         return {"files_ready": states.count("ready"), "files_building": states.count("building"),
                 "files_failed": states.count("failed"), "rows_used": self._ranges.used,
+                "pages_used": self._page_ranges.used,
                 "rows_capacity": self._ranges.capacity, "processes": len(self._procs)}
 
     def close(self) -> None:
@@ -225,28 +236,46 @@ class KernelTables:
         if rows is None or not rows.fits or not len(rows.rows):
             f.n = 0 if rows is not None and rows.fits else -1
             return
-        n = len(rows.rows)
-        lo = self._ranges.take(n)
-        while lo is None and self._idle:
-            self._evict(next(iter(self._idle)))
-            lo = self._ranges.take(n)
-        if lo is None:
+        pcs = rows.rows["pc"]
+        first = int(pcs[0]) >> UW_PAGE_SHIFT
+        starts = (np.arange(first, (int(pcs[-1]) >> UW_PAGE_SHIFT) + 2, dtype=np.int64) << UW_PAGE_SHIFT)
+        # the row in force at each page's start (0 before the first row: its search then finds none);
+        # entry i: that of page i and of page i + 1
+        at = np.maximum(np.searchsorted(pcs, starts, "right") - 1, 0).astype(np.uint64)
+        pages = at[:-1] | at[1:] << np.uint64(32)
+        n, npages = len(rows.rows), len(pages)
+        lo, plo = self._take(self._ranges, n), self._take(self._page_ranges, npages)
+        if lo is None or plo is None:
+            if lo is not None:
+                self._ranges.give(lo, n)
+            if plo is not None:
+                self._page_ranges.give(plo, npages)
             if not self.full_warned:
                 self.full_warned = True
-                log.warning("uw_rows is full (%d rows): stacks in %s are unwound in user space; "
-                            "raise unwind_rows", self._ranges.capacity, f.ident)
+                log.warning("the unwind tables are full (%d rows, %d pages): stacks in %s are unwound in user "
+                            "space; raise unwind_rows", self._ranges.capacity, self._page_ranges.capacity, f.ident)
             return
         t0 = time.perf_counter()
         self._rows.write_array(lo, rows.rows.tobytes())
+        self._pages.write_array(plo, pages.tobytes())
         self.load_seconds += time.perf_counter() - t0
         self.rows_loaded += n
-        f.lo, f.n = lo, n
+        f.lo, f.n, f.page_lo, f.page_n, f.page_first = lo, n, plo, npages, first
+
+    def _take(self, ranges: _Ranges, n: int) -> int | None:
+        """Room for n entries, evicting files no process maps (oldest first) until there is."""
+        lo = ranges.take(n)
+        while lo is None and self._idle:
+            self._evict(next(iter(self._idle)))
+            lo = ranges.take(n)
+        return lo
 
     def _evict(self, ident: tuple[str, int]) -> None:
         self._idle.pop(ident, None)
         f = self._files.pop(ident, None)
         if f is not None and f.n > 0:
             self._ranges.give(f.lo, f.n)
+            self._page_ranges.give(f.page_lo, f.page_n)
 
     def _write(self, pid: int) -> None:
         """A fresh slot with pid's mappings, then uw_procs pointed at it."""
@@ -257,12 +286,13 @@ class KernelTables:
         entries = []
         for m in p.maps[:UW_MAPS]:
             f = self._files.get((m.dev, m.inode))
-            lo, n, bias = UW_PENDING, 0, 0
+            lo, n, bias, pages = UW_PENDING, 0, 0, (0, 0, 0)
             if f is not None and f.state == "ready" and f.rows is not None and f.n >= 0:
                 vaddr = f.rows.vaddr(m.offset)
                 if vaddr is not None:
                     lo, n, bias = (f.lo if f.n else 0), f.n, (m.start - vaddr) & (1 << 64) - 1
-            entries.append(UW_MAP.struct.pack(m.start, m.end, bias, lo, n))
+                    pages = (f.page_lo, f.page_n, f.page_first)
+            entries.append(UW_MAP.struct.pack(m.start, m.end, bias, lo, n, *pages))
         if entries:
             keys = struct.pack(f"<{len(entries)}I", *range(slot * UW_MAPS, slot * UW_MAPS + len(entries)))
             self._maps.update_batch(keys, b"".join(entries), len(entries))
