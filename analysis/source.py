@@ -248,6 +248,8 @@ class Source:
             raise
         except OSError as e:
             raise access_error(self.location, e) from None
+        except pa.ArrowInvalid as e:    # a file that is not Parquet, or of another schema
+            raise EnvironmentProblem(f"cannot read {self.location}: {one_line(e)}") from None
 
 
 def data_file(name: str) -> bool:

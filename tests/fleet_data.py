@@ -47,3 +47,52 @@ def copy_recording(src: Path, root: Path, host: str, days: int = 0, *, old_layou
 def recording_day(src: Path) -> dt.date:
     """The (first) day directory of a recording's outstanding table."""
     return min(dt.date.fromisoformat(p.name.split("=", 1)[1]) for p in (src / "outstanding").glob("date=*"))
+
+
+def fleet_plan(a: Path, b: Path, c: Path) -> dict[str, tuple[Path, list[int], bool]]:
+    """host -> (recording, day offsets, old layout). `db 1` (a space: its host= name is `db_1`)
+    is in the older layout, as a host not yet upgraded would have uploaded it."""
+    return {"web-1": (a, [0, 1, 2], False), "web-2": (b, [0, 1], False), "db 1": (b, [1], True),
+            "batch-7": (c, [0, 1], False)}
+
+
+def synthetic_recording(out: Path) -> Path:
+    """scripts/bench_analysis.py's --quick dataset (2 processes x 2 h, a leak, a cache, churn and
+    steady pools each): hours of data with findings, which the seconds-long recordings lack."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from bench_analysis import QUICK, write
+    write(out, QUICK["processes"], QUICK["hours"], QUICK["stacks"], 10)
+    return out
+
+
+def build_fleet(root: Path, plan: dict[str, tuple[Path, list[int], bool]], *, only_days: set[int] | None = None,
+                hosts: set[str] | None = None, old_layout: bool | None = None) -> Path:
+    """The fleet of `plan` under `root` (optionally only some days and hosts, or all in one layout)."""
+    for host, (src, days, old) in plan.items():
+        if hosts is None or host in hosts:
+            for d in days:
+                if only_days is None or d in only_days:
+                    copy_recording(src, root, host, d, old_layout=old if old_layout is None else old_layout)
+    return root
+
+
+GARBAGE = b"not a parquet file: a reader that opens this fails"
+
+
+def add_garbage(root: Path, day0: dt.date) -> list[Path]:
+    """Unreadable files where a selection of hosts `web-*` and the day day0+1 must never look: a
+    host `spam` (every table), web-1's day0+3 (every table: after the window's day and its write
+    lag) and day0-1 (the time series: before the window)."""
+    from analysis.source import CATALOGS
+
+    made = []
+    for table in TABLES:
+        for host, offset in (("spam", 1), ("web-1", 3), ("web-1", -1)):
+            if offset < 0 and table in CATALOGS:
+                continue        # catalogs of earlier days are needed: stacks first seen then
+            f = root / partition_dir(table, host, day0 + dt.timedelta(days=offset)) / "garbage.parquet"
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_bytes(GARBAGE)
+            made.append(f)
+    return made
