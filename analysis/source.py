@@ -197,6 +197,13 @@ class Source:
             return False
         return any(self.table_dirs(t) for t in ("processes", "outstanding", "recordings"))
 
+    def bucket_missing(self) -> bool:
+        """Whether the first component of the path (an object store's bucket) does not exist."""
+        try:
+            return self.filesystem.get_file_info(self.base.split("/")[0]).type == pafs.FileType.NotFound
+        except OSError as e:
+            raise access_error(self.location, e) from None
+
     # -- reading --------------------------------------------------------------------------------
 
     def read(self, table: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
@@ -301,6 +308,8 @@ def open_source(location: str, selection: Selection = Selection(), *, endpoint: 
             raise UsageError(f"cannot read {location}: no bucket in the URI; give s3://BUCKET/PREFIX")
         source = Source(filesystem, base, location, selection)
     if not source.has_tables():
+        if is_uri(location) and source.bucket_missing():
+            raise no_bucket(location, source.base.split("/")[0])
         raise UsageError(f"no allocsampler dataset at {location}: no outstanding/, processes/ or recordings/ "
                          "table there; give the prefix that holds them (the daemon's upload prefix or a "
                          "`record --out` directory)")
@@ -333,13 +342,16 @@ def credentials_configured() -> bool:
         any(os.path.isfile(os.path.expanduser(f)) for f in files)
 
 
+def no_bucket(location: str, bucket: str) -> UsageError:
+    return UsageError(f"cannot read {location}: bucket {bucket!r} does not exist; check the URI, and the "
+                      "endpoint (--endpoint or AWS_ENDPOINT_URL) if the store is not AWS")
+
+
 def access_error(location: str, e: OSError) -> Exception:
     """One line naming the cause and the fix of a failed listing or read."""
     text = one_line(e)
     if "NO_SUCH_BUCKET" in text or "bucket does not exist" in text.lower():
-        bucket = urllib.parse.urlsplit(location).netloc
-        return UsageError(f"cannot read {location}: bucket {bucket!r} does not exist; check the URI, and the "
-                          "endpoint (--endpoint or AWS_ENDPOINT_URL) if the store is not AWS")
+        return no_bucket(location, urllib.parse.urlsplit(location).netloc)
     if not credentials_configured() and location.lower().startswith("s3://"):
         return EnvironmentProblem(f"cannot read {location}: no AWS credentials found ({text}); set "
                                   "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or run "

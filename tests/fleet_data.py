@@ -96,3 +96,9 @@ def add_garbage(root: Path, day0: dt.date) -> list[Path]:
             f.write_bytes(GARBAGE)
             made.append(f)
     return made
+
+
+def window_args(day0: dt.date) -> list[str]:
+    """The selection the pruning tests make: hosts web-*, the whole day day0+1."""
+    day = day0 + dt.timedelta(days=1)
+    return ["--host", "web-*", "--since", day.isoformat(), "--until", f"{day.isoformat()}T23:59:59.999999"]

@@ -12,7 +12,7 @@ import subprocess
 import pandas as pd
 import pytest
 from conftest import allocsampler_cmd
-from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording
+from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording, window_args
 
 from analysis.source import Selection, open_source, partition_host
 
@@ -78,11 +78,6 @@ def test_top_per_host_equals_each_host_alone(fleet):
         assert sections[partition_host(host)] == ok("top", str(ref), "-n", "3"), host
     # one host: the plain output, as for a single dataset
     assert ok("top", str(root), "-n", "3", "--host", "db_1") == ok("top", str(refs["db 1"]), "-n", "3")
-
-
-def window_args(day0: dt.date) -> list[str]:
-    day = day0 + dt.timedelta(days=1)
-    return ["--host", "web-*", "--since", day.isoformat(), "--until", f"{day.isoformat()}T23:59:59.999999"]
 
 
 def test_selection_prunes_before_opening(fleet, tmp_path):
