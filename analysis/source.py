@@ -104,7 +104,8 @@ class DataFile:
 
 class Source:
     """A dataset location with a selection. Sources derived with `select` share the location's
-    listing of table directories (host= and date= names; files are listed at each read)."""
+    listings (cache): the table directories' host= and date= names, and each host directory's
+    files (listed again when a read finds one gone)."""
 
     def __init__(self, filesystem: pafs.FileSystem, base: str, location: str,
                  selection: Selection = Selection(), *, cache: dict | None = None):
@@ -155,16 +156,26 @@ class Source:
                 host = name[len(HOST_KEY):]
                 if not sel.wants_host(host):
                     continue
-                top = f"{self.base}/{table}/{name}"
-                for e in self.entries(top, recursive=True):
-                    parts = e.path[len(top) + 1:].split("/")
-                    if len(parts) == 2 and e.type == pafs.FileType.File and data_file(parts[1]) and \
-                            (day := parse_day(parts[0])) and sel.wants_day(table, day):
-                        out.append(DataFile(e.path, host, day))
+                out += [f for f in self.host_files(table, name) if sel.wants_day(table, f.day)]
             elif (day := parse_day(name)) and sel.wants_day(table, day):
                 out += [DataFile(e.path, None, day) for e in self.entries(f"{self.base}/{table}/{name}")
                         if e.type == pafs.FileType.File and data_file(os.path.basename(e.path))]
         return out
+
+    def host_files(self, table: str, name: str) -> list[DataFile]:
+        """The data files under <table>/<name>/ (a host= directory): one recursive listing, kept
+        until a read finds a listed file gone (a live daemon's compaction replaced it)."""
+        key = ("files", table, name)
+        if key not in self.cache:
+            top = f"{self.base}/{table}/{name}"
+            found = []
+            for e in self.entries(top, recursive=True):
+                parts = e.path[len(top) + 1:].split("/")
+                if len(parts) == 2 and e.type == pafs.FileType.File and data_file(parts[1]) and \
+                        (day := parse_day(parts[0])):
+                    found.append(DataFile(e.path, name[len(HOST_KEY):], day))
+            self.cache[key] = found
+        return self.cache[key]
 
     def old_layout_hosts(self) -> dict[str, list[str | None]]:
         """{host= name: host values} of the selected days' old-layout files (no host= directory),
@@ -182,7 +193,7 @@ class Source:
 
     def hosts(self) -> list[str]:
         """The host= names of the selected data (old-layout hosts by their rows' host)."""
-        files = [f for t in ("processes", "outstanding") for f in self.files(t)]
+        files = self.files("processes")     # a snapshot of every process: every host with data
         found = {f.host for f in files if f.host is not None}
         if any(f.host is None for f in files):
             found |= {h for h in self.old_layout_hosts() if self.selection.wants_host(h)}
@@ -212,8 +223,10 @@ class Source:
             try:
                 return self.read_once(table, filter, columns)
             except FileNotFoundError:
-                if attempt == READ_ATTEMPTS - 1:    # a compaction replaced files after the listing
+                if attempt == READ_ATTEMPTS - 1:
                     raise
+                for key in [k for k in self.cache if k[0] == "files"]:    # a compaction replaced files
+                    del self.cache[key]
         raise AssertionError("unreachable")
 
     def read_once(self, table: str, filter, columns: list[str] | None) -> pd.DataFrame:

@@ -205,9 +205,26 @@ print(code, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hosts
 """
 
 
-def measure(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, int, int, int]:
+# The contrast: the selected hosts loaded and analysed as one dataset, as a single-host reader
+# would (what per-host streaming avoids).
+AT_ONCE_CHILD = """
+import resource, sys, time
+sys.path.insert(0, {root!r})
+t = time.perf_counter()
+from analysis import analyze
+from analysis.source import Selection, open_source
+argv = {argv!r}
+source = open_source(argv[1], Selection((argv[-1],)))
+findings = analyze.run(analyze.load(source))
+dt = time.perf_counter() - t
+print(0, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(source.hosts()), len(findings))
+"""
+
+
+def measure(argv: list[str], env: dict[str, str] | None = None,
+            child: str = FLEET_CHILD) -> tuple[float, int, int, int]:
     """(wall s, peak RSS bytes, hosts, findings) of `allocsampler ARGV` in a fresh child."""
-    out = subprocess.run([sys.executable, "-c", FLEET_CHILD.format(root=str(ROOT), argv=argv)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", child.format(root=str(ROOT), argv=argv)], capture_output=True,
                          text=True, env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise SystemExit(f"analyze {argv} failed: {out.stderr.strip()}")
@@ -263,8 +280,9 @@ def fleet_main(args: argparse.Namespace) -> None:
         last_day = (FLEET_T0 + pd.Timedelta(days=days - 1)).date().isoformat()
         selections = [("every host, every day", []),
                       ("--host h000 (one host)", ["--host", "h000"]),
-                      ("--host 'h00*' (10 hosts)", ["--host", "h00*"]),
-                      (f"--since {last_day} (the last day)", ["--since", last_day])]
+                      (f"--host 'h00*' ({min(hosts, 10)} hosts)", ["--host", "h00*"]),
+                      (f"--since {last_day} (the last day)", ["--since", last_day]),
+                      (f"as one dataset: 'h00*' ({min(hosts, 10)} hosts) loaded at once", ["--host", "h00*"])]
         where = [("local", str(out), None)]
         moto = None
         if args.s3:
@@ -278,9 +296,10 @@ def fleet_main(args: argparse.Namespace) -> None:
             print("|---|---|--:|--:|--:|--:|")
             for place, location, env in where:
                 for label, extra in selections:
-                    if place != "local" and not extra and not args.s3_all:
+                    if place != "local" and (label.startswith("as one") or not extra and not args.s3_all):
                         continue        # the whole fleet over moto only with --s3-all: moto is one Python process
-                    got = [measure(["analyze", location, "--json", *extra], env) for _ in range(runs)]
+                    child = AT_ONCE_CHILD if label.startswith("as one dataset") else FLEET_CHILD
+                    got = [measure(["analyze", location, "--json", *extra], env, child) for _ in range(runs)]
                     print(f"| {place} | {label} | {got[0][2]} | {got[0][3]} | "
                           f"{spread([g[0] for g in got], '{:.1f} s')} | "
                           f"{spread([g[1] / MiB for g in got], '{:,.0f} MiB')} |", flush=True)

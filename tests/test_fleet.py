@@ -105,6 +105,15 @@ def test_selection_prunes_before_opening(fleet, tmp_path):
     assert "== host web-2" in outputs["top"] and "leak_malloc" in outputs["top"]
 
 
+def test_comm_selects_processes(fleet):
+    """--comm keeps the processes of that name: their findings are those of the whole analysis."""
+    root, _, _, _ = fleet
+    every = json.loads(ok("analyze", str(root), "--host", "batch-7", "--json"))["findings"]
+    comm = every[-1]["comm"]
+    some = json.loads(ok("analyze", str(root), "--host", "batch-7", "--comm", comm, "--json"))["findings"]
+    assert some and some == [f for f in every if f["comm"] == comm]
+
+
 def test_old_layout_host_by_its_rows(fleet):
     """A host in the older layout is selected by its rows' host (sanitized as a host= name)."""
     root, refs, _, _ = fleet

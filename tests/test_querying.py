@@ -23,30 +23,21 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "querying.md"
 FUNCTION = "leak_malloc"
 
 
-def doc_recipes() -> dict[str, dict[str, str]]:
-    """`### title` sections under `## Recipes`: {title: {"python": code, "sql": code}}."""
-    section = DOC.read_text().split("\n## Recipes\n", 1)[1].split("\n## ", 1)[0]
+def doc_recipes(heading: str = "Recipes", langs: tuple[str, ...] = ("python", "sql")) -> dict[str, dict[str, str]]:
+    """`### title` sections under `## heading`: {title: {lang: code}}, one block of each language."""
+    section = DOC.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     out: dict[str, dict[str, str]] = {}
     for chunk in section.split("\n### ")[1:]:
         title, body = chunk.split("\n", 1)
         blocks = re.findall(r"```(\w+)\n(.*?)```", body, re.S)
-        langs = [lang for lang, _ in blocks]
-        assert sorted(langs) == ["python", "sql"], f"{title}: one python and one sql block, got {langs}"
+        assert sorted(lang for lang, _ in blocks) == sorted(langs), f"{title}: one block of each of {langs}"
         out[title.strip()] = dict(blocks)
     return out
 
 
 def fleet_recipes() -> dict[str, dict[str, str]]:
-    """`### title` sections under `## Fleet recipes`: {title: {"python", "sql", "pyspark": code}}."""
-    section = DOC.read_text().split("\n## Fleet recipes\n", 1)[1].split("\n## ", 1)[0]
-    out: dict[str, dict[str, str]] = {}
-    for chunk in section.split("\n### ")[1:]:
-        title, body = chunk.split("\n", 1)
-        blocks = re.findall(r"```(\w+)\n(.*?)```", body, re.S)
-        langs = [lang for lang, _ in blocks]
-        assert sorted(langs) == ["pyspark", "python", "sql"], f"{title}: python, sql and pyspark blocks, got {langs}"
-        out[title.strip()] = dict(blocks)
-    return out
+    """The fleet recipes: pyarrow (python), DuckDB (sql) and Spark (pyspark) forms."""
+    return doc_recipes("Fleet recipes", ("python", "sql", "pyspark"))
 
 
 @dataclass
