@@ -8,12 +8,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 import subprocess
+import weakref
 
 import pandas as pd
 import pytest
 from conftest import allocsampler_cmd
 from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording, window_args
 
+from analysis import analyze
+from analysis.fleet import per_host
 from analysis.source import Selection, open_source, partition_host
 
 pytestmark = pytest.mark.bpf
@@ -64,6 +67,21 @@ def test_fleet_analysis_equals_each_host_alone(fleet):
     text = ok("analyze", str(root))
     assert [ln.split(":")[0] for ln in text.splitlines() if ln.startswith("== host ")] == \
         [f"== host {h}" for h in hosts]
+
+
+def test_one_host_in_memory_at_a_time(fleet):
+    """per_host releases each host's dataset (its frames) before it loads the next host's."""
+    root, _, plan, _ = fleet
+    earlier: list[weakref.ref] = []
+
+    def load(source):
+        assert all(r() is None for r in earlier), "an earlier host's frames are still referenced"
+        ds = analyze.load(source)
+        earlier.extend([weakref.ref(ds), weakref.ref(ds.outstanding), weakref.ref(ds.processes)])
+        return ds
+
+    got = dict(per_host(open_source(str(root)), lambda host, ds, findings: len(findings), load))
+    assert sorted(got) == sorted(partition_host(h) for h in plan) and got["batch-7"] >= 4
 
 
 def test_top_per_host_equals_each_host_alone(fleet):
