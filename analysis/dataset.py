@@ -12,20 +12,22 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 
 from analysis.source import Source
+from sampler.dataset import layout
 from sampler.dataset.schema import TABLES
 
 
 def read_table(root: str | Path | Source, name: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
     """One table as a DataFrame (empty, with the schema's columns, when nothing was written).
 
-    `filter` is a pyarrow.dataset expression, e.g. `ds.field("pid") == 1234`. `root` may be a
-    Source (analysis/source.py): a URI or a selection of hosts and days."""
+    `filter` is a pyarrow.dataset expression, e.g. `ds.field("pid") == 1234`. Both layouts are
+    read (sampler.dataset.layout): host=*/date=*/ and, from schema <= 5, date=*/. `root` may be a
+    Source (analysis/source.py): a URI, or a selection of hosts and days pruned before reading."""
     if isinstance(root, Source):
         return root.read(name, filter=filter, columns=columns)
     table = TABLES[name]
     path = Path(root) / name
-    if not path.is_dir() or not any(path.glob("date=*/*.parquet")):
-        empty = table.schema.empty_table().to_pandas()
+    if not path.is_dir() or not layout.has_files(path):
+        empty = table.read_schema.empty_table().to_pandas()
         return empty[columns] if columns else empty
     for _ in range(READ_ATTEMPTS - 1):
         try:
@@ -38,11 +40,17 @@ def read_table(root: str | Path | Source, name: str, *, filter=None, columns: li
 READ_ATTEMPTS = 5
 
 
+# Partition values as dictionaries, as pandas reads them: in the layout of schema <= 5 `host` is a
+# dictionary column of the files (and there is no host= directory), and a partition field must
+# have the type of a file column of the same name for both layouts to be read as one.
+HIVE = ds.HivePartitioning.discover(infer_dictionary=True)
+
+
 def _scan(path: Path, table, filter, columns: list[str] | None) -> pd.DataFrame:
-    dataset = ds.dataset(path, format="parquet", partitioning="hive")
-    missing = [f for f in table.schema if f.name not in dataset.schema.names]
+    dataset = ds.dataset(path, format="parquet", partitioning=HIVE)
+    missing = [f for f in table.read_schema if f.name not in dataset.schema.names]
     if missing:     # columns added since the first file was written: null there
-        dataset = ds.dataset(path, format="parquet", partitioning="hive", schema=pa.schema([*dataset.schema, *missing]))
+        dataset = ds.dataset(path, format="parquet", partitioning=HIVE, schema=pa.schema([*dataset.schema, *missing]))
     return dataset.to_table(filter=filter, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
 
 

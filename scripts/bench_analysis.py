@@ -84,7 +84,7 @@ def write(out: Path, processes: int, hours: float, stacks: int, interval: float)
     n = int(hours * 3600 / interval)
     t0 = pd.Timestamp("2026-11-01T00:00:00Z")
     ts = t0 + pd.to_timedelta(np.arange(1, n + 1) * interval, unit="s")
-    w = DatasetWriter(out, "bench")
+    w = DatasetWriter(out, "bench", host="h")
     frames, stack_rows = [], []
     per_file = int(3600 / interval)
     rows = 0
@@ -92,16 +92,16 @@ def write(out: Path, processes: int, hours: float, stacks: int, interval: float)
         sids = [pid * 100 + k for k in range(stacks)]
         data = {sid: series(rng, k % 4 if k < 4 else 3 + k, n, interval) for k, sid in enumerate(sids)}
         for sid in sids:
-            frames.append({"ts": t0, "recording_id": "bench", "host": "h", "stack_id": sid, "depth": 0,
+            frames.append({"ts": t0, "recording_id": "bench", "stack_id": sid, "depth": 0,
                            "function": f"site_{sid}", "module": "libapp.so", "kind": "native"})
-            stack_rows.append({"ts": t0, "recording_id": "bench", "host": "h", "stack_id": sid, "n_frames": 1})
+            stack_rows.append({"ts": t0, "recording_id": "bench", "stack_id": sid, "n_frames": 1})
         for lo in range(0, n, per_file):
             hi = min(n, lo + per_file)
             k = hi - lo
             parts = []
             for sid, (live, churn) in data.items():
                 parts.append(pd.DataFrame({
-                    "ts": ts[lo:hi], "recording_id": "bench", "host": "h", "interval_s": interval, "pid": pid,
+                    "ts": ts[lo:hi], "recording_id": "bench", "interval_s": interval, "pid": pid,
                     "comm": f"svc{pid % 7}", "source": "malloc", "stack_id": sid,
                     "outstanding_bytes": live[lo:hi] * float(T),
                     "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T),
@@ -110,7 +110,7 @@ def write(out: Path, processes: int, hours: float, stacks: int, interval: float)
             rows += len(df)
             w.write(OUTSTANDING, arrow(OUTSTANDING, df), day=ts[lo].date())
             w.write(PROCESSES, arrow(PROCESSES, pd.DataFrame({
-                "ts": ts[lo:hi], "recording_id": "bench", "host": "h", "pid": pid, "comm": f"svc{pid % 7}",
+                "ts": ts[lo:hi], "recording_id": "bench", "pid": pid, "comm": f"svc{pid % 7}",
                 "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval,
                 "memory_limit": 16 << 30})), day=ts[lo].date())
     w.write(FRAMES, arrow(FRAMES, pd.DataFrame(frames)))

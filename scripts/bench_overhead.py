@@ -82,7 +82,7 @@ process's private copy of the text page. So for each probe site (file, offset) t
 bytes at the site through /proc/PID/mem and the same bytes of the mapped file
 (/proc/PID/map_files), and calls the site patched when they differ.
 
-  * attach tiers: DIR/targets/date=*/*.parquet exists (written after attaching), it has an attach
+  * attach tiers: DIR/targets/host=*/date=*/*.parquet exists (written after attaching), it has an attach
     row for the pid, and every site listed as attached in its `probes` (`malloc+0 (emulated,
     session)`: symbol + offset, resolved in the files of its `allocators` column, else the
     target's libc) is patched;
@@ -91,7 +91,7 @@ bytes at the site through /proc/PID/mem and the same bytes of the mapped file
     every site of those probes is patched in the shim's mapping (sites from the shim's
     .note.stapsdt notes; without notes, the entries' offsets in any mapped file that could hold
     them); the shim must be mapped in the target (checked for both preload variants);
-  * rss: DIR/targets/date=*/*.parquet exists;
+  * rss: DIR/targets/host=*/date=*/*.parquet exists;
   * memleak: it printed "Attaching to pid" and the entry of munmap, the last function that it
     attaches, is patched in the target's libc.
   Then the harness waits until the tool has gone quiet (less than --settle-cpu of a CPU over
@@ -935,7 +935,7 @@ class Bench:
                 else:
                     why = "no 'Attaching to pid' line yet"
             else:
-                files = glob.glob(str(rundir / "out" / "targets" / "date=*" / "*.parquet"))
+                files = glob.glob(str(rundir / "out" / "targets" / "host=*" / "date=*" / "*.parquet"))
                 if not files:
                     why = "no targets file yet"
                 elif variant == "rss":

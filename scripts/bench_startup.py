@@ -36,7 +36,7 @@ def start(target: int, cache: Path, out: Path) -> dict[str, float]:
                             "-q", "-i", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
-        while not any((out / "targets").glob("date=*/*.parquet")):
+        while not any((out / "targets").glob("host=*/date=*/*.parquet")):
             if rec.poll() is not None:
                 raise SystemExit(f"recorder exited: {rec.stderr.read()}")
             if time.monotonic() - t0 > 120:

@@ -81,7 +81,7 @@ def run(exe: Path, out: Path, idle: int, busy: int, rate: int, seconds: int) -> 
     rec = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not any((out / "targets").glob("date=*/*.parquet")):
+        while not any((out / "targets").glob("host=*/date=*/*.parquet")):
             if rec.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the recorder did not attach: {rec.stderr.read()}")
             time.sleep(0.2)

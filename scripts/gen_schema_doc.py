@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sampler.dataset.schema import SCHEMA_VERSION, TABLES  # noqa: E402
+from sampler.dataset.schema import PARTITION_COLUMNS, SCHEMA_VERSION, TABLES  # noqa: E402
 
 INTRO = f"""# Dataset schema (version {SCHEMA_VERSION})
 
@@ -18,11 +18,21 @@ INTRO = f"""# Dataset schema (version {SCHEMA_VERSION})
 
 `allocsampler record --out DIR` writes a Hive-partitioned Parquet dataset:
 
-    DIR/<table>/date=YYYY-MM-DD/<recording_id>-<seq>.parquet
+    DIR/<table>/host=<host>/date=YYYY-MM-DD/<recording_id>-<seq>.parquet
 
 - One directory per table; `pandas.read_parquet("DIR/outstanding")`, `pyarrow.dataset.dataset(
-  "DIR/outstanding", partitioning="hive")` and DuckDB's `read_parquet('DIR/outstanding/*/*.parquet',
-  hive_partitioning=true)` read it directly. The partition adds a `date` column (UTC day).
+  "DIR/outstanding", partitioning="hive")` and DuckDB's `read_parquet('DIR/outstanding/*/*/*.parquet',
+  hive_partitioning=true)` read it directly. The partitions add the columns `host` and `date`
+  (below); they are not in the files (the Hive convention: Spark refuses a file column that
+  repeats a partition column).
+- Many hosts' datasets merge by plain copy into one directory or object-store prefix (`cp -r`,
+  `aws s3 sync`, the daemon's `[upload]`): paths differ by host, and recording ids (start time,
+  recorder pid, random suffix) differ between recordings, so no file overwrites another.
+- Datasets of schema 5 and before have no host= level (`DIR/<table>/date=YYYY-MM-DD/...`) and
+  `host` is a file column there; allocsampler reads both layouts, also mixed in one dataset (a
+  host that was upgraded in place). Other engines read a mixed table with
+  `pyarrow.dataset.dataset(path, partitioning=pyarrow.dataset.HivePartitioning.discover(infer_dictionary=True))`
+  or pandas; DuckDB reads each layout's glob on its own (`*/*.parquet`, `*/*/*.parquet`).
 - Files are written under a temporary dot-name and renamed: a reader never sees a partial file,
   and a killed recorder leaves every written file readable (readers skip dot-files; the next
   writer deletes the leftovers).
@@ -50,7 +60,8 @@ print(top[["pid", "outstanding_bytes", "outstanding_stderr_bytes", "summary"]])
 
 
 def render() -> str:
-    parts = [INTRO]
+    parts = [INTRO, "\n## Partition columns (every table)\n\n| column | type | meaning |\n|---|---|---|\n"]
+    parts += [f"| `{c.name}` | {c.type} | {c.doc} |\n" for c in PARTITION_COLUMNS]
     for t in TABLES.values():
         parts.append(f"\n## `{t.name}`\n\n{t.doc}\n\n| column | type | meaning |\n|---|---|---|\n")
         for c in t.columns:

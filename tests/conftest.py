@@ -159,7 +159,7 @@ class Recording:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
-            if any((self.out / "targets").glob("date=*/*.parquet")) and \
+            if any((self.out / "targets").glob("host=*/date=*/*.parquet")) and \
                     (read_table(self.out, "targets")["event"] == "attach").any():
                 return
             time.sleep(0.1)
@@ -169,7 +169,7 @@ class Recording:
         """Until the recording has written `n` interval snapshots (its `recorder` rows' files)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if len(list((self.out / "recorder").glob("date=*/*.parquet"))) >= n:
+            if len(list((self.out / "recorder").glob("host=*/date=*/*.parquet"))) >= n:
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
@@ -180,7 +180,7 @@ class Recording:
         """Wait for an outstanding snapshot file written after the time `after`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if any(p.stat().st_mtime > after for p in (self.out / "recorder").glob("date=*/*.parquet")):
+            if any(p.stat().st_mtime > after for p in (self.out / "recorder").glob("host=*/date=*/*.parquet")):
                 return
             time.sleep(0.1)
         raise AssertionError("no snapshot written in time")

@@ -60,6 +60,22 @@ def test_example_documents_every_key():
             assert f"\n{f.name} = " in text, f.name
     for key in ("name", "regex", "cgroup", "user", "all", "tier", "exclude"):
         assert f"{key} (" in text or f"{key} = " in text, key
+    assert "\n# [upload]\n" in text                 # off by default: documented commented out
+    for f in fields(config.UploadConfig):
+        assert f"\n# {f.name} = " in text, f.name
+
+
+def test_upload_is_off_by_default_and_read(tmp_path):
+    assert config.load(EXAMPLE).upload is None
+    c = load_text(tmp_path, f'[retention]\nmax_bytes = "2G"\n[upload]\nuri = "s3://my-bucket//fleet/"\n'
+                            f'endpoint = "http://127.0.0.1:9000/"\nregion = "eu-west-1"\ninterval_s = 5\n{ONE_TARGET}')
+    u = c.upload
+    assert (u.uri, u.endpoint, u.region, u.interval_s, u.timeout_s, u.retries, u.max_backlog_bytes) == (
+        "s3://my-bucket/fleet", "http://127.0.0.1:9000", "eu-west-1", 5, 300, 3, 1 << 30)   # half of max_bytes
+    d = c.to_dict()
+    assert d["upload"]["max_backlog_bytes"] == "1G" and config.parse(d) == c
+    assert load_text(tmp_path, f'[upload]\nuri = "file:///mnt/nfs/alloc"\n{ONE_TARGET}').upload.uri == \
+        "file:///mnt/nfs/alloc"
 
 
 def test_example_python_target_selects_python_but_not_pip():

@@ -516,9 +516,9 @@ def test_discovery_by_name_and_regex_finalizes_exits(daemon, bins):
 
     data = daemon.data
     assert (data.stat().st_mode & 0o777) == 0o750 and data.stat().st_uid == 0
-    files = list(data.glob("*/date=*/*.parquet"))
+    files = list(data.glob("*/host=*/date=*/*.parquet"))
     assert files and all((f.stat().st_mode & 0o777) == 0o640 and f.stat().st_uid == 0 for f in files)
-    assert all((p.stat().st_mode & 0o777) == 0o750 for p in data.glob("*/date=*"))
+    assert all((p.stat().st_mode & 0o777) == 0o750 for p in data.glob("*/host=*/date=*"))
 
 
 @pytest.mark.bpf
@@ -868,10 +868,10 @@ def test_full_disk_pauses_writing_and_recovers(daemon, tmpfs):
         wait_for(lambda: "writing paused: the file system" in daemon.log(), 30, "the pause")
         wait_for(lambda: metric(daemon.metrics(), "allocsampler_writing_paused") == 1, 10, "writing_paused 1")
         time.sleep(1.5)
-        newest = max(p.stat().st_mtime for p in daemon.data.glob("*/date=*/*.parquet"))
+        newest = max(p.stat().st_mtime for p in daemon.data.glob("*/host=*/date=*/*.parquet"))
         e0 = metric(daemon.metrics(), "allocsampler_last_snapshot_timestamp_seconds")
         time.sleep(4)
-        assert max(p.stat().st_mtime for p in daemon.data.glob("*/date=*/*.parquet")) == newest
+        assert max(p.stat().st_mtime for p in daemon.data.glob("*/host=*/date=*/*.parquet")) == newest
         assert metric(daemon.metrics(), "allocsampler_last_snapshot_timestamp_seconds") > e0   # still recording
         assert daemon.status()["writing"].startswith("paused: the file system")
         assert daemon.log().count("writing paused") == 1
@@ -880,7 +880,7 @@ def test_full_disk_pauses_writing_and_recovers(daemon, tmpfs):
         filler.unlink()
     t0 = time.time()
     wait_for(lambda: "writing resumed" in daemon.log(), 30, "writing to resume")
-    wait_for(lambda: any(p.stat().st_mtime > t0 for p in daemon.data.glob("recorder/date=*/*.parquet")), 15,
+    wait_for(lambda: any(p.stat().st_mtime > t0 for p in daemon.data.glob("recorder/host=*/date=*/*.parquet")), 15,
              "new files")
     assert metric(daemon.metrics(), "allocsampler_writing_paused") == 0
     print(f"\n[full disk] {[ln for ln in daemon.log().splitlines() if 'writing' in ln]}")
@@ -899,16 +899,16 @@ def test_kill9_then_restart_cleans_up_and_keeps_a_tiny_budget(daemon, tmpfs):
     time.sleep(1.3)                                      # mid-interval
     killed_at = time.time()
     daemon.stop(signal.SIGKILL)
-    files = list(data.glob("*/date=*/*.parquet"))
+    files = list(data.glob("*/host=*/date=*/*.parquet"))
     for f in files:
         pq.read_table(f)                                 # every file reads
     last = read_table(data, "recorder")
     last = last[last["recording_id"] == rec_id]["ts"].max().timestamp()
     print(f"\n[kill -9] {len(files)} files read back; last interval written {killed_at - last:.1f} s before the kill")
     assert killed_at - last <= 2 * 2 + 1.5, killed_at - last      # the interval being written, at most
-    part = next(data.glob("recorder/date=*"))
+    part = next(data.glob("recorder/host=*/date=*"))
     (part / ".leftover.parquet.tmp").write_bytes(b"half a file")
-    work = data / ".compact" / f"recorder.{part.name}"
+    work = data / ".compact" / f"recorder.{part.parent.name}.{part.name}"
     work.mkdir(parents=True, exist_ok=True)
     (work / "merged.parquet").write_bytes(b"unpublished")
     # and an hour-old recording of 4 MiB (today's partition: the budget, not the age, removes it)

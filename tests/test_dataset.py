@@ -69,7 +69,7 @@ def test_survives_kill_minus_9(workload, record):
         w.call("churn", 4096, 1024)
     rec.proc.send_signal(signal.SIGKILL)
     rec.proc.wait()
-    files = list(rec.out.glob("*/date=*/*.parquet"))
+    files = list(rec.out.glob("*/host=*/date=*/*.parquet"))
     assert len(files) > 10
     for f in files:                                   # every file reads, none is partial
         pq.read_table(f)
@@ -77,10 +77,10 @@ def test_survives_kill_minus_9(workload, record):
         assert len(pd.read_parquet(rec.out / name)) > 0
     assert w.call("leak_malloc", 1, 64) == 64, "the target was harmed"
     # leftovers of the killed writer are removed by the next one
-    for tmp in rec.out.glob("*/date=*/.*.tmp"):
+    for tmp in rec.out.glob("*/host=*/date=*/.*.tmp"):
         assert tmp.name.startswith(".")
     DatasetWriter(rec.out, "next")
-    assert not list(rec.out.glob("*/date=*/.*.tmp"))
+    assert not list(rec.out.glob("*/host=*/date=*/.*.tmp"))
     rows = pd.read_parquet(rec.out / "recordings")
     assert rows["ended"].isna().all(), "a killed recording has no end time"
 

@@ -226,7 +226,7 @@ def _wait_attached(out: Path, rec: subprocess.Popen, timeout: float = 60) -> Non
     while time.monotonic() < deadline:
         if rec.poll() is not None:
             raise AssertionError(f"recorder exited early: {rec.communicate()}")
-        if any((out / "targets").glob("date=*/*.parquet")):
+        if any((out / "targets").glob("host=*/date=*/*.parquet")):
             t = read_table(out, "targets")
             if (t["event"] == "attach").any():
                 return

@@ -38,6 +38,7 @@ from sampler.service.metrics import (
     ProcessMetrics,
     RecorderHealth,
     StateCollector,
+    UploadHealth,
     render,
 )
 
@@ -245,7 +246,7 @@ def _processes_row(pid: int, comm: str, now: dt.datetime, tracer: GpuTracer, tab
     """A `processes` row as Recorder._process_row builds it: every schema column (the ones these
     tests do not need are null), the GPU ones from GpuTracer.process_columns."""
     row = dict.fromkeys(c.name for c in PROCESSES.columns)
-    row.update(ts=now, recording_id="r1", host="h", pid=pid, comm=comm, rss=5 << 30, tier="attach",
+    row.update(ts=now, recording_id="r1", pid=pid, comm=comm, rss=5 << 30, tier="attach",
                memory_limit=64 << 30, **tracer.process_columns(pid, table))
     assert set(row) == {c.name for c in PROCESSES.columns}
     return row
@@ -312,6 +313,35 @@ def test_empty_state_renders():
     assert series(fams, "allocsampler_live_table_fill_ratio") == {}     # capacity unknown
     assert series(fams, "allocsampler_last_snapshot_timestamp_seconds") == {}
     assert value(fams, "allocsampler_writing_paused") == 0
+
+
+UPLOAD_FAMILIES = {
+    "allocsampler_upload_backlog_files": ("gauge", ()),
+    "allocsampler_upload_backlog_bytes": ("gauge", ()),
+    "allocsampler_upload_backlog_oldest_age_seconds": ("gauge", ()),
+    "allocsampler_upload_files_total": ("counter", ()),
+    "allocsampler_upload_bytes_total": ("counter", ()),
+    "allocsampler_upload_failures_total": ("counter", ()),
+    "allocsampler_upload_lost_files_total": ("counter", ()),
+    "allocsampler_upload_lost_bytes_total": ("counter", ()),
+    "allocsampler_upload_last_success_timestamp_seconds": ("gauge", ()),
+}
+
+
+def test_upload_families_only_with_upload():
+    """Without [upload] the exposition is as before (no upload families, not even empty ones); with
+    it, the backlog, uploads, failures and lost files; unknown values are no sample."""
+    assert not any(n.startswith("allocsampler_upload") for n in parse(render(MetricsState())))
+    state = MetricsState()
+    state.set_upload(UploadHealth(backlog_files=12, backlog_bytes=3 << 20, backlog_oldest_age_seconds=90.5,
+                                  uploaded_files_total=40, uploaded_bytes_total=1 << 30, failures_total=3,
+                                  lost_files_total=2, lost_bytes_total=1 << 20))
+    fams = parse(render(state))
+    assert {n: (f["type"]) for n, f in fams.items() if n.startswith("allocsampler_upload")} == \
+        {n: t for n, (t, _) in UPLOAD_FAMILIES.items()}
+    assert (value(fams, "allocsampler_upload_backlog_files"), value(fams, "allocsampler_upload_failures_total"),
+            value(fams, "allocsampler_upload_lost_bytes_total")) == (12, 3, 1 << 20)
+    assert series(fams, "allocsampler_upload_last_success_timestamp_seconds") == {}
 
 
 def test_special_float_values():

@@ -36,6 +36,7 @@ REC_B = "20240301T000000Z-123456"       # a 6-digit pid: its name must not parse
 # A column whose value is unique per row, to tell rows seen once from rows seen twice.
 UNIQUE = {"outstanding": "outstanding_bytes", "processes": "rss", "stacks": "stack_id", "frames": "offset"}
 COMPACTED = ("outstanding", "processes", "stacks", "frames")
+HOST = "h"
 
 
 class Data:
@@ -50,7 +51,7 @@ class Data:
 
     def recording(self, rec: str, start: dt.datetime, intervals: int, step: dt.timedelta, rows: int = 20,
                   ) -> DatasetWriter:
-        w = DatasetWriter(self.root, rec, **self.modes)
+        w = DatasetWriter(self.root, rec, host=HOST, **self.modes)
         self._put(w.write(RECORDINGS, [{"recording_id": rec, "host": "h", "started": start, "schema_version": 3,
                                         "interval_s": step.total_seconds(), "probe_mode": "session"}],
                           name=rec, day=start.date()), start)
@@ -80,7 +81,7 @@ class Data:
 
     def check_exactly_once(self) -> None:
         """Every visible file reads, and every reader sees each row exactly once."""
-        for f in self.root.glob("*/date=*/*.parquet"):
+        for f in self.root.glob("*/host=*/date=*/*.parquet"):
             pq.read_table(f)
         for t in COMPACTED:
             assert seen(self.root, t) == sorted(self.expected[t]), t
@@ -91,18 +92,18 @@ def seen(root: Path, table: str) -> list:
     see them; they must agree."""
     col = UNIQUE[table]
     path = root / table
-    if not list(path.glob("date=*/*.parquet")):
+    if not list(path.glob("host=*/date=*/*.parquet")):
         return []
     arrow = ds.dataset(path, format="parquet", partitioning="hive").to_table(columns=[col]).column(0).to_pylist()
     ours = read_table(root, table, columns=[col])[col].tolist()
-    duck = [r[0] for r in duckdb.sql(f"SELECT \"{col}\" FROM read_parquet('{path}/*/*.parquet', "
+    duck = [r[0] for r in duckdb.sql(f"SELECT \"{col}\" FROM read_parquet('{path}/*/*/*.parquet', "
                                      "hive_partitioning=true)").fetchall()]
     assert sorted(arrow) == sorted(ours) == sorted(duck), table
     return sorted(arrow)
 
 
 def files(root: Path, table: str) -> list[Path]:
-    return sorted(root.glob(f"{table}/date=*/*.parquet"))
+    return sorted(root.glob(f"{table}/host=*/date=*/*.parquet"))
 
 
 # -- retention ----------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def test_age_deletes_old_partitions_and_keeps_what_live_data_references(tmp_path
     days = {p.parent.name for t in ("outstanding", "processes") for p in files(tmp_path, t)}
     assert days == {f"date={T0.date() + dt.timedelta(days=k)}" for k in range(5, 10)}
     assert r.expired == len(r.deleted) and r.deleted_bytes > 0 and r.over_budget_bytes == 0
-    assert not (tmp_path / "outstanding" / f"date={T0.date()}").exists()     # emptied partitions go
+    assert not (tmp_path / "outstanding" / f"host={HOST}" / f"date={T0.date()}").exists()   # emptied partitions go
     # REC_A still has data: its recording row and its day-0 stacks stay; REC_B's metadata went with its data
     recs = read_table(tmp_path, "recordings")
     assert set(recs["recording_id"].astype(str)) == {REC_A}
@@ -193,7 +194,7 @@ def test_compaction_merges_files_and_readers_see_the_same_rows(tmp_path):
     now = start + 80 * step
     before = frames_of(tmp_path)
     sources = {f.path: f for f in R.dataset_files(tmp_path)}
-    part = tmp_path / "outstanding" / f"date={start.date()}"
+    part = tmp_path / "outstanding" / f"host={HOST}" / f"date={start.date()}"
     (part / "_SUCCESS").write_text("")                  # someone else's file: kept
     (part / ".x.parquet.tmp").write_text("partial")     # a killed writer's: dropped with the old files
     r = R.compact(tmp_path, older_than_s=3 * step.total_seconds(), now=now)
@@ -212,7 +213,7 @@ def test_compaction_merges_files_and_readers_see_the_same_rows(tmp_path):
     assert (part / "_SUCCESS").exists() and not (part / ".x.parquet.tmp").exists()
     for path in (p for t in COMPACTED for p in files(tmp_path, t) if "_" in p.name):
         merged = pq.read_table(path)
-        table = path.parent.parent.name
+        table = path.parent.parent.parent.name
         assert merged.schema.equals(TABLES[table].schema, check_metadata=True)
         rec = R._NAME.fullmatch(path.name)["rec"]
         srcs = [f for f in sources.values() if f.table == table and f.recording == rec and f.path.parent == path.parent
@@ -224,7 +225,7 @@ def test_compaction_merges_files_and_readers_see_the_same_rows(tmp_path):
         assert st.st_mtime == max(f.mtime for f in srcs)            # keeps the age retention goes by
     # nothing more to do; then the merged file takes in the next hour's files
     assert R.compact(tmp_path, 30, now=now).merged == []
-    w = DatasetWriter(tmp_path, REC_A)
+    w = DatasetWriter(tmp_path, REC_A, host=HOST)
     w._seq = {t: 80 for t in COMPACTED}                 # the same recording goes on
     for k in range(80, 90):
         d.interval(w, start + k * step)
@@ -323,7 +324,7 @@ def test_kill_9_during_compaction(tmp_path, point, nth, table):
     assert p.wait(60) == -signal.SIGKILL
     d.check_exactly_once()                      # before any recovery: readers see old or new, not both
     # killed in the partition the comment above says
-    assert [w.name for w in (tmp_path / R.STAGING).iterdir()] == [f"{table}.date={T0.date()}"]
+    assert [w.name for w in (tmp_path / R.STAGING).iterdir()] == [f"{table}.host={HOST}.date={T0.date()}"]
     done = R.recover(tmp_path)
     assert done and all("interrupted compaction" in line for line in done)
     assert not any((tmp_path / R.STAGING).iterdir())
@@ -391,12 +392,12 @@ def test_kill_9_of_a_writer_mid_write_leaves_only_whole_files(tmp_path):
                              stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline() == "written\n"
         deadline = time.time() + 30
-        while not list(tmp_path.glob("*/date=*/.*.tmp")) and time.time() < deadline:
+        while not list(tmp_path.glob("*/host=*/date=*/.*.tmp")) and time.time() < deadline:
             time.sleep(0.005)
         time.sleep(0.05)
         p.send_signal(signal.SIGKILL)
         p.wait(30)
-        temps = list(tmp_path.glob("*/date=*/.*.tmp"))
+        temps = list(tmp_path.glob("*/host=*/date=*/.*.tmp"))
         if temps:
             break
     assert temps, "never killed mid-write"
@@ -405,7 +406,7 @@ def test_kill_9_of_a_writer_mid_write_leaves_only_whole_files(tmp_path):
     assert len(read_table(tmp_path, "outstanding", columns=["stack_id"])) == 1_000_000 * len(visible)
     done = R.recover(tmp_path)
     assert len(done) == len(temps) and all("interrupted write" in line for line in done)
-    assert not list(tmp_path.glob("*/date=*/.*")) and R.recover(tmp_path) == []
+    assert not list(tmp_path.glob("*/host=*/date=*/.*")) and R.recover(tmp_path) == []
 
 
 def test_modes_are_private_whatever_the_umask(tmp_path):
@@ -471,7 +472,7 @@ def test_full_disk_raises_disk_full_and_leaves_no_partial_file(tiny_disk):
     with pytest.raises(DiskFull) as e:
         w.write(OUTSTANDING, incompressible(300_000))   # ~2.4 MB
     assert isinstance(e.value, OSError) and e.value.errno == 28
-    assert not list(tiny_disk.glob("*/date=*/.*")), "partial temporary left"
+    assert not list(tiny_disk.glob("*/host=*/date=*/.*")), "partial temporary left"
     d.check_exactly_once()                              # what was written before still reads
 
     state = R.DiskState(tiny_disk, floor_bytes=256 << 10, resume_bytes=512 << 10)

@@ -163,7 +163,8 @@ def test_writer_is_atomic_and_partitioned(tmp_path):
     row = {c.name: None for c in OUTSTANDING.columns}
     row.update(pid=1, source="malloc", stack_id=5, outstanding_bytes=1.0, recording_id="rec1", host="h")
     path = w.write(OUTSTANDING, [row])
-    assert path.parent.name.startswith("date=") and path.parent.parent.name == "outstanding"
+    assert path.parent.name.startswith("date=") and path.parent.parent.name == "host=unknown"
+    assert path.parent.parent.parent.name == "outstanding"
     (path.parent / ".junk.parquet.tmp").write_bytes(b"partial")       # a killed writer's leftover
     assert len(pd.read_parquet(tmp_path / "outstanding")) == 1        # readers skip dot-files
     DatasetWriter(tmp_path, "rec2")

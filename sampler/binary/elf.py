@@ -313,15 +313,25 @@ class ElfImage:
         self.elf_type = main.elf_type
         self._main = main
         self._debug = debug
-        # Search order for names: debug .symtab, own .symtab, .dynsym.
-        tables = (debug.symtabs() if debug else []) + main.symtabs()
-        self._tables = sorted(tables, key=lambda t: not t.is_symtab)
-        self.has_symtab = any(t.is_symtab for t in self._tables)
+        self._symtabs: list[_SymTab] | None = None       # read when a name is first asked for
         self._index: _FuncIndex | None = None
         self._exports: _ExportIndex | None = None
         self._names: dict[int, list[str]] = {}
         self._plt: dict[int, str] | None = None
         self._digest: str | None = None
+
+    @property
+    def _tables(self) -> list[_SymTab]:
+        """Symbol tables in search order for names: debug .symtab, own .symtab, .dynsym (read on
+        first use: a stack's identity needs the ELF headers only)."""
+        if self._symtabs is None:
+            tables = (self._debug.symtabs() if self._debug else []) + self._main.symtabs()
+            self._symtabs = sorted(tables, key=lambda t: not t.is_symtab)
+        return self._symtabs
+
+    @property
+    def has_symtab(self) -> bool:
+        return any(t.is_symtab for t in self._tables)
 
     def digest(self) -> str:
         """A digest of the whole file (read in chunks, once): two images with equal digests and
@@ -379,6 +389,10 @@ class ElfImage:
         return img
 
     # Addresses
+
+    def loads(self) -> list[tuple[int, int, int]]:
+        """The PT_LOAD segments as (file offset, vaddr, file size)."""
+        return [(seg.offset, seg.vaddr, seg.filesz) for seg in self._main.loads]
 
     def file_offset_to_vaddr(self, off: int) -> int | None:
         for seg in self._main.loads:

@@ -14,6 +14,11 @@
 #ifndef PY_MAX
 #define PY_MAX 96
 #endif
+/* Native frames walked in BPF per sampled event; a deeper stack is copied from there on and
+ * user space goes on (UWS_DEEP). */
+#ifndef UW_FRAMES
+#define UW_FRAMES 64
+#endif
 /* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
  * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */
 #define STACK_CHUNK 1024
@@ -43,10 +48,39 @@ enum ev_source {
 /* FIRST_IS_IP: the captured ip is an instruction pointer (syscalls); otherwise a return address.
  * PY_MISS: a Python target whose thread is not (yet) in `pythreads`.
  * SITE_MODULE: a USDT probe inside the allocator: the stack starts below that module's frames. */
+/* CONT_*: the BPF walk handed over (ev_stack.stop >= UWS_NO_TABLE): sp and bp are the registers
+ * of the last walked pc, the stack is copied from there; its rbp is unknown (BP_UNKNOWN), its pc a
+ * return address (IMPRECISE: look up pc - 1) rather than where execution is. */
 enum ev_flags {
     EVF_FIRST_IS_IP = 1, EVF_SAMPLED = 2, EVF_STACK_ERR = 4, EVF_PY_MISS = 8, EVF_PY_TRUNC = 16,
-    EVF_SITE_MODULE = 32,
+    EVF_SITE_MODULE = 32, EVF_CONT_BP_UNKNOWN = 64, EVF_CONT_IMPRECISE = 128,
 };
+/* Native unwinding in BPF (common.h walk_native): compact rows from the binaries' CFI, built in
+ * user space (sampler/stacks/unwind_rows.py) and loaded per file (sampler/stacks/kernel_tables.py).
+ * A row holds from its pc to the next row's: kind | bp kind << 4, the CFA offset, and the saved
+ * rbp's offset / 8 (UWK_PLT: the threshold of pc & 15 at which 8 is added to the CFA offset).
+ * The return address is always at CFA - 8: any other rule is UWK_UNSUPPORTED. */
+enum uw_kind {
+    UWK_CFA_RSP = 0, UWK_CFA_RBP = 1, UWK_CFA_DEREF_RBP = 2, UWK_SIGNAL = 3, UWK_ENTRY = 4,
+    UWK_UNSUPPORTED = 5, UWK_NO_CFI = 6, UWK_PLT = 7,
+};
+enum uw_bp { UWB_SAME = 0, UWB_CFA = 1, UWB_RBP = 2, UWB_UNKNOWN = 3 };
+/* Why the walk in BPF ended (ev_stack.stop). From UWS_NO_TABLE on, the stack is copied from the
+ * last walked frame and user space goes on from there with the DWARF unwinder. */
+enum uw_stop {
+    UWS_NONE = 0,        /* no walk (no tables for this process): the stack is copied from sp */
+    UWS_ENTRY = 1, UWS_NO_CFI = 2, UWS_BAD_FRAME = 3, UWS_READ = 4,
+    UWS_NO_TABLE = 5,    /* the file's rows are not loaded yet (being built) or do not fit */
+    UWS_NO_MAP = 6,      /* the address is in no mapping known to BPF (JIT code, a dlopen not seen yet) */
+    UWS_SIGNAL = 7, UWS_UNSUPPORTED = 8, UWS_DEEP = 9,
+};
+/* uw_map.row_lo of a file whose rows are not (yet) in uw_rows */
+#define UW_PENDING 0xffffffff
+/* executable mappings per process that BPF knows (sorted by start); rows of one file at most
+ * 2^UW_ROWS_LOG2 (the default size of uw_rows) */
+#define UW_MAPS 256
+#define UW_ROWS_LOG2 23
+
 /* `targets` values: what is recorded for a process besides its allocator probes. */
 enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
 
@@ -126,8 +160,9 @@ struct ev_hdr {
 };
 
 /* A sampled event with its stack: user registers, the Python frames of the thread (npy pairs of
- * u64: code object | entry byte << 56, instruction word), then stack_len bytes copied from sp.
- * Only the used part of `data` is sent. */
+ * u64: code object | entry byte << 56, instruction word), the native pcs walked in BPF (npc u64,
+ * innermost first, the first one ip), then stack_len bytes copied from sp. Only the used part of
+ * `data` is sent. */
 struct ev_stack {
     struct ev_hdr h;
     u64 ip;
@@ -138,9 +173,34 @@ struct ev_stack {
                       * call whose return probe, ours or another tool's, is pending) */
     u16 stack_len;
     u16 npy;
-    u32 pad;
+    u16 npc;         /* native pcs walked in BPF (u64 each, after the Python frames) */
+    u8 stop;         /* uw_stop */
+    u8 pad;
     /* + 2 chunks of slack: the verifier's bounds on `off + n` in copy_stack are loose */
-    u8 data[PY_MAX * 16 + STACK_BYTES + 2 * STACK_CHUNK];
+    u8 data[PY_MAX * 16 + UW_FRAMES * 8 + STACK_BYTES + 2 * STACK_CHUNK];
+};
+
+struct uw_row {
+    u32 pc;          /* vaddr in the file */
+    s16 cfa_off;
+    u8 kind;         /* uw_kind | uw_bp << 4 */
+    u8 bp_off8;      /* an s8: bcc has no ctype for it */
+};
+
+/* One executable mapping of a file: vaddr = address - bias; its rows are uw_rows[row_lo, row_lo + row_n). */
+struct uw_map {
+    u64 start;
+    u64 end;
+    u64 bias;
+    u32 row_lo;      /* UW_PENDING: not loaded */
+    u32 row_n;       /* 0: the file has no CFI (frame pointers only) */
+};
+
+/* A process's mappings are uw_maps[slot * UW_MAPS, + n): looked up by key, not indexed in a map
+ * value, so that the searches' indices need not be tracked exactly by the verifier. */
+struct uw_proc {
+    u32 slot;
+    u32 n;
 };
 
 /* `targets` map values. */

@@ -28,6 +28,10 @@ CK_NULL_SKIP = 0x20000
 # Compile-time parameters' defaults (the loader passes the configured values with -D).
 STACK_BYTES = 16384
 PY_MAX = 96
+UW_FRAMES = 64
+UW_PENDING = 0xFFFFFFFF
+UW_MAPS = 256
+UW_ROWS_LOG2 = 23
 
 
 # -- enums ---------------------------------------------------------------------------------------
@@ -56,6 +60,8 @@ class EvFlag(enum.IntFlag):
     PY_MISS = 8
     PY_TRUNC = 16
     SITE_MODULE = 32
+    CONT_BP_UNKNOWN = 64
+    CONT_IMPRECISE = 128
 
 
 class TargetFlag(enum.IntFlag):
@@ -137,6 +143,37 @@ class UsdtKind(enum.IntEnum):
     UNFREE = 6
 
 
+class UwKind(enum.IntEnum):
+    CFA_RSP = 0
+    CFA_RBP = 1
+    CFA_DEREF_RBP = 2
+    SIGNAL = 3
+    ENTRY = 4
+    UNSUPPORTED = 5
+    NO_CFI = 6
+    PLT = 7
+
+
+class UwBp(enum.IntEnum):
+    SAME = 0
+    CFA = 1
+    RBP = 2
+    UNKNOWN = 3
+
+
+class UwStop(enum.IntEnum):
+    NONE = 0
+    ENTRY = 1
+    NO_CFI = 2
+    BAD_FRAME = 3
+    READ = 4
+    NO_TABLE = 5
+    NO_MAP = 6
+    SIGNAL = 7
+    UNSUPPORTED = 8
+    DEEP = 9            # from NO_TABLE on: handed over to user space with a copy of the stack
+
+
 class CudaConv(enum.IntEnum):
     OUT = 0
     PITCH = 1
@@ -156,6 +193,9 @@ ENUMS: dict[str, tuple[type[enum.Enum], str]] = {
     "usdt_arg_kind": (UsdtArgKind, "USDT_"),
     "usdt_kind": (UsdtKind, "USDT_"),
     "cuda_conv": (CudaConv, "CV_"),
+    "uw_kind": (UwKind, "UWK_"),
+    "uw_bp": (UwBp, "UWB_"),
+    "uw_stop": (UwStop, "UWS_"),
 }
 
 
@@ -206,8 +246,11 @@ EV_HDR = Layout("ev_hdr", [
 ])
 EV_STACK = Layout("ev_stack", [
     ("h", (EV_HDR, 1)), ("ip", "Q"), ("sp", "Q"), ("bp", "Q"), ("ra_slot", "Q"), ("ra", "Q"),
-    ("stack_len", "H"), ("npy", "H"), ("pad", "I"),
+    ("stack_len", "H"), ("npy", "H"), ("npc", "H"), ("stop", "B"), ("pad", "B"),
 ], tail="data")
+UW_ROW = Layout("uw_row", [("pc", "I"), ("cfa_off", "h"), ("kind", "B"), ("bp_off8", "B")])
+UW_MAP = Layout("uw_map", [("start", "Q"), ("end", "Q"), ("bias", "Q"), ("row_lo", "I"), ("row_n", "I")])
+UW_PROC = Layout("uw_proc", [("slot", "I"), ("n", "I")])
 TARGET = Layout("target", [("flags", "I"), ("shift", "i")])
 PY_LAYOUT = Layout("py_layout", [
     ("version", "I"), ("tstate_frame", "H"), ("cframe_frame", "H"), ("frame_code", "H"), ("frame_back", "H"),
@@ -218,4 +261,4 @@ USDT_ARG = Layout("usdt_arg", [
 ])
 USDT_SPEC = Layout("usdt_spec", [("arg", (USDT_ARG, USDT_MAX_ARGS)), ("nargs", "I"), ("kind", "I"), ("fn", "I"),
                                   ("source", "I")])
-LAYOUTS = [EV_HDR, EV_STACK, TARGET, PY_LAYOUT, USDT_ARG, USDT_SPEC]
+LAYOUTS = [EV_HDR, EV_STACK, TARGET, PY_LAYOUT, USDT_ARG, USDT_SPEC, UW_ROW, UW_MAP, UW_PROC]

@@ -19,6 +19,7 @@
  * the maps (sampler/bpf/objcache.py), so they are not compile flags. */
 #define LIVE_MAX 262144
 #define RINGBUF_PAGES 2048
+#define UW_PROCS 1024
 #ifndef VM_EVENTS_PER_S
 #define VM_EVENTS_PER_S 2000
 #endif
@@ -277,7 +278,7 @@ static __always_inline u32 capture_python(struct ev_stack *e, u32 pid, u32 tid)
  * a page that is not resident). Returns the bytes copied, at e->data + off. */
 static __always_inline u32 copy_stack(struct ev_stack *e, u32 off, u64 sp)
 {
-    if (off > PY_MAX * 16)
+    if (off > PY_MAX * 16 + UW_FRAMES * 8)
         return 0;
     u32 pid = e->h.pid;
     u32 *hint = stack_hint.lookup(&pid);
@@ -325,25 +326,225 @@ static __always_inline void uretprobe_slot(struct ev_stack *e, u64 sp)
 #endif
 }
 
+/* Native unwinding in BPF: compact CFI rows per file (uw_rows, shared by every process that maps
+ * the file) and each process's executable mappings (uw_procs), both from user space
+ * (sampler/stacks/kernel_tables.py). The walk follows sampler/stacks/unwind.py rule for rule;
+ * what it cannot follow (a file whose rows are not loaded, code in no known mapping, a signal
+ * frame, an unsupported rule, more than UW_FRAMES frames) is handed over: the stack is copied
+ * from that frame and user space goes on from there. */
+/* BPF_F_MMAPABLE: user space writes a file's rows through a mapping, not an update per row */
+BPF_F_TABLE("array", u32, struct uw_row, uw_rows, 1 << UW_ROWS_LOG2, 1U << 10);
+BPF_HASH(uw_procs, u32, struct uw_proc, UW_PROCS);
+BPF_ARRAY(uw_maps, struct uw_map, UW_PROCS * UW_MAPS);
+
+/* Searches below step through powers of two from the largest down, unrolled: no loop counter
+ * and no bound the verifier could resolve, so its states merge instead of multiplying. Each finds
+ * the last index in [lo, end) whose key is <= the one sought (the first one is checked after). */
+
+/* The mapping holding addr (a process's maps are sorted by start), or 0. */
+static __always_inline struct uw_map *uw_find_map(struct uw_proc *p, u64 addr)
+{
+    u32 n = p->n, lo = p->slot * UW_MAPS;
+    if (n == 0 || n > UW_MAPS)
+        return 0;
+    u32 end = lo + n;
+#pragma unroll
+    for (int b = 7; b >= 0; b--) {           /* UW_MAPS = 2^8 */
+        u32 mid = lo + (1u << b);
+        if (mid < end) {
+            struct uw_map *m = uw_maps.lookup(&mid);
+            if (m && m->start <= addr)
+                lo = mid;
+        }
+    }
+    struct uw_map *m = uw_maps.lookup(&lo);
+    return m && addr >= m->start && addr < m->end ? m : 0;
+}
+
+/* The last row of uw_rows[lo, lo + n) whose pc <= pc, or 0 (n < 2^UW_ROWS_LOG2). */
+static __always_inline struct uw_row *uw_find_row(u32 lo, u32 n, u32 pc)
+{
+    u32 end = lo + n;
+#pragma unroll
+    for (int b = UW_ROWS_LOG2 - 1; b >= 0; b--) {
+        u32 mid = lo + (1u << b);
+        if (mid < end) {
+            struct uw_row *r = uw_rows.lookup(&mid);
+            if (r && r->pc <= pc)
+                lo = mid;
+        }
+    }
+    struct uw_row *r = uw_rows.lookup(&lo);
+    return r && r->pc <= pc ? r : 0;
+}
+
+static __always_inline int read_u64(u64 *v, u64 addr)
+{
+    return bpf_probe_read_user(v, sizeof(*v), (void *)addr);
+}
+
+/* Walks the native stack from (ip, sp, bp) into e->data + off (npc u64); sets e->npc, e->stop and,
+ * when handing over, e->sp/e->bp and the CONT flags. Returns the stack pointer to copy from, or 0
+ * when nothing is to be copied. */
+static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 sp, u64 bp)
+{
+    u32 pid = e->h.pid;
+    struct uw_proc *proc = uw_procs.lookup(&pid);
+    e->npc = 0;
+    e->stop = UWS_NONE;
+    if (!proc)
+        return sp;
+    if (off > PY_MAX * 16)
+        return 0;
+    u64 pc = ip;
+    u8 bp_ok = 1, precise = 1, stop = UWS_DEEP;
+    u32 n = 0;
+    for (u32 i = 0; i < UW_FRAMES; i++) {
+        *(u64 *)(e->data + off + i * 8) = pc;
+        n = i + 1;
+        if (i == UW_FRAMES - 1)
+            break;                          /* UWS_DEEP: user space goes on from this frame */
+        u64 addr = precise ? pc : pc - 1;
+        struct uw_map *m = uw_find_map(proc, addr);
+        if (!m) {
+            stop = UWS_NO_MAP;
+            break;
+        }
+        if (m->row_lo == UW_PENDING) {
+            stop = UWS_NO_TABLE;
+            break;
+        }
+        u8 kind = UWK_NO_CFI, bpk = UWB_UNKNOWN;
+        s64 cfa_off = 0, bp8 = 0;
+        u64 vaddr = addr - m->bias;
+        if (m->row_n && vaddr < (1ULL << 32)) {
+            struct uw_row *r = uw_find_row(m->row_lo, m->row_n, vaddr);
+            if (r) {
+                kind = r->kind & 15;
+                bpk = r->kind >> 4;
+                cfa_off = r->cfa_off;
+                bp8 = (s8)r->bp_off8;
+            }
+        }
+        u64 cfa, ra = 0;
+        if (kind == UWK_ENTRY) {
+            stop = UWS_ENTRY;
+            break;
+        } else if (kind == UWK_NO_CFI) {
+            /* frame pointers, if rbp points at or above sp */
+            u64 saved = 0;
+            if (!bp_ok || bp < sp || read_u64(&saved, bp) || read_u64(&ra, bp + 8)) {
+                stop = UWS_NO_CFI;
+                break;
+            }
+            if (bp + 8 == e->ra_slot)
+                ra = e->ra;
+            if (ra == 0) {
+                stop = UWS_ENTRY;
+                break;
+            }
+            cfa = bp + 16;
+            bp = saved;
+        } else if (kind == UWK_CFA_RSP || kind == UWK_PLT || kind == UWK_CFA_RBP || kind == UWK_CFA_DEREF_RBP) {
+            if (kind == UWK_CFA_RSP) {
+                cfa = sp + cfa_off;
+            } else if (kind == UWK_PLT) {
+                cfa = sp + cfa_off + ((s64)(addr & 15) >= bp8 ? 8 : 0);
+                bpk = UWB_SAME;
+            } else {
+                if (!bp_ok) {
+                    stop = UWS_BAD_FRAME;
+                    break;
+                }
+                cfa = bp + cfa_off;
+                if (kind == UWK_CFA_DEREF_RBP && read_u64(&cfa, cfa)) {
+                    stop = UWS_READ;
+                    break;
+                }
+            }
+            if (cfa <= sp) {
+                stop = UWS_BAD_FRAME;
+                break;
+            }
+            if (read_u64(&ra, cfa - 8)) {
+                stop = UWS_READ;
+                break;
+            }
+            if (cfa - 8 == e->ra_slot)
+                ra = e->ra;
+            if (bpk == UWB_CFA) {
+                bp_ok = !read_u64(&bp, cfa + bp8 * 8);
+            } else if (bpk == UWB_RBP) {
+                bp_ok = bp_ok && !read_u64(&bp, bp + bp8 * 8);
+            } else if (bpk != UWB_SAME) {
+                bp_ok = 0;
+            }
+            if (ra == 0) {
+                stop = UWS_ENTRY;
+                break;
+            }
+        } else {
+            stop = kind == UWK_SIGNAL ? UWS_SIGNAL : UWS_UNSUPPORTED;
+            break;
+        }
+        pc = ra;
+        sp = cfa;
+        precise = 0;
+    }
+    e->npc = n;
+    e->stop = stop;
+#ifdef UW_VERIFY
+    /* tests compare the walk with user space's over a copy from the sample's own registers */
+    return e->sp;
+#endif
+    if (stop < UWS_NO_TABLE)
+        return 0;
+    /* hand over: user space goes on from the last pc with these registers and a copy from sp */
+    e->sp = sp;
+    e->bp = bp;
+    if (!bp_ok)
+        e->h.flags |= EVF_CONT_BP_UNKNOWN;
+    if (!precise)
+        e->h.flags |= EVF_CONT_IMPRECISE;
+    return sp;
+}
+
 /* Fill the stack part of a scratch record; returns the record's length. The header is set. */
+/* A count read back from the record (map memory): the verifier sees an unknown in a range rather
+ * than the constant each path computed it as, so that the states of the code after it merge
+ * across paths (one per Python depth would multiply the walk's states by PY_MAX). */
+static __always_inline u32 reread(u16 *field)
+{
+    asm volatile("" ::: "memory");
+    return *(volatile u16 *)field;
+}
+
 static __always_inline u32 capture_user(struct ev_stack *e, u64 ip, u64 sp, u64 bp)
 {
     uretprobe_slot(e, sp);
     e->ip = ip;
     e->sp = sp;
     e->bp = bp;
-    u32 npy = capture_python(e, e->h.pid, e->h.tid);
+    e->npy = capture_python(e, e->h.pid, e->h.tid);
+    u32 npy = reread(&e->npy);
     if (npy > PY_MAX)
         npy = PY_MAX;
-    u32 n = copy_stack(e, npy * 16, sp);
-    if (!n) {
-        e->h.flags |= EVF_STACK_ERR;
-        count(C_STACK_ERR, 1);
+    u64 from = walk_native(e, npy * 16, ip, sp, bp);
+    u32 npc = reread(&e->npc);
+    if (npc > UW_FRAMES)
+        npc = UW_FRAMES;
+    u32 n = 0;
+    if (from) {
+        n = copy_stack(e, npy * 16 + npc * 8, from);
+        if (!n) {
+            e->h.flags |= EVF_STACK_ERR;
+            count(C_STACK_ERR, 1);
+        }
     }
     e->npy = npy;
     e->stack_len = n;
     e->pad = 0;
-    u32 len = offsetof(struct ev_stack, data) + npy * 16 + n;
+    u32 len = offsetof(struct ev_stack, data) + npy * 16 + npc * 8 + n;
     return len > sizeof(*e) ? sizeof(*e) : len;
 }
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
-from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, Counter, Fn, TargetFlag
+from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
 from sampler.errors import EnvironmentProblem
@@ -52,6 +52,11 @@ class ProbeConfig:
     mode: str = "auto"            # auto | session | perf
     vm_events_per_s: int = 2000   # unsampled syscall records per process and ~1 s window (0: all)
     cache_dir: Path | None = None  # compiled programs kept across runs (sampler/bpf/objcache.py)
+    # native unwinding in BPF (sampler/stacks/kernel_tables.py): rows of all loaded files (8 bytes
+    # each; libtorch_cpu has ~2.6M) and processes walked in BPF (8 KiB of uw_maps each)
+    unwind_rows: int = 8 << 20
+    unwind_procs: int = 512
+    verify_unwind: bool = False   # tests: also copy every stack from the sample's registers
 
 
 @dataclass
@@ -96,6 +101,8 @@ def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
     ]
     if _exit_has_group_dead():
         cflags.append("-DEXIT_HAS_GROUP_DEAD")
+    if cfg.verify_unwind:
+        cflags.append("-DUW_VERIFY")
     cflags += _uretprobe_flags()
     return text, cflags
 
@@ -108,7 +115,8 @@ class BpfProbes:
         page = os.sysconf("SC_PAGE_SIZE")
         pages = max(1, cfg.ringbuf_bytes // page)
         pages = 1 << (pages.bit_length() - 1)          # ring buffers are a power of two
-        sizes = {"live": cfg.live_max, "events": pages * page}
+        sizes = {"live": cfg.live_max, "events": pages * page, "uw_rows": cfg.unwind_rows,
+                 "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
         self._attached: dict[int, _Attachment] = {}
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._usdt_ids: dict[bytes, int] = {}

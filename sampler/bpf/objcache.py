@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import resource
 from collections.abc import Callable, Iterator
@@ -244,7 +245,7 @@ class BpfObject:
                 except OSError as e:
                     raise OSError(e.errno, f"creating BPF map {m.name}: {e.strerror}") from None
                 self._fds.append(fd)
-                self._maps[m.name] = Map(m, fd, self._ncpus)
+                self._maps[m.name] = Map(m, fd, self._ncpus, size)
         except BaseException:
             self.close()
             raise
@@ -354,10 +355,11 @@ class Map:
     maps: Leaf is one value per possible CPU, sLeaf one value), item get/set/delete (KeyError
     when absent), iteration over keys, items()."""
 
-    def __init__(self, spec: MapSpec, fd: int, ncpus: int):
+    def __init__(self, spec: MapSpec, fd: int, ncpus: int, max_entries: int):
         from bcc import BPF
 
         self.name, self.fd = spec.name, fd
+        self.max_entries = max_entries
         self.Key = BPF._decode_table_type(json.loads(spec.key_desc))
         leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
         self.percpu = spec.type in (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
@@ -394,6 +396,32 @@ class Map:
 
     def __delitem__(self, key) -> None:
         self._op(sc.MAP_DELETE_ELEM, key)
+
+    def update_batch(self, keys: bytes | bytearray | memoryview, values: bytes | bytearray | memoryview,
+                     count: int) -> None:
+        """Set `count` elements in one call: `keys` and `values` are the packed keys and values."""
+        if len(keys) < count * self._key_size or len(values) < count * self._value_bytes:
+            raise TypeError(f"map {self.name}: {count} elements need more key or value bytes")
+        kbuf = (ctypes.c_char * len(keys)).from_buffer_copy(keys)
+        vbuf = (ctypes.c_char * len(values)).from_buffer_copy(values)
+        attr = sc.BatchAttr(keys=ctypes.addressof(kbuf), values=ctypes.addressof(vbuf), count=count, map_fd=self.fd)
+        try:
+            sc.bpf(sc.MAP_UPDATE_BATCH, attr)
+        except OSError as e:
+            raise OSError(e.errno, f"map {self.name}: {e.strerror}") from None
+
+    def write_array(self, first: int, data: bytes | memoryview) -> None:
+        """Write elements first, first + 1, ... of an array map created BPF_F_MMAPABLE through a
+        shared mapping of it, unmapped after (its pages leave this process's RSS)."""
+        size = self.max_entries * self._value_bytes
+        start, end = first * self._value_bytes, first * self._value_bytes + len(data)
+        if first < 0 or end > size or len(data) % self._value_bytes:
+            raise ValueError(f"map {self.name}: elements {first}.. do not fit")
+        page = mmap.PAGESIZE
+        lo = start // page * page
+        with mmap.mmap(self.fd, -(-end // page) * page - lo, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                       offset=lo) as m:
+            m[start - lo:end - lo] = data
 
     def put(self, key, leaf) -> None:
         """Set `key` to `leaf`; None deletes it (absent or not)."""

@@ -8,6 +8,7 @@ import os
 import platform
 
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY, PROG_LOAD = range(6)
+MAP_UPDATE_BATCH = 26
 LINK_CREATE = 28
 OBJ_NAME_LEN = 16
 
@@ -44,6 +45,19 @@ class ElemAttr(ctypes.Structure):
         ("_pad", ctypes.c_uint32),
         ("key", ctypes.c_uint64),
         ("value", ctypes.c_uint64),     # next_key for MAP_GET_NEXT_KEY
+        ("flags", ctypes.c_uint64),
+    ]
+
+
+class BatchAttr(ctypes.Structure):
+    _fields_ = [
+        ("in_batch", ctypes.c_uint64),
+        ("out_batch", ctypes.c_uint64),
+        ("keys", ctypes.c_uint64),
+        ("values", ctypes.c_uint64),
+        ("count", ctypes.c_uint32),
+        ("map_fd", ctypes.c_uint32),
+        ("elem_flags", ctypes.c_uint64),
         ("flags", ctypes.c_uint64),
     ]
 

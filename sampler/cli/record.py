@@ -43,7 +43,11 @@ def prepare_parser(r: argparse.ArgumentParser) -> None:
     r.add_argument("--live-max", type=int, default=262144, help="capacity of the sampled-live table")
     r.add_argument("--max-frames", type=int, default=127, help="native frames unwound per stack (<= 512)")
     r.add_argument("--stack-bytes", type=size, default=16 << 10, metavar="SIZE",
-                   help="user stack copied per sample for unwinding, 1K..24K in steps of 1K (default: 16K)")
+                   help="user stack copied per sample where the walk in BPF hands over to user space, "
+                        "1K..24K in steps of 1K (default: 16K)")
+    r.add_argument("--unwind", choices=("bpf", "user"), default="bpf",
+                   help="bpf (default): walk native stacks in BPF from compact CFI tables, a few hundred "
+                        "bytes per sample; user: copy the stack and unwind it in the recorder (as before)")
     r.add_argument("--no-python", dest="python", action="store_false",
                    help="do not read Python frames of CPython targets")
     r.add_argument("--interpreter-frames", action="store_true",
@@ -125,7 +129,7 @@ def options(args: argparse.Namespace):
         syscalls_only=args.syscalls_only, probe_mode=args.probe_mode, attach_mode=args.attach_mode,
         python_objects=args.python_objects,
         live_max=args.live_max,
-        max_frames=args.max_frames, stack_bytes=args.stack_bytes, python=args.python,
+        max_frames=args.max_frames, stack_bytes=args.stack_bytes, unwind=args.unwind, python=args.python,
         interpreter_frames=args.interpreter_frames, rss=args.rss, fault_period=args.fault_period,
         cgroups=args.cgroup, all_processes=args.all_processes, preload=args.preload,
         cpu_budget=args.cpu_budget / 100, probe_cost_ns=args.probe_cost, quiet=args.quiet,

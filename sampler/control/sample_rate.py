@@ -4,8 +4,10 @@ A process whose samples come faster than `cap` per second (an mmap storm, a loop
 allocations, a tiny --sample-bytes) would make the recorder fall behind and lose events for
 every process. Its mean is raised by the power of two that brings its rate to at most cap/2,
 and lowered one step at a time once the rate is at most cap/4 (the preload shim's rule,
-sampler/inprocess/preload.c). The pre-OOM capture lowers the mean below the compiled one for
-a window (`lower`), the cap still applying.
+sampler/inprocess/preload.c). A recorder over its own CPU budget halves the cap (`squeeze`),
+down to MIN_CAP, before it lets events drop; it doubles back (`relax`) once under budget again.
+The pre-OOM capture lowers the mean below the compiled one for a window (`lower`), the cap still
+applying.
 
 Weights need no correction: sampler/bpf/common.h sample_bytes computes each sample's weight with the
 mean in force for that allocation, and the shared countdown is memoryless, so every sum of
@@ -33,11 +35,34 @@ class _State:
     why: str = ""                      # of the last change
 
 
+MIN_CAP = 50.0                         # samples/s per process the CPU budget never goes below
+
+
 class SampleRate:
     def __init__(self, cap_per_s: float, window_s: float = 0.25):
         self.cap = cap_per_s           # 0: no cap
+        self.configured = cap_per_s
         self.window_s = window_s
         self.states: dict[int, _State] = {}
+        self.squeezed_why = ""         # why the cap is below the configured one
+
+    def squeeze(self, why: str) -> bool:
+        """The recorder is over its CPU budget: halve the cap (the busiest processes' means rise
+        first). False when it is at its floor already (only then may events be dropped)."""
+        if self.configured <= 0 or self.cap <= MIN_CAP:
+            return False
+        self.cap = max(MIN_CAP, self.cap / 2)
+        self.squeezed_why = why
+        return True
+
+    def relax(self) -> bool:
+        """Back within the budget with room to spare: double the cap, up to the configured one."""
+        if self.cap >= self.configured:
+            return False
+        self.cap = min(self.configured, self.cap * 2)
+        if self.cap >= self.configured:
+            self.squeezed_why = ""
+        return True
 
     def add(self, pid: int, now: float, samples: int = 0) -> None:
         self.states[pid] = _State(now, samples)
@@ -79,6 +104,8 @@ class SampleRate:
         if self.cap > 0 and rate > self.cap:
             shift += math.ceil(math.log2(rate / (self.cap / 2)))
             why += f", over the cap of {self.cap:g}"
+            if self.squeezed_why:
+                why += f" (lowered from {self.configured:g}: {self.squeezed_why})"
         elif (self.cap <= 0 or rate <= self.cap / 4) and shift > st.floor:
             shift -= 1
         if shift < st.floor:

@@ -4,12 +4,16 @@ The daemon calls these from its loop (nothing here starts a thread):
 
 - `recover(root)` once at start: removes what a kill -9 left behind.
 - `enforce(root, max_bytes, max_age_days)` periodically: deletes the oldest data first.
-- `compact(root, older_than_s)` hourly: merges the small per-interval files of each partition.
+- `compact(root, older_than_s)` hourly: merges the small per-interval files of each partition
+  (`seal=True` with [upload]: merged files are final, sealed ones are what is uploaded).
 - `DiskState`: stop writing below a free-space floor, resume when space is back.
 - `ensure_private(root)`: 0750 directories, 0640 files, owned by root.
 
+Both layouts of sampler.dataset.layout are handled, also mixed in one dataset.
+
 Compaction is atomic for readers that know nothing of it (pandas, pyarrow, DuckDB). The merged
-files are written in a work area, ROOT/.compact/<table>.date=<day>/, beside hard links of the
+files are written in a work area, ROOT/.compact/<table>.host=<host>.date=<day>/ (schema <= 5:
+<table>.date=<day>), beside hard links of the
 partition's other files; that directory and the partition are then swapped by one
 renameat2(RENAME_EXCHANGE). A reader lists either the old set of files or the new one, never a
 merged file beside its sources, and a crash at any point leaves one of the two sets visible.
@@ -32,7 +36,7 @@ import re
 import stat
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sampler import files
+from sampler.dataset import layout
 from sampler.dataset.schema import TABLES
 from sampler.dataset.writer import (
     LOCK_FILE,
@@ -60,7 +65,7 @@ __all__ = ["CompactionReport", "DataFile", "DiskFull", "DiskState", "RetentionRe
 STAGING = ".compact"
 STATUS_FILE = ".status.json"    # the daemon's (sampler.service.daemon)
 # What a dataset directory holds: a directory with anything else is not taken for one.
-KNOWN_NAMES = frozenset({*TABLES, STAGING, STATUS_FILE, LOCK_FILE, MARKER_FILE})
+KNOWN_NAMES = frozenset({*TABLES, STAGING, STATUS_FILE, LOCK_FILE, MARKER_FILE, layout.UPLOAD_DIR})
 # Written once per recording or per stack and referenced by later rows of any age: kept as long
 # as their recording has data (a leak's stack was first seen on its first day).
 METADATA_TABLES = frozenset({"recordings", "stacks", "frames"})
@@ -70,7 +75,6 @@ ROW_GROUP_ROWS = 1 << 16        # rows buffered (and sorted by ts) per row group
 _HIDDEN = (".", "_")            # what pyarrow.dataset (hence pandas) skips
 # DatasetWriter's <recording_id>-<seq>.parquet, or a merged <recording_id>-<first>_<last>.parquet
 _NAME = re.compile(r"(?P<rec>.+)-(?P<first>\d+)(?:_(?P<last>\d+))?\.parquet")
-_PARTITION = re.compile(r"date=(\d{4}-\d{2}-\d{2})")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -91,6 +95,10 @@ class DataFile:
     recording: str | None       # from the name; None when the name is not ours
     first: int | None = None    # sequence numbers it holds (DatasetWriter's per-table counter)
     last: int | None = None
+    merged: bool = False        # written by compaction (<recording>-<first>_<last>.parquet)
+    host: str | None = None     # its host= partition; None in the layout of schema <= 5
+    mtime_ns: int = 0
+    size: int = 0               # bytes (disk_bytes is the disk usage)
 
     def age_key(self) -> tuple:
         return self.day, self.mtime, str(self.path)
@@ -127,42 +135,35 @@ def _usage(st: os.stat_result) -> int:
     return max(st.st_size, st.st_blocks * 512)
 
 
-def _subdirs(path: Path) -> list[Path]:
-    try:
-        entries = list(os.scandir(path))
-    except FileNotFoundError:
-        return []
-    return sorted(Path(e.path) for e in entries
-                  if not e.name.startswith(_HIDDEN) and e.is_dir(follow_symlinks=False))
-
-
 def dataset_files(root: str | os.PathLike) -> list[DataFile]:
-    """The visible Parquet files of every table: what readers see."""
+    """The visible Parquet files of every table, in both layouts (sampler.dataset.layout): what
+    readers see."""
     out = []
-    for tdir in _subdirs(Path(root)):
-        for pdir in _subdirs(tdir):
-            m = _PARTITION.fullmatch(pdir.name)
-            try:
-                day = dt.date.fromisoformat(m.group(1)) if m else None
-                entries = list(os.scandir(pdir)) if day else []
-            except (ValueError, FileNotFoundError):
+    for part in layout.partitions(root):
+        if part.day is None:
+            continue
+        try:
+            entries = list(os.scandir(part.path))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if e.name.startswith(_HIDDEN) or not e.name.endswith(".parquet"):
                 continue
-            for e in entries:
-                if e.name.startswith(_HIDDEN) or not e.name.endswith(".parquet"):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                f = DataFile(Path(e.path), tdir.name, day, _usage(st), st.st_mtime, None)
-                if tdir.name == "recordings":
-                    f.recording = e.name[: -len(".parquet")]
-                elif n := _NAME.fullmatch(e.name):
-                    f.recording, f.first = n["rec"], int(n["first"])
-                    f.last = int(n["last"] or n["first"])
-                out.append(f)
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            f = DataFile(Path(e.path), part.table, part.day, _usage(st), st.st_mtime, None, host=part.host,
+                         mtime_ns=st.st_mtime_ns, size=st.st_size)
+            if part.table == "recordings":
+                f.recording = e.name[: -len(".parquet")]
+            elif n := _NAME.fullmatch(e.name):
+                f.recording, f.first = n["rec"], int(n["first"])
+                f.last = int(n["last"] or n["first"])
+                f.merged = n["last"] is not None
+            out.append(f)
     return out
 
 
@@ -197,7 +198,9 @@ def _day_end(day: dt.date) -> float:
 
 def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float | None,
             now: float | dt.datetime | None = None, *, keep_recent_s: float = 60.0,
-            keep_recordings: Collection[str] = ()) -> RetentionReport:
+            keep_recordings: Collection[str] = (),
+            backlog: Callable[[list[DataFile]], tuple[Collection[Path], Collection[Path]]] | None = None,
+            ) -> RetentionReport:
     """Delete data past `max_age_days` (whole day partitions: a day goes when its last moment is
     that old), then the oldest files (by day, then modification time) until the dataset's disk
     usage fits `max_bytes`. None disables a limit.
@@ -206,8 +209,10 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
     so the latest snapshot survives any budget), and the `recordings`/`stacks`/`frames` files of
     a recording that still has data files or is in `keep_recordings` (the daemon passes its own:
     its recording row and stacks are written once and referenced by every later interval). Those
-    of a recording whose data is all gone are deleted with its last data file. What these leave
-    over the budget is reported in `over_budget_bytes`."""
+    of a recording whose data is all gone are deleted with its last data file. `backlog` (the
+    daemon with [upload], sampler.service.upload) is given the listing and returns the files to
+    keep (not uploaded yet, within its cap) and those to delete first (not uploaded, over the
+    cap). What these leave over the budget is reported in `over_budget_bytes`."""
     root = Path(root)
     now_s = _epoch(now)
     report = RetentionReport()
@@ -222,6 +227,8 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
         recs = {id(f): _recordings_in(f) for f in data}
         live = Counter(r for f in data for r in recs[id(f)])
         keep = set(keep_recordings)
+        protected, dropped = backlog(files) if backlog is not None else ((), ())
+        protected, dropped = set(protected), set(dropped)
         total = dataset_bytes(root)
 
         def delete(f: DataFile) -> None:
@@ -238,7 +245,8 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
             nonlocal meta
             kept = []
             for f, rs in meta:
-                if now_s - f.mtime >= keep_recent_s and not any(live[r] or r in keep for r in rs):
+                if now_s - f.mtime >= keep_recent_s and f.path not in protected \
+                        and not any(live[r] or r in keep for r in rs):
                     delete(f)
                 else:
                     kept.append((f, rs))
@@ -250,10 +258,10 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
             if any(live[r] <= 0 for r in recs[id(f)]):
                 drop_dead_metadata()
 
-        deletable = [f for f in data if now_s - f.mtime >= keep_recent_s]
+        deletable = [f for f in data if now_s - f.mtime >= keep_recent_s and f.path not in protected]
         remaining = []
         for f in deletable:
-            if cutoff is not None and _day_end(f.day) <= cutoff:
+            if f.path in dropped or (cutoff is not None and _day_end(f.day) <= cutoff):
                 drop_data(f)
             else:
                 remaining.append(f)
@@ -265,6 +273,8 @@ def enforce(root: str | os.PathLike, max_bytes: int | None, max_age_days: float 
         for d in touched:               # empty partitions go too (a writer re-creates its own)
             with contextlib.suppress(OSError):
                 d.rmdir()
+                if d.parent.name.startswith(layout.HOST_PREFIX):
+                    d.parent.rmdir()
     report.total_bytes = dataset_bytes(root)
     if max_bytes is not None:
         report.over_budget_bytes = max(0, report.total_bytes - max_bytes)
@@ -314,10 +324,11 @@ def _schema(f: DataFile) -> pa.Schema | None:
         return None
 
 
-def _bins(files: list[DataFile], candidates: set[Path], target_bytes: int) -> list[_Bin]:
+def _bins(files: list[DataFile], candidates: set[Path], target_bytes: int, *, singles: bool = False) -> list[_Bin]:
     """Runs of consecutive candidate files of one recording with one schema, up to target_bytes.
     A run stops at a file that is not a candidate, so that a merged file's name range never
-    straddles another file and names keep sorting in time order."""
+    straddles another file and names keep sorting in time order. Runs of one file are left
+    alone unless `singles` (sealing: the file is renamed)."""
     by_rec: dict[str, list[DataFile]] = defaultdict(list)
     for f in files:
         if f.first is not None:
@@ -336,7 +347,7 @@ def _bins(files: list[DataFile], candidates: set[Path], target_bytes: int) -> li
             if schema is not None:
                 runs[-1].append((f, schema))
                 size += f.disk_bytes
-        bins += [_Bin([f for f, _ in run], run[0][1]) for run in runs if len(run) > 1]
+        bins += [_Bin([f for f, _ in run], run[0][1]) for run in runs if len(run) > (0 if singles else 1)]
     return bins
 
 
@@ -348,7 +359,11 @@ def _write_rows(w: pq.ParquetWriter, tables: list[pa.Table]) -> None:
 
 
 def _merge(b: _Bin, out: Path) -> int:
-    """Write the rows of b's sources, in order, as `out` (in the work area); returns its size."""
+    """Write the rows of b's sources, in order, as `out` (in the work area); returns its size.
+    One source is linked under the new name: the same bytes, mode and modification time."""
+    if len(b.sources) == 1:
+        os.link(b.sources[0].path, out, follow_symlinks=False)
+        return _usage(os.stat(out))
     tmp = out.with_name(f".{out.name}.tmp")
     first = os.stat(b.sources[0].path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -400,7 +415,7 @@ def _remove_tree(path: Path) -> bool:
 
 
 def _compact_partition(root: Path, live: Path, bins: list[_Bin], report: CompactionReport) -> None:
-    work = root / STAGING / f"{live.parent.name}.{live.name}"
+    work = root / STAGING / ".".join(live.relative_to(root).parts)
     files.subdir(root, STAGING, 0o700)     # a link there is refused, not written through
     _remove_tree(work)
     work.mkdir(mode=0o700)
@@ -444,12 +459,17 @@ def _compact_partition(root: Path, live: Path, bins: list[_Bin], report: Compact
 
 
 def compact(root: str | os.PathLike, older_than_s: float, target_bytes: int = 64 << 20,
-            now: float | dt.datetime | None = None) -> CompactionReport:
+            now: float | dt.datetime | None = None, *, seal: bool = False) -> CompactionReport:
     """Merge, per table and day partition, the files of each recording older than
     `older_than_s` into files of up to about `target_bytes` (files that size or larger are left
     alone). Schema (metadata included), rows, their order by ts and the files' modification
     times (retention's age) are kept. Raises DiskFull when there is no room for a merged file
-    (nothing changes then); the merge needs free space for one partition's merged files."""
+    (nothing changes then); the merge needs free space for one partition's merged files.
+
+    `seal` (the daemon with an [upload] section): merged files are final, never merged again,
+    and every file older than `older_than_s` goes into one, alone if need be (a link under the
+    merged name) and whatever its size: a merged name then means a closed file, which is what
+    is uploaded (sampler.dataset.upload), so that no row reaches the store in two objects."""
     root = Path(root)
     now_s = _epoch(now)
     t0 = time.monotonic()
@@ -459,9 +479,13 @@ def compact(root: str | os.PathLike, older_than_s: float, target_bytes: int = 64
         if f.table not in NOT_COMPACTED:
             by_part[f.path.parent].append(f)
     for live, part in sorted(by_part.items()):
-        candidates = {f.path for f in part
-                      if f.first is not None and f.disk_bytes < target_bytes and now_s - f.mtime >= older_than_s}
-        bins = _bins(part, candidates, target_bytes)
+        if seal:
+            candidates = {f.path for f in part if f.first is not None and not f.merged
+                          and now_s - f.mtime >= older_than_s}
+        else:
+            candidates = {f.path for f in part if f.first is not None and f.disk_bytes < target_bytes
+                          and now_s - f.mtime >= older_than_s}
+        bins = _bins(part, candidates, target_bytes, singles=seal)
         if not bins:
             continue
         try:

@@ -26,7 +26,7 @@ from sampler.dataset.sources import (  # noqa: F401  (re-exported)
     TORCH,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # History: 2 - stacks come from DWARF unwinding merged with Python frames: `frames.kind` has
 #   `python` rows (file, line; offset null), `stacks.truncated` means "the walk did not reach the
 #   thread's entry", new columns stacks.unwind_stop/python_frames and recorder stack counters.
@@ -49,6 +49,16 @@ SCHEMA_VERSION = 5
 #   after its own teardown (rows written at its exit), which readers keep apart from its running state;
 #   frames.function of an address no symbol covers may be `export+0xOFF` (the nearest exported
 #   function of a stripped library), where it was null.
+# 6 - fleet layout: files are under <table>/host=<host>/date=<day>/ (was <table>/date=<day>/, which
+#   readers still accept); `host` is a partition column like `date`, no longer in the files (Hive
+#   convention: Spark refuses a file column that repeats a partition column, and pyarrow a type
+#   that differs), with the host name as its key has it (characters other than [A-Za-z0-9._-]
+#   replaced by `_`); recording ids end in a random suffix (unique across hosts that share a
+#   name); targets.exe_build_id, exe_package, exe_version on `attach` and `exec` rows.
+#   Native stacks walked in BPF: recorder.stacks_in_bpf/stacks_handed_over/unwind_worker_cpu_s/
+#   unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`; stack ids no longer
+#   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
+#   version 5's; diff matches stacks by names, not ids).
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -69,9 +79,16 @@ class Table:
 
     @property
     def schema(self) -> pa.Schema:
+        """The files' schema."""
         return pa.schema([pa.field(c.name, c.type) for c in self.columns],
                          metadata={b"allocsampler.schema_version": str(SCHEMA_VERSION).encode(),
                                    b"allocsampler.table": self.name.encode()})
+
+    @property
+    def read_schema(self) -> pa.Schema:
+        """What a reader of the table sees: the files' columns and `host` (a partition column
+        since schema 6, a file column before)."""
+        return self.schema.append(pa.field(HOST.name, HOST.type))
 
 
 def int64(v: int | None) -> int | None:
@@ -95,8 +112,15 @@ def _common(ts_doc: str) -> tuple[Column, ...]:
     return (
         Column("ts", TS, ts_doc),
         Column("recording_id", STR, "Recording that wrote the row (see `recordings`)."),
-        Column("host", STR, "Host name, so that datasets of many hosts can be merged."),
     )
+
+
+# Partition columns: in the paths (<table>/host=<host>/date=<day>/), not in the files.
+HOST = Column("host", STR, "Host name as its partition directory has it (sampler.dataset.layout.host_key: "
+                           "characters other than `[A-Za-z0-9._-]` replaced by `_`). A file column in "
+                           "schema <= 5, whose datasets have no host= directories.")
+DATE = Column("date", STR, "UTC day of the rows (`YYYY-MM-DD`; `recordings`: the day the recording started).")
+PARTITION_COLUMNS = (HOST, DATE)
 
 
 OUTSTANDING = Table(
@@ -149,7 +173,8 @@ OUTSTANDING = Table(
 STACKS = Table(
     "stacks",
     "One row per distinct stack, written once when the stack is first seen. `stack_id` is a hash "
-    "of the frames' (build-id or path, offset), so it is the same across processes and runs of "
+    "of the frames' (build-id or path, offset) (Python frames: file, function, line; a native "
+    "frame's inlined calls are not hashed again), so it is the same across processes and runs of "
     "the same binaries.",
     (
         *_common("When the stack was first seen."),
@@ -162,7 +187,8 @@ STACKS = Table(
                                        "`function (file:line)`) joined by ` < `."),
         Column("unwind_stop", STR, "Why the native walk ended: `entry` (thread entry reached), `stack_end` "
                                    "(beyond the copied stack: raise `--stack-bytes`), `no_cfi` (code without "
-                                   "unwind info or frame pointer), `bad_frame`, `max_frames`, `no_stack`."),
+                                   "unwind info or frame pointer), `bad_frame`, `unreadable` (stack memory "
+                                   "BPF could not read), `max_frames`, `no_stack`."),
         Column("python_frames", pa.int16(), "Number of Python frames in the stack."),
     ),
 )
@@ -271,6 +297,11 @@ PROCESSES = Table(
                                                    "fraction of one CPU (hits x the calibrated cost per hit, which "
                                                    "grows with the other targets probed on the same "
                                                    "library: each hit runs their links too)."),
+        Column("recorder_cpu_s", pa.float64(), "The recorder's own time spent on this process in the interval, "
+                                               "seconds: decoding, unwinding and accounting its events, and "
+                                               "measuring it at the snapshot (timed per event). Work that all "
+                                               "processes share (reading the ring buffer, writing files, building "
+                                               "unwind tables in the table worker) is only in `recorder.cpu_s`."),
         Column("gpu_used_bytes", pa.int64(), "GPU memory the driver (NVML) says the process uses, summed over "
                                              "devices; null without NVML or for a process without CUDA."),
         Column("gpu_reserved_bytes", pa.float64(), "Outstanding device memory from the traced CUDA calls: the "
@@ -332,6 +363,12 @@ TARGETS = Table(
                              "detail raised for a window, snapshot taken)."),
         Column("comm", STR, "Process name."),
         Column("exe", pa.string(), "Executable path."),
+        Column("exe_build_id", pa.string(), "`attach`, `exec`: GNU build-id (hex) of the executable the process "
+                                            "runs, null when it has none or could not be read."),
+        Column("exe_package", STR, "`attach`, `exec`: the distribution package that installed the executable "
+                                   "(Debian: dpkg's database), null when none did (a virtualenv's copy, a "
+                                   "build of your own, a container's file) or the distribution is not known."),
+        Column("exe_version", STR, "`attach`, `exec`: that package's installed version, null without a package."),
         Column("cmdline", pa.string(), "Command line, space-joined."),
         Column("ppid", pa.int32(), "Parent pid."),
         Column("allocators", pa.list_(pa.string()), "Probed allocator libraries as `family:path`."),
@@ -364,6 +401,14 @@ RECORDER = Table(
                                                    "have native frames only; the thread list is re-read)."),
         Column("stacks_unwound", pa.int64(), "Sampled stacks unwound in the interval."),
         Column("stacks_complete", pa.int64(), "Of those, the ones whose walk reached the thread's entry."),
+        Column("stacks_in_bpf", pa.int64(), "Sampled stacks whose native walk ended in BPF (compact unwind "
+                                            "rows: the record carries pcs, not a stack copy)."),
+        Column("stacks_handed_over", pa.int64(), "Sampled stacks that BPF handed over to user space with a copy "
+                                                 "of the stack from the frame where it stopped (a file whose rows "
+                                                 "were being built, code in no known mapping, a signal frame)."),
+        Column("unwind_worker_cpu_s", pa.float64(), "CPU time of the table worker in the interval (building "
+                                                    "files' unwind rows, once per file and host; not in `cpu_s`)."),
+        Column("unwind_rows", pa.int64(), "Unwind rows loaded into BPF at the end of the interval (8 bytes each)."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),
         Column("vm_events_suppressed", pa.int64(), "Unsampled syscall events that BPF did not send in the "
@@ -377,8 +422,7 @@ RECORDINGS = Table(
     "recordings",
     "One row per recording (rewritten when it ends).",
     (
-        Column("recording_id", STR, "Unique id: start time and pid of the recorder."),
-        Column("host", STR, "Host name."),
+        Column("recording_id", STR, "Unique id: start time, pid of the recorder and a random suffix."),
         Column("started", TS, "Start of the recording."),
         Column("ended", TS, "End of the recording, null while it runs or if it was killed."),
         Column("schema_version", pa.int32(), "Version of this schema."),

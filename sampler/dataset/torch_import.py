@@ -271,7 +271,7 @@ def import_snapshot(path: str | os.PathLike, out: str | os.PathLike, *, pid: int
 
     host = socket.gethostname()
     rec_id = f"torch-{Path(path).stem}-{last_ts:%Y%m%dT%H%M%SZ}"
-    w = DatasetWriter(out, rec_id)
+    w = DatasetWriter(out, rec_id, host=host)
     day = last_ts.date()
     base = {"recording_id": rec_id, "host": host}
     out_rows, proc_rows = [], []

@@ -1,4 +1,5 @@
-"""Writing the Hive-partitioned Parquet dataset: OUT/<table>/date=YYYY-MM-DD/<file>.parquet.
+"""Writing the Hive-partitioned Parquet dataset: OUT/<table>/host=<host>/date=YYYY-MM-DD/<file>.parquet
+(sampler.dataset.layout: the paths, and the layout of schema <= 5 that readers still accept).
 
 Every file is written under a temporary dot-name in its final directory, fsynced, then renamed:
 readers (pyarrow.dataset and pandas skip dot-files; the temporary name does not end in .parquet,
@@ -30,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sampler import files
+from sampler.dataset import layout
 from sampler.dataset.schema import Table
 
 # The daemon's modes: stack traces reveal paths and code, so no world access (its group may read).
@@ -51,7 +53,7 @@ class DatasetWriter:
                  dir_mode: int = files.OUTPUT_DIR_MODE, file_mode: int = files.OUTPUT_FILE_MODE):
         self.root = Path(root)
         self.recording_id = recording_id
-        self.host = host
+        self.host = host            # its partition: host=<layout.host_key(host)>
         self.dir_mode = dir_mode
         self.file_mode = file_mode
         self._seq: dict[str, int] = {}
@@ -66,8 +68,7 @@ class DatasetWriter:
         if len(rows) == 0:
             return None
         day = day or dt.datetime.now(dt.timezone.utc).date()
-        partition = f"date={day.isoformat()}"
-        directory = self.root / table.name / partition
+        directory = layout.partition_dir(self.root, table.name, self.host, day)
         if name is None:
             seq = self._seq[table.name] = self._seq.get(table.name, 0) + 1
             name = f"{self.recording_id}-{seq:06d}"
@@ -80,7 +81,9 @@ class DatasetWriter:
                 files.output_dir(self.root, self.dir_mode, "dataset directory")
             with root_lock(self.root):
                 # under the lock: retention removes empty ones
-                files.subdir(files.subdir(self.root, table.name, self.dir_mode), partition, self.dir_mode)
+                parent = self.root
+                for name in directory.relative_to(self.root).parts:
+                    parent = files.subdir(parent, name, self.dir_mode)
                 # a dot-name until complete (readers skip it), then exactly file_mode
                 with files.atomic_file(path, self.file_mode) as f:
                     pq.write_table(data, f, compression="zstd")
@@ -94,8 +97,7 @@ class DatasetWriter:
     def _stamp(self, table: Table, rows: list[dict]) -> list[dict]:
         """The recording's own columns, where the rows leave them out."""
         names = table.schema.names
-        common = {k: v for k, v in (("recording_id", self.recording_id), ("host", self.host))
-                  if k in names and v is not None}
+        common = {"recording_id": self.recording_id} if "recording_id" in names else {}
         return [{**common, **r} for r in rows] if common else rows
 
 
@@ -135,8 +137,9 @@ def remove_temporary_files(root: Path) -> list[Path]:
     a writer still at work is not touched."""
     removed = []
     with root_lock(root, exclusive=True):
-        for part in partitions(root):   # not glob: it would follow a linked table directory
-            for e in os.scandir(part):
+        # not glob: it would follow a linked table directory
+        for part in layout.partitions(root, hidden=True):
+            for e in os.scandir(part.path):
                 if e.name.startswith(".") and ".parquet" in e.name and e.name.endswith(".tmp") \
                         and not e.is_dir(follow_symlinks=False):
                     os.unlink(e.path)
@@ -150,11 +153,6 @@ def real_subdirs(path: Path) -> list[Path]:
         return sorted(Path(e.path) for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def partitions(root: Path) -> list[Path]:
-    """ROOT/<table>/date=*/ directories, links not followed."""
-    return [p for t in real_subdirs(root) for p in real_subdirs(t) if p.name.startswith("date=")]
 
 
 def mark_dataset(root: Path) -> None:

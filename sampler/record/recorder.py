@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -51,6 +52,7 @@ from sampler.probes import allocators
 from sampler.probes.allocators import Family
 from sampler.proc.arenas import arena_rows
 from sampler.proc.cgroups import cgroup_id
+from sampler.proc.exe_identity import ExeIdentities
 from sampler.proc.memory import sample_process
 from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
 from sampler.python.targets import PythonTargets
@@ -60,8 +62,10 @@ from sampler.record.control import Controls
 from sampler.record.outstanding import FAULT, MALLOC, PYTHON, TORCH
 from sampler.record.target import ATTACH, RSS, SYSCALLS, Target
 from sampler.record.vm_events import MADV_DONTNEED, MADV_FREE
+from sampler.stacks.kernel_tables import KernelTables
 from sampler.stacks.symbolize import Symbolizer
 from sampler.stacks.table import COMPLETE, StackTable
+from sampler.stacks.table_worker import TableWorker
 from sampler.stacks.unwind import Unwinder
 from sampler.text import printable
 
@@ -104,6 +108,8 @@ class RecordOptions:
     python: bool = True                   # read Python frames of CPython targets
     interpreter_frames: bool = False      # keep libpython frames between Python frames
     unwind_cache: str | None = None       # directory for the per-build-id unwind tables
+    unwind: str = "bpf"                   # bpf: native stacks walked in BPF from compact tables
+                                          # (sampler/stacks/kernel_tables.py); user: copied and unwound here
     vm_events_per_interval: int = 20000
     vm_events_per_s: int = 2000           # unsampled syscall events sent per process (BPF budget)
     max_samples_per_s: int = 2000         # per process: its mean is raised above (0: no cap)
@@ -147,7 +153,9 @@ class Recorder:
         self.hooks = hooks or RecorderHooks()
         self.host = socket.gethostname()
         self.started = dt.datetime.now(dt.timezone.utc)
-        self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}"
+        # unique across hosts: two that share a name (clones, containers) may start one in the same second
+        self.recording_id = f"{self.started:%Y%m%dT%H%M%SZ}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.exe_ids = ExeIdentities()
         self.targets: dict[int, Target] = {}
         self.finished: list[tuple[ProcessInfo, str]] = []     # (process, why) for the CLI's summary
         self.launched: LaunchedCommand | None = None
@@ -158,6 +166,7 @@ class Recorder:
         self._vm_dropped = 0
         self._events = 0
         self._samples = self._complete = 0
+        self._last_walks: tuple[int, int, float] = (0, 0, 0.0)
         self._hints: dict[int, int | None] = {}
         self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
         self._gone: set[int] = set()           # host-wide pids that exited before adoption
@@ -193,6 +202,10 @@ class Recorder:
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
         self.unwinder = Unwinder(cache_dir("unwind", o.unwind_cache))
+        self.tables: KernelTables | None = None
+        if o.unwind == "bpf":
+            self.tables = KernelTables(self.probes, TableWorker(cache_dir("unwind", o.unwind_cache)),
+                                       self.probes.cfg.unwind_rows, self.probes.cfg.unwind_procs)
         self.stacks = StackTable(self.symbolizer, self.unwinder, self.python, o.max_frames,
                                  interpreter_frames=o.interpreter_frames)
         self.writer = self.hooks.writer(o.out, self.recording_id, self.host)
@@ -266,6 +279,8 @@ class Recorder:
         host_wide = o.all_processes or bool(o.cgroups)
         while not self._stop and (self.targets or host_wide or o.daemon):
             self.probes.poll(100)
+            if self.tables is not None:
+                self.tables.poll()
             now = time.monotonic()
             self._rescan(now)
             self._reap_launched()
@@ -318,6 +333,20 @@ class Recorder:
         """An extra snapshot of these targets (default: every one); their interval is shorter."""
         self._snapshot(None if pids is None else frozenset(pids))
 
+    @property
+    def sample_cap(self) -> float | None:
+        """The per-process sample-rate cap in force (samples/s), None before loading."""
+        controls = getattr(self, "controls", None)
+        return controls.sample_rate.cap if controls is not None else None
+
+    def sampling_cap(self, squeeze: str | None) -> float | None:
+        """The daemon's CPU budget: `squeeze` (why) halves the per-process sample-rate cap, None
+        doubles it back toward the configured one. Returns the new cap, None when it could not
+        change (at its floor: only then does the daemon pause reading events)."""
+        rate = self.controls.sample_rate
+        changed = rate.squeeze(squeeze) if squeeze is not None else rate.relax()
+        return rate.cap if changed else None
+
     def idle(self, seconds: float) -> None:
         """Pause reading events (the daemon's own CPU budget): the ring buffer fills meanwhile
         (a full one counts lost events); governed probes and the sample-rate cap keep their clock."""
@@ -347,6 +376,8 @@ class Recorder:
         self.controls.add(t)
         try:
             self.attacher.attach(t)
+            if self.tables is not None:
+                self.tables.track(info.pid)
         except ProcessLookupError:
             self._drop_target(info.pid, "exited while being attached", exited=True)
         except Exception as e:  # noqa: BLE001
@@ -393,6 +424,8 @@ class Recorder:
             return
         self.probes.forget_live(pid, t.table.live_addresses())
         self.stacks.forget(pid)
+        if self.tables is not None:
+            self.tables.untrack(pid)
         if self.python is not None:
             self.python.forget(pid)
         if self._hints.pop(pid, None) is not None:
@@ -451,12 +484,14 @@ class Recorder:
         t = self.targets.get(ev.pid)
         if t is None and (ev.source != Source.FAULT or (t := self._adopt(ev.pid)) is None):
             return
+        t0 = time.perf_counter()
         try:
             self._handle(t, ev)
         except ProcessLookupError:
             pass                                # gone while we looked: its exit event follows
         except Exception as e:  # noqa: BLE001  (what the target supplied broke it: that target alone goes)
             self._fail(t.pid, "reading its events", e)
+        t.recorder_s += time.perf_counter() - t0
 
     def _handle(self, t: Target, ev: Event) -> None:
         if ev.flags & EvFlag.PY_MISS and self.python is not None:
@@ -503,6 +538,8 @@ class Recorder:
             # ring buffer, in order), and their stacks need the new maps
             t.rescan_until = max(t.rescan_until, time.monotonic() + DLOPEN_RESCAN_S)
             self.symbolizer.mapped_code(t.pid)
+            if self.tables is not None:
+                self.tables.changed(t.pid)
         elif ok and op == VmOp.MREMAP:
             t.table.move(ev.addr, ev.size, ev.ret, ev.arg)
             t.table.unmap(ev.addr, ev.size)
@@ -537,6 +574,8 @@ class Recorder:
         elif ev.op == ProcOp.EXEC:
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)
+            if self.tables is not None:
+                self.tables.changed(t.pid, exec_=True)
             try:
                 t.info = read_info(t.pid)
             except ProcessLookupError:
@@ -573,6 +612,7 @@ class Recorder:
             self.controls.interval(t, mono, hits)
             h = sum(hits.get(pid, (0, 0)))
             t.hit_rate, t.hits = (h - t.hits) / interval if interval > 0 else 0.0, h
+            t0 = time.perf_counter()
             try:
                 if t.injection is not None:
                     self._note_sampler_mean(t)
@@ -589,6 +629,8 @@ class Recorder:
                 self._fail(pid, "measuring it", e)
                 continue
             out_rows += self._outstanding_rows(t, now, interval)
+            proc_rows[-1]["recorder_cpu_s"] = t.recorder_s + time.perf_counter() - t0
+            t.recorder_s = 0.0
         self._write(OUTSTANDING, out_rows)
         self._write(PROCESSES, proc_rows)
         self._write(MALLOC_ARENAS, arenas)
@@ -641,11 +683,17 @@ class Recorder:
         last, self._last_counters = self._last_counters, c
         cpu = sum(self._proc.cpu_times()[:2])
         cpu_d, self._last_cpu = cpu - self._last_cpu, cpu
+        st = self.stacks
+        walks = (st.in_bpf, st.handed_over, self.tables.worker.cpu_seconds() if self.tables is not None else 0.0)
+        in_bpf, handed, worker_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
+        self._last_walks = walks
         self._write(RECORDER, [rows.recorder_row(
             now, interval, [a - b for a, b in zip(c, last, strict=True)],
             targets=len(self.targets), events=self._events, stacks_unwound=self._samples,
             stacks_complete=self._complete, live_entries=sum(len(t.table.blocks) for t in self.targets.values()),
-            cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self._vm_dropped)])
+            cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self._vm_dropped,
+            stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s,
+            unwind_rows=self.tables.rows_used if self.tables is not None else None)])
         self._events = 0
         self._vm_dropped = 0
         self._samples = self._complete = 0
@@ -653,10 +701,12 @@ class Recorder:
 
     def _target_row(self, t: Target, event: str, detail: str) -> None:
         gpu = self.gpu
-        self._write(TARGETS, [rows.target_row(
-            t, self._wall_now(), event, detail,
-            gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
-            gpu_labels=gpu.labels(t.pid) if gpu is not None else [])])
+        row = rows.target_row(t, self._wall_now(), event, detail,
+                              gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
+                              gpu_labels=gpu.labels(t.pid) if gpu is not None else [])
+        if event in ("attach", "exec"):
+            row.update(self.exe_ids.of(t.pid, t.info.exe).columns())
+        self._write(TARGETS, [row])
 
     def _write_recording(self, ended: dt.datetime | None) -> None:
         o = self.opts
@@ -704,6 +754,8 @@ class Recorder:
         finally:
             if getattr(self, "gpu", None) is not None:
                 self.gpu.close()
+            if getattr(self, "tables", None) is not None:
+                self.tables.close()
             self.probes.close()
 
     def _wall(self, mono_ns: int) -> dt.datetime:

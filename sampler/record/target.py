@@ -42,6 +42,7 @@ class Target:
     injection: Injection | None = None                       # the injected sampler (inject tier)
     inject_refused: str | None = None                        # why it was not injected (said once)
     sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
+    recorder_s: float = 0.0                                  # recorder time spent on it this interval
 
     @property
     def pid(self) -> int:

@@ -1,25 +1,28 @@
-"""The daemon's child processes: analysis and compaction, one at a time, out of its memory.
+"""The daemon's child processes: analysis, compaction and upload, one at a time, out of its memory.
 
-pyarrow's merge buffers and pandas never enter the daemon; a child dies with the daemon
-(PR_SET_PDEATHSIG), is stopped past its deadline, and reports one JSON document on stdout.
+pyarrow's merge buffers, pandas and the S3 client never enter the daemon; a child dies with the
+daemon (PR_SET_PDEATHSIG), is stopped past its deadline, and reports one JSON document on stdout.
     python -m sampler.service.children PARENT_PID analyze DIR --window S
-    python -m sampler.service.children PARENT_PID compact DIR --older-than S
+    python -m sampler.service.children PARENT_PID compact DIR --older-than S [--seal]
+    python -m sampler.service.children PARENT_PID upload DIR --uri URI [--endpoint E] [--region R]
+                                       --retries N --budget S
+    python -m sampler.service.children PARENT_PID probe DIR --uri URI ...   (exit 3: refused, 4: unreachable)
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from sampler.lifetime import die_with_parent
 
 CHILD_TIMEOUT_S = 600
 
@@ -68,8 +71,10 @@ class Children:
                 if now > c.deadline:
                     c.proc.kill()
                     c.proc.wait()
-                    self.log(f"{c.kind}: child took over {c.deadline - c.started:.0f} s and was stopped")
+                    why = f"took over {c.deadline - c.started:.0f} s and was stopped"
+                    self.log(f"{c.kind}: child {why}")
                     self._close()
+                    return Result(c.kind, None, {**self._state(c, now, -9), "error": why}, c.wall)
                 return None
             try:
                 result = self._done(c, code, now)
@@ -107,13 +112,17 @@ class Children:
                 with contextlib.suppress(Exception):
                     f.close()
 
+    @staticmethod
+    def _state(c: Child, now: float, code: int) -> dict:
+        return {"at": dt.datetime.fromtimestamp(c.wall, dt.timezone.utc).isoformat(timespec="seconds"),
+                "seconds": round(now - c.started, 1), "exit": code}
+
     def _done(self, c: Child, code: int, now: float) -> Result:
         c.out.seek(0)
         c.err.seek(0)
         text = c.out.read(16 << 20).decode(errors="replace")
         err_lines = c.err.read(1 << 20).decode(errors="replace").strip().splitlines()
-        state = {"at": dt.datetime.fromtimestamp(c.wall, dt.timezone.utc).isoformat(timespec="seconds"),
-                 "seconds": round(now - c.started, 1), "exit": code}
+        state = self._state(c, now, code)
         doc = None
         if code != 0:
             state["error"] = err_lines[-1] if err_lines else f"exit status {code}"
@@ -129,17 +138,6 @@ class Children:
 
 # -- the child's side ------------------------------------------------------------------------------
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the daemon dies (kill -9 included), so a compaction is never left running."""
-    PR_SET_PDEATHSIG = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:           # it died before the prctl
-        os._exit(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)
-
-
 def child_main(argv: list[str]) -> int:
     import argparse
 
@@ -152,8 +150,19 @@ def child_main(argv: list[str]) -> int:
     c = sub.add_parser("compact")
     c.add_argument("dir")
     c.add_argument("--older-than", type=float, required=True)
+    c.add_argument("--seal", action="store_true")
+    for name in ("upload", "probe"):
+        u = sub.add_parser(name)
+        u.add_argument("dir")
+        u.add_argument("--uri", required=True)
+        u.add_argument("--endpoint")
+        u.add_argument("--region")
+        u.add_argument("--retries", type=int, default=3)
+        u.add_argument("--budget", type=float, default=60.0)
     args = p.parse_args(argv)
-    _die_with_parent(args.parent)
+    die_with_parent(args.parent)
+    if args.what in ("upload", "probe"):
+        return _upload(args)
     if args.what == "analyze":
         from analysis import analyze
         from analysis.dataset import load
@@ -164,10 +173,30 @@ def child_main(argv: list[str]) -> int:
         return 0
     from sampler.dataset.retention import compact
 
-    rep = compact(args.dir, args.older_than)
+    rep = compact(args.dir, args.older_than, seal=args.seal)
     print(json.dumps({"merged_files": rep.files_before, "new_files": len(rep.merged),
                       "bytes_before": rep.bytes_before, "bytes_after": rep.bytes_after,
                       "seconds": round(rep.seconds, 2), "skipped": rep.skipped, "max_rss_bytes": _own_peak()}))
+    return 0
+
+
+def _upload(args) -> int:
+    from sampler.dataset import upload
+
+    dest = upload.Destination(args.uri, args.endpoint, args.region, args.retries,
+                              request_timeout_s=max(5.0, args.budget))
+    if args.what == "probe":
+        try:
+            upload.probe(dest)
+        except upload.DestinationError as e:
+            print(e, file=sys.stderr)
+            return 3
+        except OSError as e:
+            print(e, file=sys.stderr)
+            return 4
+        return 0
+    rep = upload.run(args.dir, dest, args.budget)
+    print(json.dumps({**rep.to_dict(), "max_rss_bytes": _own_peak()}))
     return 0
 
 

@@ -156,12 +156,28 @@ class AnalysisConfig:
 
 
 @dataclass(frozen=True)
+class UploadConfig:
+    """[upload]: ship closed files to an object store (sampler/service/upload.py). Absent: nothing
+    is uploaded and compaction, retention and status are as without it."""
+    uri: str                                # s3://BUCKET[/PREFIX] or file:///PATH
+    endpoint: str | None = None             # http(s)://HOST[:PORT] of an S3-compatible store
+    region: str | None = None               # else the AWS SDK's (AWS_REGION, ~/.aws/config, ...)
+    interval_s: float = 60                  # between upload runs while they succeed
+    timeout_s: float = 300                  # one upload run (a child process) at most
+    retries: int = 3                        # attempts per request (the S3 client's own backoff)
+    backoff_max_s: float = 900              # after failures: waits double up to this (with jitter)
+    # not yet uploaded data kept at most (parse sets it: default half of retention.max_bytes)
+    max_backlog_bytes: int = field(default=0, metadata=_SIZE_META)
+
+
+@dataclass(frozen=True)
 class Config:
     targets: tuple[Target, ...]
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     analysis: AnalysisConfig = field(default_factory=AnalysisConfig)
+    upload: UploadConfig | None = None
     source: str = field(default="", compare=False)   # the file it was read from
 
     def target_for(self, proc: ProcView) -> Target | None:
@@ -170,9 +186,12 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The effective configuration in the file's shape (parse(to_dict()) gives it back)."""
-        return {"daemon": _section_dict(self.daemon), "targets": [t.to_dict() for t in self.targets],
-                "retention": _section_dict(self.retention), "metrics": _section_dict(self.metrics),
-                "analysis": _section_dict(self.analysis)}
+        d = {"daemon": _section_dict(self.daemon), "targets": [t.to_dict() for t in self.targets],
+             "retention": _section_dict(self.retention), "metrics": _section_dict(self.metrics),
+             "analysis": _section_dict(self.analysis)}
+        if self.upload is not None:
+            d["upload"] = _section_dict(self.upload)
+        return d
 
 
 def _section_dict(section: Any) -> dict[str, Any]:
@@ -354,11 +373,56 @@ _ANALYSIS: dict[str, Callable[[Any], Any]] = {
     "pre_oom_sample_bytes": _size(1, 1 << 30),
     "pre_oom_window_s": _number(1, 3600),
 }
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_URI_HELP = "s3://BUCKET[/PREFIX] (an S3 bucket name: 3-63 of a-z 0-9 . -) or file:///ABSOLUTE/PATH"
+
+
+def _upload_uri(v: Any) -> str:
+    if not isinstance(v, str) or any(c.isspace() or not c.isprintable() for c in v) or "?" in v or "#" in v:
+        raise _Bad(_URI_HELP)
+    scheme, sep, rest = v.partition("://")
+    if scheme == "s3" and sep:
+        bucket, _, prefix = rest.partition("/")
+        parts = [p for p in prefix.split("/") if p]
+        if not _BUCKET.fullmatch(bucket) or any(p in (".", "..") for p in parts):
+            raise _Bad(_URI_HELP)
+        return "s3://" + "/".join([bucket, *parts])
+    if scheme == "file" and sep and rest.startswith("/") and "\0" not in rest:
+        return "file://" + posixpath.normpath(rest)
+    raise _Bad(_URI_HELP)
+
+
+def _endpoint(v: Any) -> str:
+    expected = "http://HOST[:PORT] or https://HOST[:PORT] of an S3-compatible store, e.g. http://127.0.0.1:9000"
+    if not isinstance(v, str):
+        raise _Bad(expected)
+    m = re.fullmatch(r"(https?)://([A-Za-z0-9.-]+|\[[0-9A-Fa-f:]+\])(?::(\d{1,5}))?/?", v)
+    if not m or (m[3] and not 1 <= int(m[3]) <= 65535):
+        raise _Bad(expected)
+    return v.rstrip("/")
+
+
+def _region(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[a-z0-9-]{2,32}", v):
+        raise _Bad("an AWS region name such as eu-west-1 (lower case letters, digits and dashes)")
+    return v
+
+
+_UPLOAD: dict[str, Callable[[Any], Any]] = {
+    "uri": _upload_uri,
+    "endpoint": _endpoint,
+    "region": _region,
+    "interval_s": _number(1, 86400),
+    "timeout_s": _number(5, 3600),
+    "retries": _number(1, 10, integer=True),
+    "backoff_max_s": _number(1, 86400),
+    "max_backlog_bytes": _size(1 << 20, 1 << 50),
+}
 _TARGET: dict[str, Callable[[Any], Any]] = {
     "name": _comm, "regex": _regex, "cgroup": _cgroup, "user": _user, "all": _bool,
     "tier": _choice(TIERS), "exclude": _regex,
 }
-_SECTIONS = ("daemon", "targets", "retention", "metrics", "analysis")
+_SECTIONS = ("daemon", "targets", "retention", "metrics", "analysis", "upload")
 
 
 class _Checker:
@@ -432,7 +496,34 @@ def parse(data: Mapping[str, Any], source: str = "config.toml") -> Config:
         raise c.fail("analysis.pre_oom_sample_bytes", data["analysis"]["pre_oom_sample_bytes"],
                      f"at most daemon.sample_bytes ({format_size(daemon.sample_bytes)}): "
                      "the pre-OOM window samples more often, with a smaller mean")
-    return Config(targets, daemon, retention, metrics, AnalysisConfig(**analysis_values), source)
+    return Config(targets, daemon, retention, metrics, AnalysisConfig(**analysis_values),
+                  _upload(c, data, daemon, retention), source)
+
+
+def _upload(c: _Checker, data: Mapping[str, Any], daemon: DaemonConfig,
+            retention: RetentionConfig) -> UploadConfig | None:
+    if "upload" not in data:
+        return None
+    values = c.table(data["upload"], "upload", _UPLOAD)
+    if "uri" not in values:
+        raise UsageError(f"{c.source}: upload.uri: missing: expected {_URI_HELP} "
+                         "(leave [upload] out to upload nothing)")
+    uri = values["uri"]
+    if uri.startswith("file://"):
+        dest, data_dir = uri[len("file://"):], daemon.data_dir
+        if posixpath.commonpath([dest, data_dir]) in (dest, data_dir):       # one inside the other
+            raise c.fail("upload.uri", data["upload"]["uri"],
+                         f"a directory outside daemon.data_dir ({data_dir}) and not containing it")
+    if values.get("endpoint") and not uri.startswith("s3://"):
+        raise c.fail("upload.endpoint", data["upload"]["endpoint"], "no endpoint: it is for s3:// URIs only")
+    cap = values.get("max_backlog_bytes")
+    if cap is None:
+        values["max_backlog_bytes"] = retention.max_bytes // 2
+    elif cap > retention.max_bytes:
+        raise c.fail("upload.max_backlog_bytes", data["upload"]["max_backlog_bytes"],
+                     f"at most retention.max_bytes ({format_size(retention.max_bytes)}): the backlog is kept "
+                     "within the dataset's disk budget")
+    return UploadConfig(**values)
 
 
 def load(path: str | os.PathLike[str] = DEFAULT_PATH) -> Config:

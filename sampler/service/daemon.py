@@ -11,10 +11,13 @@ and removes them, and keeps the host safe around it:
   meanwhile are kept (bounded) and written then. `targets` rows are written once per interval.
 - Retention (enforce) every few seconds, compaction and analysis in a child process
   (sampler/service/children.py).
+- With [upload]: sealing compaction and an upload child every interval_s (sampler/service/upload.py);
+  retention keeps what is not uploaded yet, within max_backlog_bytes.
   Findings go to the `findings` table and one log line each when new.
 - Pre-OOM capture (sampler/service/preoom.py).
-- Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the daemon
-  stops reading events for a moment; the ring buffer counts what that loses) and memory (a 16 MiB
+- Its own bounds: CPU (sampler/service/budget.py: above `cpu_percent` the per-process sample
+  cap halves, raising the busiest processes' sampling means; at the cap's floor the daemon
+  stops reading events for a moment, and the ring buffer counts what that loses) and memory (a 16 MiB
   ring buffer, a 64k-entry live table, pandas kept out, caches pruned every interval and dropped
   near `max_rss`; above it, no new targets until it is back under).
 - Metrics (sampler/service/metrics.py) filled from the rows it writes; a status file for
@@ -30,6 +33,7 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections import Counter, OrderedDict, deque
@@ -47,6 +51,7 @@ from sampler.service.config import Config, format_size
 from sampler.service.config import load as load_config
 from sampler.service.discovery import Discovery
 from sampler.service.preoom import PRE_OOM_CHECK_S, PreOom
+from sampler.service.upload import Uploads
 from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
 from sampler.text import printable
@@ -89,6 +94,8 @@ class Daemon(RecorderHooks):
         self.config_path = config_path
         self.root = Path(cfg.daemon.data_dir)
         self.rec = None
+        self._cap_changed = float("-inf")
+        self.sampling_squeezed = 0          # times the sample cap was lowered for the CPU budget
         self.metrics = None
         self.server = None
         self.discovery: Discovery | None = None
@@ -99,6 +106,7 @@ class Daemon(RecorderHooks):
         self._pause_logged = self._resume_logged = -1e9
         self._write_errors: dict[str, float] = {}
         self.jobs = Children(self._job_args, log)
+        self.uploads = Uploads(cfg.upload, self.root, log) if cfg.upload is not None else None
         self.findings_seen: OrderedDict[tuple, float] = OrderedDict()
         self.last_findings: list[dict] = []
         self.analysis_state: dict = {}
@@ -146,6 +154,8 @@ class Daemon(RecorderHooks):
                                      f"({e.strerror or e}): choose a local directory root can write") from None
         for line in recover(self.root):
             log(f"recovery: {line}")
+        if self.uploads is not None:
+            self._probe_upload()
         self.disk = DiskState(self.root, floor_bytes=self.cfg.retention.min_free_bytes,
                               retry_s=min(300.0, max(5.0, 10 * d.interval_s)))
         self.metrics = MetricsState(stall_after_s=max(60.0, 3 * d.interval_s))
@@ -224,16 +234,40 @@ class Daemon(RecorderHooks):
         if now >= due["analysis"] and self.cfg.analysis.every_s:
             self.jobs.queue("analyze")
             due["analysis"] = now + self.cfg.analysis.every_s
+        if self.uploads is not None and self.uploads.due(now):
+            self.jobs.queue("upload")
         if now >= due["compact"]:
             self.jobs.queue("compact")
-            due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 10.0), 3600.0)
+            due["compact"] = now + min(max(self.cfg.retention.compact_after_s, 1.0), 3600.0)
         if (result := self.jobs.poll(now)) is not None:
             self._job_done(result)
+        self._cpu_budget(now)
+
+    def _cpu_budget(self, now: float) -> None:
+        """Over the CPU budget, sampling means rise first (the per-process sample cap halves, once
+        a second at most, so that the busiest processes' means go up); events are dropped (reading
+        paused) only when the cap is at its floor, or while the debt keeps growing meanwhile.
+        Comfortably under budget again, the cap doubles back every 10 s."""
         owed = self.cpu.owed()
         if owed > 0:
+            if now >= self._cap_changed + 1.0:
+                cap = self.rec.sampling_cap(f"the daemon is over its CPU budget of {self.cfg.daemon.cpu_percent:g}%")
+                if cap is not None:
+                    self._cap_changed = now
+                    self.sampling_squeezed += 1
+                    log(f"over its CPU budget ({self.cfg.daemon.cpu_percent:g}%): per-process sample cap "
+                        f"lowered to {cap:g}/s, so that sampling means rise before any event is dropped")
+                    return
+            if now < self._cap_changed + 1.0 and owed < 0.5:
+                return                      # the last change has not had time to act
             pause = min(owed, 2.0)
             self.cpu.throttled_s += pause
             self.rec.idle(pause)
+        elif self.cpu.allowance > 0.8 * self.cpu.cap and now >= self._cap_changed + 10.0:
+            cap = self.rec.sampling_cap(None)
+            if cap is not None:
+                self._cap_changed = now
+                log(f"back within its CPU budget: per-process sample cap raised to {cap:g}/s")
 
     def target_failed(self, pid: int, comm: str, why: str) -> None:
         log(f"target pid {pid} ({printable(comm)}): {printable(why)}; no longer recorded")
@@ -412,10 +446,14 @@ class Daemon(RecorderHooks):
         try:
             rep = enforce(self.root, r.max_bytes, r.max_age_days,
                           keep_recent_s=max(2.5 * self.cfg.daemon.interval_s, 5.0),
-                          keep_recordings={self.rec.recording_id})
+                          keep_recordings={self.rec.recording_id},
+                          backlog=self.uploads.plan if self.uploads is not None else None)
         except OSError as e:
             self.write_failed("retention", e)
             return
+        if self.uploads is not None:
+            self.uploads.retention_done(rep)
+            self.metrics.set_upload(self.uploads.health())
         self._dataset_bytes = rep.total_bytes
         if rep.deleted and (rep.expired or len(rep.deleted) > 50 or not getattr(self, "_said_retention", False)):
             self._said_retention = True
@@ -430,10 +468,41 @@ class Daemon(RecorderHooks):
         if kind == "analyze":
             return ([str(self.root), "--window", str(self.cfg.analysis.window_s)],
                     min(CHILD_TIMEOUT_S, max(60.0, self.cfg.analysis.every_s)))
-        return [str(self.root), "--older-than", str(self.cfg.retention.compact_after_s)], CHILD_TIMEOUT_S
+        if kind == "upload":
+            return self.uploads.job_args()
+        # with [upload], compaction seals: its merged files are final, what is uploaded
+        seal = ["--seal"] if self.uploads is not None else []
+        return [str(self.root), "--older-than", str(self.cfg.retention.compact_after_s), *seal], CHILD_TIMEOUT_S
+
+    def _probe_upload(self) -> None:
+        """One request to the store before recording: refused credentials or a missing bucket stop
+        the daemon (exit 3, one line); an unreachable store is said once and retried later."""
+        u = self.uploads
+        argv = [sys.executable, "-m", "sampler.service.children", str(os.getpid()), "probe", *u.probe_args()]
+        timeout = min(30.0, u.cfg.timeout_s)
+        try:
+            p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+                               cwd="/")
+        except subprocess.TimeoutExpired:
+            log(f"upload: {u.cfg.uri} did not answer within {timeout:g} s; recording goes on and closed files "
+                f"are kept (up to upload.max_backlog_bytes, {format_size(u.cfg.max_backlog_bytes)}) and uploaded "
+                "when it answers")
+            return
+        lines = p.stderr.strip().splitlines()
+        why = lines[-1] if lines else f"exit status {p.returncode}"
+        if p.returncode == 3:
+            raise EnvironmentProblem(why)
+        if p.returncode != 0:
+            log(f"upload: {u.cfg.uri} cannot be reached now ({why}): check upload.uri, upload.endpoint and the "
+                f"network; recording goes on and closed files are kept (up to upload.max_backlog_bytes, "
+                f"{format_size(u.cfg.max_backlog_bytes)}) and uploaded when it can be reached")
 
     def _job_done(self, r: Result) -> None:
         state, doc = r.state, r.doc
+        if r.kind == "upload":
+            self.uploads.done(doc, state, time.monotonic(), r.wall)
+            self.metrics.set_upload(self.uploads.health())
+            return
         if r.kind == "analyze":
             if doc is not None:
                 state["findings"] = self._findings(doc, r.wall)
@@ -513,6 +582,8 @@ class Daemon(RecorderHooks):
                     "since": _iso(k.since) if k is not None and k.since else None,
                     "rss_bytes": row.get("rss"), "alloc_coverage": row.get("alloc_coverage"),
                     "probe_cpu_estimate": row.get("probe_cpu_estimate"),
+                    # the recorder's own time on it, over the last interval
+                    "recorder_cpu_percent": _percent(row.get("recorder_cpu_s"), self.cfg.daemon.interval_s),
                     "pre_oom": pid in self.pre_oom.windows})
         targets.sort(key=lambda x: -(x["rss_bytes"] or 0))
         h = self.metrics.snapshot().health if self.metrics is not None else None
@@ -530,6 +601,8 @@ class Daemon(RecorderHooks):
                        "max_rss": self.cfg.daemon.max_rss,
                        "cpu_fraction": round(self.cpu_fraction, 4), "cpu_budget": self.cfg.daemon.cpu_percent / 100,
                        "throttled_s": round(getattr(getattr(self, "cpu", None), "throttled_s", 0.0), 1),
+                       "sample_cap_per_s": rec.sample_cap if rec is not None else None,
+                       "sample_cap_lowered": self.sampling_squeezed,
                        "caches_dropped": self.shed_count},
             "health": {"events_per_s": round(self.events_per_s, 1),
                        "events_total": h.events_total if h else 0, "lost_events_total": h.lost_events_total if h else 0,
@@ -541,6 +614,8 @@ class Daemon(RecorderHooks):
             "analysis": self.analysis_state, "compaction": self.compaction_state,
             "findings": self.last_findings,
         }
+        if self.uploads is not None:
+            doc["upload"] = self.uploads.status(time.monotonic())
         with contextlib.suppress(OSError), files.atomic_file(self.root / STATUS_FILE, 0o640, durable=False) as f:
             f.write(json.dumps(doc, default=str).encode())
 
@@ -558,6 +633,10 @@ def _slope(hist: deque) -> float | None:
     if var <= 0:
         return None
     return sum((t - mt) * (y - my) for t, y in hist) / var
+
+
+def _percent(seconds: float | None, interval_s: float) -> float | None:
+    return None if seconds is None else round(100 * seconds / max(interval_s, 1e-3), 2)
 
 
 def _float(v) -> float | None:

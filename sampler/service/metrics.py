@@ -126,6 +126,21 @@ class RecorderHealth:
     writing_paused: bool = False          # disk full or over budget: snapshots are not written
 
 
+@dataclass(frozen=True)
+class UploadHealth:
+    """The daemon's [upload] (sampler/service/upload.py); `*_total` since the daemon started, but
+    lost files, which count since the dataset's first upload."""
+    backlog_files: int = 0                # not uploaded yet (sealed or not)
+    backlog_bytes: int = 0
+    backlog_oldest_age_seconds: float | None = None
+    uploaded_files_total: int = 0
+    uploaded_bytes_total: int = 0
+    failures_total: int = 0               # upload runs that failed
+    lost_files_total: int = 0             # deleted before they could be uploaded
+    lost_bytes_total: int = 0
+    last_success_timestamp: float | None = None
+
+
 @dataclass
 class MetricsState:
     """What /metrics shows. The daemon writes through the methods (they take the lock and bump
@@ -134,6 +149,7 @@ class MetricsState:
     processes: list[ProcessMetrics] = field(default_factory=list)
     devices: list[DeviceMetrics] = field(default_factory=list)
     health: RecorderHealth = field(default_factory=RecorderHealth)
+    upload: UploadHealth | None = None    # None without [upload]: no upload families at all
     max_processes: int = DEFAULT_MAX_PROCESSES
     start_time: float = field(default_factory=time.time)
     stall_after_s: float = 60.0           # the loop counts as stalled without a heartbeat this long
@@ -153,6 +169,11 @@ class MetricsState:
         devs = list(devices)
         with self._lock:
             self.devices = devs
+            self.generation += 1
+
+    def set_upload(self, upload: UploadHealth) -> None:
+        with self._lock:
+            self.upload = upload
             self.generation += 1
 
     def update_health(self, **changes: object) -> None:
@@ -184,13 +205,13 @@ class MetricsState:
         with self._lock:
             return MetricsState(processes=list(self.processes), devices=list(self.devices),
                                 health=dataclasses.replace(self.health, targets=dict(self.health.targets)),
-                                max_processes=self.max_processes, start_time=self.start_time)
+                                upload=self.upload, max_processes=self.max_processes, start_time=self.start_time)
 
 
 # --- families ------------------------------------------------------------------------------------
 
 Value = float | int | bool | None
-Scope = Literal["daemon", "process", "device"]
+Scope = Literal["daemon", "process", "device", "upload"]
 
 
 @dataclass(frozen=True)
@@ -215,7 +236,7 @@ class Family:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        ids = {"daemon": (), "process": ("pid",), "device": ("device",)}[self.scope]
+        ids = {"daemon": (), "process": ("pid",), "device": ("device",), "upload": ()}[self.scope]
         return (*ids, self.label) if self.label else ids
 
     def new(self) -> Metric:
@@ -225,7 +246,7 @@ class Family:
         return cls(PREFIX + self.name, self.help, labels=self.labels)
 
     def samples(self, obj: Any) -> Iterator[tuple[list[str], float]]:
-        ids = [] if self.scope == "daemon" else [str(obj.pid if self.scope == "process" else obj.index)]
+        ids = [] if self.scope in ("daemon", "upload") else [str(obj.pid if self.scope == "process" else obj.index)]
         v = self.get(obj)
         for key, x in v.items() if isinstance(v, Mapping) else [(None, v)]:
             if x is not None:
@@ -321,6 +342,23 @@ FAMILIES: tuple[Family, ...] = (
            attrgetter("health.writing_paused")),
     Family("last_snapshot_timestamp_seconds", "When the last interval was written, Unix seconds.",
            attrgetter("health.last_snapshot_timestamp")),
+    # [upload] only
+    Family("upload_backlog_files", "Dataset files not uploaded yet (sealed or still to be sealed by compaction).",
+           attrgetter("backlog_files"), "upload"),
+    Family("upload_backlog_bytes", "Disk usage of the files not uploaded yet.", attrgetter("backlog_bytes"), "upload"),
+    Family("upload_backlog_oldest_age_seconds", "Age of the oldest file not uploaded yet.",
+           attrgetter("backlog_oldest_age_seconds"), "upload"),
+    Family("upload_files_total", "Files uploaded.", attrgetter("uploaded_files_total"), "upload", kind="counter"),
+    Family("upload_bytes_total", "Bytes uploaded.", attrgetter("uploaded_bytes_total"), "upload", kind="counter"),
+    Family("upload_failures_total", "Upload runs that failed (retried with backoff).",
+           attrgetter("failures_total"), "upload", kind="counter"),
+    Family("upload_lost_files_total", "Files deleted before they could be uploaded (the backlog over "
+           "upload.max_backlog_bytes), since the dataset's first upload.", attrgetter("lost_files_total"), "upload",
+           kind="counter"),
+    Family("upload_lost_bytes_total", "Disk usage of the files lost that way.", attrgetter("lost_bytes_total"),
+           "upload", kind="counter"),
+    Family("upload_last_success_timestamp_seconds", "When an upload run last succeeded, Unix seconds.",
+           attrgetter("last_success_timestamp"), "upload"),
 )
 
 
@@ -354,8 +392,11 @@ class StateCollector(Collector):
             "daemon": [_Daemon(s.health, s.start_time, omitted)],
             "process": procs,
             "device": sorted({d.index: d for d in s.devices}.values(), key=lambda d: d.index),  # one per index
+            "upload": [s.upload] if s.upload is not None else [],
         }
         for f in FAMILIES:
+            if f.scope == "upload" and s.upload is None:
+                continue            # without [upload], the exposition is as it always was
             m = f.new()
             for obj in objs[f.scope]:
                 for labels, v in f.samples(obj):

@@ -124,6 +124,19 @@ def render(doc: dict, live: dict[str, float]) -> str:
             lines.append(f"  {kind}: last run {s.get('at')} ({s.get('seconds')} s{extra}{peak}{err})")
         else:
             lines.append(f"  {kind}: not run yet")
+    up = doc.get("upload")
+    if up:
+        age = up.get("backlog_oldest_age_s")
+        lines.append(f"  upload: {printable(up.get('uri'))}: {up.get('state')}; backlog "
+                     f"{up.get('backlog_files', 0)} files "
+                     f"({fmt_bytes(up.get('backlog_bytes'))} of {fmt_bytes(up.get('max_backlog_bytes'))}"
+                     + (f", oldest {age:.0f} s" if age is not None else "") + f"); uploaded "
+                     f"{up.get('uploaded_files', 0)} files ({fmt_bytes(up.get('uploaded_bytes'))}) since start; "
+                     f"{up.get('failed_runs', 0)} failed runs; lost {up.get('lost_files', 0)} files "
+                     f"({fmt_bytes(up.get('lost_bytes'))})")
+        if up.get("consecutive_failures"):
+            lines.append(f"    failing: {printable(up.get('last_error') or '?')} ({up['consecutive_failures']} runs in "
+                         f"a row; next try in {up.get('next_run_in_s', 0):.0f} s)")
     findings = doc.get("findings") or []
     if findings:
         lines.append("  findings of the last analysis:")

@@ -24,6 +24,7 @@ import logging
 import struct
 import time
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +45,7 @@ SIGNAL = 3  # a signal trampoline (CIE augmentation 'S'): the registers are in t
 ENTRY = 4  # the return address is undefined: outermost frame of a thread (_start, clone3)
 UNSUPPORTED = 5  # CFI this unwinder does not follow (CFA from r10/r13, other expressions, ...)
 NO_CFI = 6  # no FDE covers the pc
-_PLT = 7  # decoded rows only: CFA = rsp + off + ((pc & 15) >= aux) * 8, resolved per pc
+PLT_ROW = 7  # decoded rows only: CFA = rsp + off + ((pc & 15) >= aux) * 8, resolved per pc
 
 # How the caller's rbp is found (Rule[3]).
 BP_SAME = 0  # unchanged
@@ -345,7 +346,7 @@ def _cfa_expression(e: bytes) -> tuple[int, int, int] | None:
                 and _DW_OP_LIT0 <= lit <= _DW_OP_LIT31
                 and e[q + len(_PLT_HEAD) + 1 :] == _PLT_TAIL
             ):
-                return _PLT, off, lit - _DW_OP_LIT0
+                return PLT_ROW, off, lit - _DW_OP_LIT0
     except IndexError:
         pass
     return None
@@ -599,6 +600,21 @@ class CfiTable:
         """Initial locations of the FDEs of the primary section (sorted)."""
         return self._sections[0].starts if self._sections else np.empty(0, np.int64)
 
+    def every_fde(self) -> Iterator[tuple[int, int, tuple[int, ...], tuple[tuple[int, ...], ...]]]:
+        """Every FDE of the primary section (.eh_frame, else .debug_frame), decoded and not kept, in
+        start order: (start, end, row starts, rows), each row (kind, cfa_off, ra_off, bp_kind, bp_off,
+        aux) where kind PLT_ROW is resolved per pc as in `rule`. Unreadable FDEs are left out."""
+        if not self._sections and not (self._debug_frame_pending and self._add_debug_frame()):
+            return
+        s = self._sections[0]
+        for off in s.offs.tolist():
+            try:
+                fde = s.decode(off)
+            except (CfiError, IndexError, struct.error, ValueError, OverflowError, MemoryError):
+                continue
+            if fde.rows:
+                yield fde.start, fde.hi, fde.los, fde.rows
+
     def fde_range(self, vaddr: int) -> tuple[int, int] | None:
         """[start, end) of the FDE covering vaddr."""
         fde = self._find(vaddr)
@@ -616,7 +632,7 @@ class CfiTable:
             # los[0] == start <= vaddr; an FDE whose rows were unreadable has none.
             row = fde.rows[bisect_right(fde.los, vaddr) - 1] if fde.rows else _UNSUPPORTED_ROW
             kind, off, ra_off, bp_kind, bp_off, aux = row
-            if kind == _PLT:
+            if kind == PLT_ROW:
                 kind, off = CFA_RSP, off + (8 if (vaddr & 15) >= aux else 0)
             rule = _intern((kind, off, ra_off, bp_kind, bp_off))
         if len(self.memo) >= MEMO_MAX:

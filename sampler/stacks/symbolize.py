@@ -8,11 +8,11 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sampler.binary.dwarf_lines import LineTables
 from sampler.binary.elf import ElfImage
-from sampler.binary.reader import ElfFormatError
+from sampler.binary.reader import MALFORMED, ElfFormatError
 from sampler.proc.maps import Mapping, find_mapping, open_path, read_maps
 
 
@@ -37,6 +37,22 @@ def module_key(frame: Frame) -> tuple:
     return (frame.build_id or frame.path, frame.offset)
 
 
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a native address is, without names: what a stack's identity needs (`key`, as
+    module_key gives for its Frame), found per sample; `Symbolizer.describe` names it later."""
+
+    module: str
+    path: str
+    offset: int                 # vaddr in the module's ELF, the file offset, or the absolute address
+    build_id: str | None
+    image: ElfImage | None = None   # None: nothing more to read (no file, no ELF headers)
+
+    @property
+    def key(self) -> tuple:
+        return (self.build_id or self.path, self.offset)
+
+
 @dataclass
 class _ProcessView:
     maps: list[Mapping]
@@ -51,7 +67,8 @@ class Symbolizer:
     def __init__(self, memo_size: int = 200_000, maps_refresh_interval: float = 0.1):
         self._procs: dict[int, _ProcessView] = {}
         self._generations: dict[int, int] = {}
-        self._memo: OrderedDict[tuple[int, int, int, bool], Frame] = OrderedDict()
+        self._memo: OrderedDict[tuple[int, int, int, bool], Place] = OrderedDict()
+        self._names: OrderedDict[tuple[ElfImage, int], Frame] = OrderedDict()   # describe's, per file
         self._memo_size = memo_size
         self._refresh_interval = maps_refresh_interval
 
@@ -62,6 +79,11 @@ class Symbolizer:
         containing addr - 1, and the frame's offset is that of addr - 1 (the call site), so that
         a call in tail position is not attributed to the next function.
         """
+        return [self.describe(p) for p in self.places(pid, addrs, first_is_ip)]
+
+    def places(self, pid: int, addrs: Sequence[int], first_is_ip: bool) -> list[Place]:
+        """`frames` without names: the per-sample part (maps and ELF headers, no symbol tables,
+        no DWARF), memoised per process and address."""
         view = self._view(pid)
         out = []
         for i, addr in enumerate(addrs):
@@ -71,17 +93,50 @@ class Symbolizer:
                 out.append(_unknown(where))
                 continue
             key = (pid, view.generation, addr, is_ip)
-            frame = self._memo.get(key)
-            if frame is None:
-                view, frame = self._resolve(pid, view, where)
-                if frame.module != "[unknown]":    # a miss may be a dlopen not yet seen: retry later
-                    self._memo[(pid, view.generation, addr, is_ip)] = frame
+            place = self._memo.get(key)
+            if place is None:
+                view, place = self._place(pid, view, where)
+                if place.module != "[unknown]":    # a miss may be a dlopen not yet seen: retry later
+                    self._memo[(pid, view.generation, addr, is_ip)] = place
                     if len(self._memo) > self._memo_size:
                         self._memo.popitem(last=False)
             else:
                 self._memo.move_to_end(key)
-            out.append(frame)
+            out.append(place)
         return out
+
+    def describe(self, place: Place) -> Frame:
+        """The named frame of a place: function, file and line, inlined calls (memoised per file
+        and offset, whatever process mapped it)."""
+        img = place.image
+        if img is None:
+            return Frame(None, place.module, place.path, place.offset, place.build_id)
+        key = (img, place.offset)
+        frame = self._names.get(key)
+        if frame is not None:
+            self._names.move_to_end(key)
+            if frame.module == place.module and frame.path == place.path:
+                return frame
+            return replace(frame, module=place.module, path=place.path,
+                           inlined=tuple(replace(f, module=place.module, path=place.path) for f in frame.inlined))
+        vaddr, module, path = place.offset, place.module, place.path
+        try:
+            src = _source(img, vaddr)
+            name = function_name(img, vaddr, src[-1].function if src else None)
+        except (OSError, *MALFORMED):      # the target's file: truncated since, or hostile
+            src, name = [], None
+        if not src:
+            frame = Frame(name, module, path, vaddr, img.build_id)
+        else:
+            # DWARF: the innermost entries are inlined calls; the last is the function itself
+            inlined = tuple(Frame(demangle(x.function) if x.function else None, module, path, vaddr, img.build_id,
+                                  x.file, x.line, inline=True) for x in src[:-1])
+            outer = src[-1]
+            frame = Frame(name, module, path, vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
+        self._names[key] = frame
+        if len(self._names) > self._memo_size:
+            self._names.popitem(last=False)
+        return frame
 
     def locate(self, pid: int, addr: int) -> tuple[ElfImage, int] | None:
         """(image, bias) of the executable file mapping holding `addr` (vaddr = addr - bias), for
@@ -108,6 +163,7 @@ class Symbolizer:
             del self._procs[pid]
         if shed >= 1:
             self._memo.clear()
+            self._names.clear()
             # generations only keep old memo entries apart: with the memo empty they may go
             for pid in [p for p in self._generations if p not in live_pids]:
                 del self._generations[pid]
@@ -143,30 +199,22 @@ class Symbolizer:
             self._procs[pid] = view
         return view
 
-    def _resolve(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Frame]:
+    def _place(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Place]:
         m = find_mapping(view.maps, addr)
         if m is None or not m.executable:
             view, m = self._reread(pid, view, addr)
         if m is None:
             return view, _unknown(addr)
         if not m.file_backed:
-            return view, Frame(None, m.path or "[anon]", m.path, addr, None)
+            return view, Place(m.path or "[anon]", m.path, addr, None)
         module = os.path.basename(m.path)
         file_off = addr - m.start + m.offset
         img = self._image(pid, view, m)
         vaddr = img.file_offset_to_vaddr(file_off) if img else None
         if img is None or vaddr is None:
             # Without the ELF headers the file offset is the best ASLR-free location.
-            return view, Frame(None, module, m.path, file_off, img.build_id if img else None)
-        src = _source(img, vaddr)
-        if not src:
-            return view, Frame(function_name(img, vaddr), module, m.path, vaddr, img.build_id)
-        # DWARF: the innermost entries are inlined calls; the last is the function itself
-        inlined = tuple(Frame(demangle(s.function) if s.function else None, module, m.path, vaddr, img.build_id,
-                              s.file, s.line, inline=True) for s in src[:-1])
-        outer = src[-1]
-        return view, Frame(function_name(img, vaddr, outer.function), module, m.path,
-                           vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
+            return view, Place(module, m.path, file_off, img.build_id if img else None)
+        return view, Place(module, m.path, vaddr, img.build_id, img)
 
     def _reread(self, pid: int, view: _ProcessView, addr: int) -> tuple[_ProcessView, Mapping | None]:
         """The view and mapping of code at `addr` after a miss: in no mapping, or in one that is not
@@ -226,8 +274,8 @@ def _source(img: ElfImage, vaddr: int) -> list:
     return tables.lookup(vaddr) if tables is not None else []
 
 
-def _unknown(addr: int) -> Frame:
-    return Frame(None, "[unknown]", "", addr, None)
+def _unknown(addr: int) -> Place:
+    return Place("[unknown]", "", addr, None)
 
 
 MAX_MANGLED = 1024

@@ -16,16 +16,19 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from functools import partial
 
-from sampler.bpf.abi import EvFlag
+from sampler.bpf.abi import EvFlag, UwStop
 from sampler.bpf.events import Event
 from sampler.probes.allocators import exe_path
 from sampler.python.codeobj import PyFrame
 from sampler.python.targets import PythonTargets
-from sampler.stacks.symbolize import Frame, Symbolizer, module_key
+from sampler.stacks.symbolize import Frame, Place, Symbolizer
 from sampler.stacks.unwind import Regs, Unwinder
 
 # The walk reached the thread's entry: the stack is complete.
 COMPLETE = "entry"
+# stacks.unwind_stop of the walks that ended in BPF (sampler/stacks/unwind.py's names)
+_BPF_STOPS = {UwStop.ENTRY: COMPLETE, UwStop.NO_CFI: "no_cfi", UwStop.BAD_FRAME: "bad_frame",
+              UwStop.READ: "unreadable"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,9 @@ class StackTable:
         self.memo_size = memo_size
         self._memo: OrderedDict[tuple, int] = OrderedDict()     # (pid, ip?, pcs, py) -> id
         self._by_id: dict[int, tuple] = {}                       # id -> content key
-        self._new: list[Stack] = []
+        self._new: list[tuple] = []      # (id, places and Python frames, truncated, ts, stop): named at drain
         self.collisions = 0
+        self.in_bpf = self.handed_over = 0                       # walks that ended in BPF / went on here
         self.last_stop = ""                                      # unwind stop of the last intern
         self.last_pcs: tuple[int, ...] = ()                      # its return addresses
         self._depth: dict[int, int] = {}   # pid -> deepest complete walk (bytes); -1: a copy was short
@@ -57,15 +61,17 @@ class StackTable:
 
     def intern(self, ev: Event) -> int:
         first_is_ip = bool(ev.flags & EvFlag.FIRST_IS_IP)
-        if ev.stack and not ev.flags & EvFlag.STACK_ERR:
+        if ev.pcs and ev.stop < UwStop.NO_TABLE:
+            pcs, stop = ev.pcs, _BPF_STOPS.get(ev.stop, "bad_frame")     # walked in BPF to its end
+            self.in_bpf += 1
+        elif ev.pcs:
+            pcs, stop = self._go_on(ev)                       # handed over: go on from its last frame
+            self.handed_over += 1
+        elif ev.stack and not ev.flags & EvFlag.STACK_ERR:
             res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.ip, ev.sp, ev.bp),
                                        _restore_return_address(ev), self.max_frames)
             pcs, stop = res.pcs, res.stop
-            d = self._depth.get(ev.pid, 0)
-            if stop == "stack_end":
-                self._depth[ev.pid] = -1
-            elif stop == COMPLETE and d >= 0 and res.used > d:
-                self._depth[ev.pid] = res.used
+            self._learn_depth(ev.pid, res)
         else:
             pcs, stop = (), "no_stack"
         self.last_stop, self.last_pcs = stop, pcs
@@ -74,7 +80,7 @@ class StackTable:
         if sid is not None:
             self._memo.move_to_end(memo_key)
             return sid
-        native = self.symbolizer.frames(ev.pid, pcs, first_is_ip) if pcs else []
+        native = self.symbolizer.places(ev.pid, pcs, first_is_ip) if pcs else []
         skip = 0
         if ev.flags & EvFlag.SITE_MODULE and native:
             skip = self._site_frames(ev.pid, native)
@@ -82,37 +88,58 @@ class StackTable:
             skip = 1            # a syscall: the ip is in libc's wrapper; its caller is the site
         pyframes = self.python.frames(ev.pid, ev.py) if self.python is not None and ev.py else []
         merged = self._merge(ev.pid, native[skip:], pcs[skip:], first_is_ip and not skip, pyframes)
-        frames = tuple(g for f in merged for g in (*f.inlined, replace(f, inlined=())))
-        content = tuple(module_key(f) for f in frames)
+        # identity from places, names later (drain_new): nothing here reads a symbol table or DWARF
+        content = tuple(x.key if isinstance(x, Place) else (x.file, x.function, x.line) for x in merged)
         sid = _hash(content)
         while (known := self._by_id.get(sid)) is not None and known != content:
             self.collisions += 1                     # never merge distinct stacks silently
             sid = _hash((sid, content))
         if known is None:
             self._by_id[sid] = content
-            self._new.append(Stack(sid, frames, stop != COMPLETE, ev.ts_ns, stop))
-        if any(f.module == "[unknown]" for f in frames) or (ev.py and not pyframes):
+            self._new.append((sid, tuple(merged), stop != COMPLETE, ev.ts_ns, stop))
+        if any(isinstance(x, Place) and x.module == "[unknown]" for x in merged) or (ev.py and not pyframes):
             return sid                  # resolve again next time: a library or code may appear
         self._memo[memo_key] = sid
         if len(self._memo) > self.memo_size:
             self._memo.popitem(last=False)
         return sid
 
-    def _merge(self, pid: int, native: list[Frame], pcs: tuple[int, ...], first_is_ip: bool,
-               pyframes: list[PyFrame]) -> list[Frame]:
+    def _go_on(self, ev: Event) -> tuple[tuple[int, ...], str]:
+        """The pcs BPF walked, then user space's walk from the last of them over the stack copied
+        there (its rbp unknown where BPF could not restore it)."""
+        walked = ev.pcs[:-1]
+        if not ev.stack or ev.flags & EvFlag.STACK_ERR:
+            return ev.pcs, "stack_end"
+        bp = None if ev.flags & EvFlag.CONT_BP_UNKNOWN else ev.bp
+        res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.pcs[-1], ev.sp, bp),
+                                   _restore_return_address(ev), max(1, self.max_frames - len(walked)),
+                                   precise=not ev.flags & EvFlag.CONT_IMPRECISE)
+        self._learn_depth(ev.pid, res)
+        return walked + res.pcs, res.stop
+
+    def _learn_depth(self, pid: int, res) -> None:
+        """Copy sizes follow the deepest complete walk (stack_hint)."""
+        d = self._depth.get(pid, 0)
+        if res.stop == "stack_end":
+            self._depth[pid] = -1
+        elif res.stop == COMPLETE and d >= 0 and res.used > d:
+            self._depth[pid] = res.used
+
+    def _merge(self, pid: int, native: list[Place], pcs: tuple[int, ...], first_is_ip: bool,
+               pyframes: list[PyFrame]) -> list[Place | PyFrame]:
         """Native frames with each interpreter eval frame replaced by the Python frames it ran
         (up to the next entry frame); interpreter frames between Python frames are hidden."""
         proc = self.python.process(pid) if self.python is not None else None
         if proc is None or not pyframes:
-            return native
-        out: list[Frame] = []
+            return list(native)
+        out: list[Place | PyFrame] = []
         i, inside = 0, False
         for k, (f, pc) in enumerate(zip(native, pcs, strict=True)):
             addr = pc if (k == 0 and first_is_ip) else pc - 1
             if _in(proc.eval_ranges, addr):
                 inside = True
                 while i < len(pyframes):
-                    out.append(_python_frame(pyframes[i]))
+                    out.append(pyframes[i])
                     i += 1
                     if pyframes[i - 1].entry:
                         break
@@ -120,10 +147,10 @@ class StackTable:
             if inside and not self.interpreter_frames and _in(proc.module_ranges, addr):
                 continue
             out.append(f)
-        out.extend(_python_frame(p) for p in pyframes[i:])   # the native walk ended early
+        out.extend(pyframes[i:])   # the native walk ended early
         return out
 
-    def _site_frames(self, pid: int, native: list[Frame]) -> int:
+    def _site_frames(self, pid: int, native: list[Place]) -> int:
         """Frames to drop for a USDT probe in an allocator library (the preload shim, an
         allocator build): all of that library's innermost frames, so that the stack starts at
         the allocator's caller as in the attach tier. Probes in the main executable keep theirs."""
@@ -160,8 +187,20 @@ class StackTable:
             del self._memo[k]
 
     def drain_new(self) -> list[Stack]:
+        """The stacks first seen since the last call, named now (symbol tables and DWARF are read
+        here, at the snapshot, not per sample)."""
         new, self._new = self._new, []
-        return new
+        out = []
+        for sid, merged, truncated, ts, stop in new:
+            frames = []
+            for x in merged:
+                if isinstance(x, Place):
+                    f = self.symbolizer.describe(x)
+                    frames += [*f.inlined, replace(f, inlined=())]
+                else:
+                    frames.append(_python_frame(x))
+            out.append(Stack(sid, tuple(frames), truncated, ts, stop))
+        return out
 
 
 def _restore_return_address(ev: Event) -> bytes:

@@ -44,7 +44,7 @@ _U64X2 = struct.Struct("<QQ").unpack_from
 class Regs:
     ip: int
     sp: int
-    bp: int
+    bp: int | None      # None: unknown (a walk handed over after a frame that did not restore it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,15 +93,17 @@ class Unwinder:
         """Persist the per-build-id caches to cache_dir (atomically); no-op without cache_dir."""
         self.cfi.save()
 
-    def unwind(self, locate: Locate, regs: Regs, stack: bytes, max_frames: int = 127) -> UnwindResult:
-        """`stack` holds the bytes at [regs.sp, regs.sp + len(stack))."""
+    def unwind(self, locate: Locate, regs: Regs, stack: bytes, max_frames: int = 127,
+               precise: bool = True) -> UnwindResult:
+        """`stack` holds the bytes at [regs.sp, regs.sp + len(stack)). `precise`: regs.ip is where
+        execution is (a sample's first frame), not a return address (a walk handed over by BPF)."""
         # One loop, locals only: this runs for every sample (~27 frames for a torch stack).
         base, n = regs.sp, len(stack)
         # bp becomes None when its rule is not followed, _LOST when it was saved outside the copy.
         pc, sp, bp = regs.ip, regs.sp, regs.bp
         pcs = [pc]
         fp_frames = 0
-        precise = True  # pc is where execution is (frame 0, after a signal), not a return address
+        # precise: pc is where execution is (frame 0, after a signal), not a return address
         tables = self._tables
         stop = "max_frames"
         while True:

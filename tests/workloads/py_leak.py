@@ -35,6 +35,8 @@ def outer():
 
 if MODE == "torch":
     import torch  # noqa: F401  (imported before "ready": loading it maps many libraries)
+elif MODE.startswith("ext"):
+    import leakext  # noqa: F401  (mapped before "ready", as torch is)
 print("ready", flush=True)
 sys.stdin.readline()
 outer()  # L:module

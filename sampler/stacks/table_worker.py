@@ -1,0 +1,191 @@
+"""Builds files' unwind rows (sampler/stacks/unwind_rows.py) in a child process.
+
+Decoding every FDE of a big library takes seconds of CPU; in the recorder it would stall the
+ring buffer's reader (and the GIL) that long. The child parses untrusted files under an address
+space limit and at a lower priority, dies with the recorder, and exits when idle (the next build
+starts another). Samples whose files are not built yet are unwound in user space meanwhile (BPF
+hands them over), so nothing waits for it.
+
+Protocol: one JSON line per request on the child's stdin ({"id", "path", "seen_as", "root"}),
+one JSON line per answer on its stdout ({"id", "key", "loads", "fits", "rows"} or {"id",
+"error"}), followed by `rows` bytes of `uw_row`s. A reader thread turns answers into a queue.
+
+    python -m sampler.stacks.table_worker PARENT_PID [CACHE_DIR]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import psutil
+
+from sampler.binary.elf import ElfImage
+from sampler.binary.reader import MALFORMED
+from sampler.lifetime import die_with_parent
+from sampler.stacks.unwind_rows import ROW, FileRows, build
+
+ADDRESS_SPACE = 4 << 30     # a child decoding a hostile file stops here, not at the host's memory
+IDLE_S = 30.0               # the child exits after this long without work
+MAX_ANSWER_BYTES = (1 << 23) * ROW.itemsize + (1 << 20)
+
+
+class BuildFailed(Exception):
+    """The child could not build a file's rows: unreadable or malformed, or the child died
+    (`worker_died`: killed at its address space limit, say, perhaps by another file's build)."""
+
+    def __init__(self, why: str, worker_died: bool = False, gone: bool = False):
+        super().__init__(why)
+        self.worker_died = worker_died
+        self.gone = gone        # the mapping it was opened through is gone (exec, exit, unmap): not the file's fault
+
+
+class TableWorker:
+    """Builds in one child, one file at a time, in submission order. `done()` returns finished
+    builds: (ident, FileRows) or (ident, BuildFailed)."""
+
+    def __init__(self, cache_dir: Path | None = None):
+        self.cache_dir = str(cache_dir) if cache_dir else ""
+        self._proc: subprocess.Popen | None = None
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: dict[int, object] = {}
+        self._seq = 0
+        self._idle_since = time.monotonic()
+        self.builds = 0
+        self.failures = 0
+        self._exited_cpu_s = 0.0          # CPU time of children that have exited
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every child so far, the running one included."""
+        running = 0.0
+        if self._proc is not None:
+            with contextlib.suppress(psutil.Error):
+                running = sum(psutil.Process(self._proc.pid).cpu_times()[:2])
+        return self._exited_cpu_s + running
+
+    @property
+    def pending(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, ident: object, path: str, seen_as: str, root: str) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        self._seq += 1
+        self._jobs[self._seq] = ident
+        line = json.dumps({"id": self._seq, "path": path, "seen_as": seen_as, "root": root}) + "\n"
+        try:
+            self._proc.stdin.write(line.encode())
+            self._proc.stdin.flush()
+        except OSError:
+            self._answers.put((self._seq, BuildFailed("the table worker exited", worker_died=True)))
+
+    def done(self) -> list[tuple[object, FileRows | BuildFailed]]:
+        out: list[tuple[object, FileRows | BuildFailed]] = []
+        while True:
+            try:
+                seq, result = self._answers.get_nowait()
+            except queue.Empty:
+                break
+            if seq is None:                  # the child exited: whatever it had is lost
+                for s in list(self._jobs):
+                    out.append((self._jobs.pop(s), BuildFailed("the table worker exited", worker_died=True)))
+                continue
+            ident = self._jobs.pop(seq, None)
+            if ident is None:
+                continue
+            if isinstance(result, BuildFailed):
+                self.failures += 1
+            else:
+                self.builds += 1
+            out.append((ident, result))
+        now = time.monotonic()
+        if self._jobs:
+            self._idle_since = now
+        elif self._proc is not None and now - self._idle_since > IDLE_S:
+            self.close()
+        return out
+
+    def _start(self) -> None:
+        self.close()
+        argv = [sys.executable, "-m", "sampler.stacks.table_worker", str(os.getpid()), self.cache_dir]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      close_fds=True, cwd="/", env=env)
+        threading.Thread(target=_read_answers, args=(self._proc.stdout, self._answers), daemon=True,
+                         name="table-worker").start()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            self._exited_cpu_s += sum(psutil.Process(proc.pid).cpu_times()[:2])
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+        try:
+            proc.wait(2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
+    try:
+        while line := out.readline():
+            doc = json.loads(line)
+            if "error" in doc:
+                answers.put((doc["id"], BuildFailed(str(doc["error"])[:200], gone=bool(doc.get("gone")))))
+                continue
+            nbytes = int(doc["rows"])
+            if not 0 <= nbytes <= MAX_ANSWER_BYTES or nbytes % ROW.itemsize:
+                break
+            data = out.read(nbytes)
+            if len(data) != nbytes:
+                break
+            rows = np.frombuffer(data, ROW)
+            answers.put((doc["id"], FileRows(doc["key"], rows, tuple(map(tuple, doc["loads"])), bool(doc["fits"]))))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    answers.put((None, None))
+
+
+# -- the child's side ------------------------------------------------------------------------------
+
+def child_main(argv: list[str]) -> int:
+    die_with_parent(int(argv[0]))
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the recorder's Ctrl-C is the recorder's
+    cache = Path(argv[1]) if len(argv) > 1 and argv[1] else None
+    out = sys.stdout.buffer
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            fr = build(ElfImage.open(req["path"], req["seen_as"], req["root"]), cache)
+        except (OSError, MemoryError, *MALFORMED) as e:
+            gone = isinstance(e, (FileNotFoundError, ProcessLookupError))
+            out.write(json.dumps({"id": req["id"], "error": f"{type(e).__name__}: {e}", "gone": gone}).encode()
+                      + b"\n")
+            out.flush()
+            continue
+        data = fr.rows.tobytes()
+        out.write(json.dumps({"id": req["id"], "key": fr.key, "loads": fr.loads, "fits": fr.fits,
+                              "rows": len(data)}).encode() + b"\n")
+        out.write(data)
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))
