@@ -26,11 +26,10 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from sampler.dataset.layout import HOST_PREFIX, host_key, parse_day
 from sampler.dataset.schema import TABLES
 from sampler.errors import EnvironmentProblem, UsageError
 
-HOST_KEY = "host="
-DATE_KEY = "date="
 # The tables written once per thing first seen (a stack, a recording, an attach): rows of later
 # days refer to them, so a window prunes only their days after it.
 CATALOGS = frozenset({"stacks", "frames", "targets", "recordings"})
@@ -39,19 +38,10 @@ CATALOGS = frozenset({"stacks", "frames", "targets", "recordings"})
 WRITE_LAG = dt.timedelta(days=1)
 # Tables whose rows carry the process name a --comm selection matches.
 BY_COMM = frozenset({"outstanding", "processes"})
-DATE_PARTITIONING = ds.partitioning(pa.schema([("date", pa.string())]), flavor="hive")
+# host= and date= values as dictionaries, as analysis.dataset.read_table reads them: the type of
+# the old layout's `host` file column.
+HIVE = ds.HivePartitioning.discover(infer_dictionary=True)
 READ_ATTEMPTS = 5
-
-
-def partition_host(host: str | None) -> str:
-    """The host= directory name of a host: characters outside [A-Za-z0-9._-] become `_`."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", host or "")
-    return name if name.strip(".") else "_" + name
-
-
-def partition_dir(table: str, host: str | None, day: dt.date) -> str:
-    """`<table>/host=<host>/date=<day>`, relative to the dataset's root (schema version 6)."""
-    return f"{table}/{HOST_KEY}{partition_host(host)}/{DATE_KEY}{day.isoformat()}"
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,7 @@ def both(a, b):
 @dataclass(frozen=True)
 class DataFile:
     path: str
-    host: str | None        # its host= name; None: old layout (the host is in the rows only)
+    host: str | None        # its host= key; None: old layout (the host is in the rows only)
     day: dt.date
 
 
@@ -152,8 +142,8 @@ class Source:
         sel = self.selection
         out: list[DataFile] = []
         for name in self.table_dirs(table):
-            if name.startswith(HOST_KEY):
-                host = name[len(HOST_KEY):]
+            if name.startswith(HOST_PREFIX):
+                host = name[len(HOST_PREFIX):]
                 if not sel.wants_host(host):
                     continue
                 out += [f for f in self.host_files(table, name) if sel.wants_day(table, f.day)]
@@ -173,12 +163,12 @@ class Source:
                 parts = e.path[len(top) + 1:].split("/")
                 if len(parts) == 2 and e.type == pafs.FileType.File and data_file(parts[1]) and \
                         (day := parse_day(parts[0])):
-                    found.append(DataFile(e.path, name[len(HOST_KEY):], day))
+                    found.append(DataFile(e.path, name[len(HOST_PREFIX):], day))
             self.cache[key] = found
         return self.cache[key]
 
     def old_layout_hosts(self) -> dict[str, list[str | None]]:
-        """{host= name: host values} of the selected days' old-layout files (no host= directory),
+        """{host= key: host values} of the selected days' old-layout files (no host= directory),
         from the `host` column of their `processes` rows (one dictionary column: cheap)."""
         key = ("old_hosts", self.selection.since, self.selection.until)
         if key not in self.cache:
@@ -187,12 +177,12 @@ class Source:
             found: dict[str, list[str | None]] = {}
             for h in (values.dictionary_decode() if pa.types.is_dictionary(values.type) else values).to_pylist() \
                     if old else []:
-                found.setdefault(partition_host(h), []).append(h)
+                found.setdefault(host_key(h), []).append(h)
             self.cache[key] = found
         return self.cache[key]
 
     def hosts(self) -> list[str]:
-        """The host= names of the selected data (old-layout hosts by their rows' host)."""
+        """The host= keys of the selected data (old-layout hosts by their rows' host)."""
         files = self.files("processes")     # a snapshot of every process: every host with data
         found = {f.host for f in files if f.host is not None}
         if any(f.host is None for f in files):
@@ -249,17 +239,17 @@ class Source:
         if old:
             parts.append(self.scan(table, old, both(rows, host_rows), columns))
         if not parts:
-            empty = TABLES[table].schema.empty_table().to_pandas()
+            empty = TABLES[table].read_schema.empty_table().to_pandas()
             return empty[columns] if columns else empty
         data = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="permissive")
         return data.to_pandas(self_destruct=True, split_blocks=True)
 
     def scan(self, table: str, paths: list[str], filter, columns: list[str] | None) -> pa.Table:
-        kw = dict(filesystem=self.filesystem, format="parquet", partitioning=DATE_PARTITIONING,
+        kw = dict(filesystem=self.filesystem, format="parquet", partitioning=HIVE,
                   partition_base_dir=f"{self.base}/{table}")
         try:
             dataset = ds.dataset(paths, **kw)
-            wanted = TABLES[table].schema if table in TABLES else pa.schema([])
+            wanted = TABLES[table].read_schema if table in TABLES else pa.schema([])
             missing = [f for f in wanted if f.name not in dataset.schema.names]
             if missing:     # columns added since the first file was written: null there
                 dataset = ds.dataset(paths, schema=pa.schema([*dataset.schema, *missing]), **kw)
@@ -273,16 +263,7 @@ class Source:
 
 
 def data_file(name: str) -> bool:
-    return name.endswith(".parquet") and not name.startswith(".")
-
-
-def parse_day(name: str) -> dt.date | None:
-    if not name.startswith(DATE_KEY):
-        return None
-    try:
-        return dt.date.fromisoformat(name[len(DATE_KEY):])
-    except ValueError:
-        return None
+    return name.endswith(".parquet") and not name.startswith((".", "_"))     # what pyarrow skips too
 
 
 # -- opening a location --------------------------------------------------------------------------

@@ -41,7 +41,6 @@ import pyarrow as pa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from analysis.source import partition_dir  # noqa: E402
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS, Table  # noqa: E402
 from sampler.dataset.writer import DatasetWriter  # noqa: E402
 
@@ -141,52 +140,45 @@ FLEET_T0 = pd.Timestamp("2026-11-01T00:00:00Z")
 
 
 def write_fleet(out: Path, hosts: int, days: int, processes: int, stacks: int, interval: float) -> int:
-    """The fleet in the schema-6 layout, one file per table and host-day. Returns outstanding rows."""
-    import pyarrow.parquet as pq
-
+    """The fleet through the recorder's writer (schema-6 layout), one file per table and host-day.
+    Returns the outstanding rows."""
     rng = np.random.default_rng(0)
     per_day = int(86400 / interval)
     n = days * per_day
     ts = FLEET_T0 + pd.to_timedelta(np.arange(1, n + 1) * interval, unit="s")
     rows = 0
     for h in range(hosts):
-        host, rec = f"h{h:03d}", f"bench-h{h:03d}"
-        common = {"recording_id": rec, "host": host}
-
-        def put(table: Table, df: pd.DataFrame, day: int, name: str, host: str = host) -> None:
-            path = out / partition_dir(table.name, host, (FLEET_T0 + pd.Timedelta(days=day)).date()) / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            pq.write_table(arrow(table, df), path, compression="zstd")
-
+        rec = f"bench-h{h:03d}"
+        w = DatasetWriter(out, rec, host=f"h{h:03d}")
         series_of = {}
         stack_rows, frame_rows = [], []
         for pid in range(1000, 1000 + processes):
             for k in range(stacks):
                 sid = pid * 100 + k
                 series_of[(pid, sid)] = series(rng, k % 4 if k < 4 else 3 + k, n, interval)
-                stack_rows.append({"ts": FLEET_T0, **common, "stack_id": sid, "n_frames": 1,
+                stack_rows.append({"ts": FLEET_T0, "recording_id": rec, "stack_id": sid, "n_frames": 1,
                                    "site": f"site_{k} (libapp.so)", "summary": f"site_{k} (libapp.so)"})
-                frame_rows.append({"ts": FLEET_T0, **common, "stack_id": sid, "depth": 0, "function": f"site_{k}",
-                                   "module": "libapp.so", "kind": "native"})
-        put(STACKS, pd.DataFrame(stack_rows), 0, f"{rec}-000001.parquet")      # first seen on day 0
-        put(FRAMES, pd.DataFrame(frame_rows), 0, f"{rec}-000001.parquet")
+                frame_rows.append({"ts": FLEET_T0, "recording_id": rec, "stack_id": sid, "depth": 0,
+                                   "function": f"site_{k}", "module": "libapp.so", "kind": "native"})
+        w.write(STACKS, arrow(STACKS, pd.DataFrame(stack_rows)), day=FLEET_T0.date())     # first seen on day 0
+        w.write(FRAMES, arrow(FRAMES, pd.DataFrame(frame_rows)), day=FLEET_T0.date())
         for d in range(days):
             lo, hi = d * per_day, (d + 1) * per_day
-            parts, procs = [], []
-            for (pid, sid), (live, churn) in series_of.items():
-                parts.append(pd.DataFrame({
-                    "ts": ts[lo:hi], **common, "interval_s": interval, "pid": pid, "comm": f"svc{pid % 7}",
-                    "source": "malloc", "stack_id": sid, "outstanding_bytes": live[lo:hi] * float(T),
-                    "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T), "live_samples": live[lo:hi],
-                    "alloc_samples": churn[lo:hi], "free_samples": np.zeros(hi - lo)}))
-            for pid in range(1000, 1000 + processes):
-                procs.append(pd.DataFrame({
-                    "ts": ts[lo:hi], **common, "pid": pid, "comm": f"svc{pid % 7}",
-                    "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval, "memory_limit": 16 << 30}))
+            day = ts[lo].date()
+            parts = [pd.DataFrame({
+                "ts": ts[lo:hi], "recording_id": rec, "interval_s": interval, "pid": pid, "comm": f"svc{pid % 7}",
+                "source": "malloc", "stack_id": sid, "outstanding_bytes": live[lo:hi] * float(T),
+                "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T), "live_samples": live[lo:hi],
+                "alloc_samples": churn[lo:hi], "free_samples": np.zeros(hi - lo)})
+                for (pid, sid), (live, churn) in series_of.items()]
+            procs = [pd.DataFrame({
+                "ts": ts[lo:hi], "recording_id": rec, "pid": pid, "comm": f"svc{pid % 7}",
+                "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval, "memory_limit": 16 << 30})
+                for pid in range(1000, 1000 + processes)]
             df = pd.concat(parts)
             rows += len(df)
-            put(OUTSTANDING, df, d, f"{rec}-{d + 2:06d}.parquet")
-            put(PROCESSES, pd.concat(procs), d, f"{rec}-{d + 2:06d}.parquet")
+            w.write(OUTSTANDING, arrow(OUTSTANDING, df), day=day)
+            w.write(PROCESSES, arrow(PROCESSES, pd.concat(procs)), day=day)
     return rows
 
 

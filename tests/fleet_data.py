@@ -1,7 +1,7 @@
 """Multi-host datasets for the fleet tests, made of real recordings: each copy of a recording's
-files becomes another host's data on another day (host and recording_id rewritten, every
-timestamp shifted by whole days), written in the schema-6 layout (<table>/host=<h>/date=<d>/)
-or the older one (<table>/date=<d>/)."""
+files becomes another host's data on another day (recording_id rewritten, every timestamp
+shifted by whole days), written in the schema-6 layout (<table>/host=<h>/date=<d>/, the host in
+the path only) or the older one (<table>/date=<d>/, the host in a `host` column of the rows)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from analysis.source import partition_dir
-from sampler.dataset.schema import TABLES
+from sampler.dataset.layout import host_key, parse_day, partition_dir
+from sampler.dataset.schema import HOST, TABLES
+
+
+def data_files(table_dir: Path) -> list[Path]:
+    """A table's files in either layout."""
+    return sorted([*table_dir.glob("host=*/date=*/*.parquet"), *table_dir.glob("date=*/*.parquet")])
 
 
 def copy_recording(src: Path, root: Path, host: str, days: int = 0, *, old_layout: bool = False) -> list[Path]:
@@ -21,23 +26,27 @@ def copy_recording(src: Path, root: Path, host: str, days: int = 0, *, old_layou
     written = []
     shift = pa.scalar(dt.timedelta(days=days), pa.duration("us"))
     for table_dir in sorted(p for p in src.iterdir() if p.name in TABLES):
-        for f in sorted(table_dir.glob("date=*/*.parquet")):
+        for f in data_files(table_dir):
             t = pq.read_table(f, partitioning=None)
+            if "host" in t.column_names:
+                t = t.drop_columns(["host"])
             old_id = str(t.column("recording_id")[0]) if "recording_id" in t.column_names and len(t) else ""
-            new_id = f"{old_id}-{host}-{days}"
+            new_id = f"{old_id}-{host_key(host)}-{days}"
             for i, field in enumerate(t.schema):
                 col = t.column(i)
-                if field.name == "host":
-                    col = pa.array([host] * len(t), pa.string()).dictionary_encode().cast(field.type)
-                elif field.name == "recording_id":
+                if field.name == "recording_id":
                     col = pa.array([new_id] * len(t), pa.string()).dictionary_encode().cast(field.type)
                 elif pa.types.is_timestamp(field.type) and days:
                     col = pc.add(col, shift).cast(field.type)
                 t = t.set_column(i, field, col)
-            day = dt.date.fromisoformat(f.parent.name.split("=", 1)[1]) + dt.timedelta(days=days)
-            table = table_dir.name
-            part = f"{table}/date={day.isoformat()}" if old_layout else partition_dir(table, host, day)
-            out = root / part / f.name.replace(old_id, new_id) if old_id else root / part / f"{new_id}-{f.name}"
+            day = parse_day(f.parent.name) + dt.timedelta(days=days)
+            if old_layout:      # schema 5: the host in the rows, no host= directory
+                t = t.append_column(pa.field(HOST.name, HOST.type),
+                                    pa.array([host] * len(t), pa.string()).dictionary_encode().cast(HOST.type))
+                part = root / table_dir.name / f"date={day.isoformat()}"
+            else:
+                part = partition_dir(root, table_dir.name, host, day)
+            out = part / f.name.replace(old_id, new_id) if old_id else part / f"{new_id}-{f.name}"
             out.parent.mkdir(parents=True, exist_ok=True)
             pq.write_table(t, out, compression="zstd")
             written.append(out)
@@ -46,7 +55,7 @@ def copy_recording(src: Path, root: Path, host: str, days: int = 0, *, old_layou
 
 def recording_day(src: Path) -> dt.date:
     """The (first) day directory of a recording's outstanding table."""
-    return min(dt.date.fromisoformat(p.name.split("=", 1)[1]) for p in (src / "outstanding").glob("date=*"))
+    return min(parse_day(f.parent.name) for f in data_files(src / "outstanding"))
 
 
 def fleet_plan(a: Path, b: Path, c: Path) -> dict[str, tuple[Path, list[int], bool]]:
@@ -91,7 +100,7 @@ def add_garbage(root: Path, day0: dt.date) -> list[Path]:
         for host, offset in (("spam", 1), ("web-1", 3), ("web-1", -1)):
             if offset < 0 and table in CATALOGS:
                 continue        # catalogs of earlier days are needed: stacks first seen then
-            f = root / partition_dir(table, host, day0 + dt.timedelta(days=offset)) / "garbage.parquet"
+            f = partition_dir(root, table, host, day0 + dt.timedelta(days=offset)) / "garbage.parquet"
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_bytes(GARBAGE)
             made.append(f)

@@ -17,7 +17,8 @@ from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synt
 
 from analysis import analyze
 from analysis.fleet import per_host
-from analysis.source import Selection, open_source, partition_host
+from analysis.source import Selection, open_source
+from sampler.dataset.layout import host_key
 
 pytestmark = pytest.mark.bpf
 
@@ -39,7 +40,7 @@ def fleet(tmp_path_factory, leaky, leaky_grown):
     base = tmp_path_factory.mktemp("fleet")
     plan = fleet_plan(leaky.out, leaky_grown.out, synthetic_recording(base / "synthetic"))
     root = build_fleet(base / "fleet", plan)
-    refs = {h: build_fleet(base / "ref" / partition_host(h), plan, hosts={h}, old_layout=True) for h in plan}
+    refs = {h: build_fleet(base / "ref" / host_key(h), plan, hosts={h}, old_layout=True) for h in plan}
     return root, refs, plan, recording_day(leaky.out)
 
 
@@ -54,16 +55,16 @@ def test_fleet_analysis_equals_each_host_alone(fleet):
     root, refs, plan, _ = fleet
     doc = json.loads(ok("analyze", str(root), "--json"))
     hosts = [h["host"] for h in doc["hosts"]]
-    assert hosts == sorted(partition_host(h) for h in plan)
+    assert hosts == sorted(host_key(h) for h in plan)
     got = findings_by_host(doc)
     for host, ref in refs.items():
         alone = json.loads(ok("analyze", str(ref), "--json"))["findings"]
-        assert got.get(partition_host(host), []) == alone, host
+        assert got.get(host_key(host), []) == alone, host
     assert len(got["batch-7"]) >= 4       # its leaks, in each of its two days' recordings
     n = {h["host"]: h["processes"] for h in doc["hosts"]}
     for host, (src, days, _) in plan.items():
         procs = pd.read_parquet(src / "processes")
-        assert n[partition_host(host)] == len(days) * procs["pid"].nunique()
+        assert n[host_key(host)] == len(days) * procs["pid"].nunique()
     text = ok("analyze", str(root))
     assert [ln.split(":")[0] for ln in text.splitlines() if ln.startswith("== host ")] == \
         [f"== host {h}" for h in hosts]
@@ -81,7 +82,7 @@ def test_one_host_in_memory_at_a_time(fleet):
         return ds
 
     got = dict(per_host(open_source(str(root)), lambda host, ds, findings: len(findings), load))
-    assert sorted(got) == sorted(partition_host(h) for h in plan) and got["batch-7"] >= 4
+    assert sorted(got) == sorted(host_key(h) for h in plan) and got["batch-7"] >= 4
 
 
 def test_top_per_host_equals_each_host_alone(fleet):
@@ -91,9 +92,9 @@ def test_top_per_host_equals_each_host_alone(fleet):
     for chunk in text.split("== host ")[1:]:
         head, body = chunk.split(" ==\n", 1)
         sections[head] = body
-    assert set(sections) == {partition_host(h) for h in refs}
+    assert set(sections) == {host_key(h) for h in refs}
     for host, ref in refs.items():
-        assert sections[partition_host(host)] == ok("top", str(ref), "-n", "3"), host
+        assert sections[host_key(host)] == ok("top", str(ref), "-n", "3"), host
     # one host: the plain output, as for a single dataset
     assert ok("top", str(root), "-n", "3", "--host", "db_1") == ok("top", str(refs["db 1"]), "-n", "3")
 

@@ -231,9 +231,11 @@ def spark():
 
 
 def fleet_rows(root: Path, table: str) -> pd.DataFrame:
-    """Every file of a table read on its own (no dataset, no partition discovery)."""
+    """Every file of a table read on its own (no dataset, no partition discovery; `host` from its
+    host= directory)."""
     files = sorted(root.glob(f"{table}/host=*/date=*/*.parquet"))
-    df = pd.concat([pq.ParquetFile(f).read().to_pandas() for f in files], ignore_index=True)
+    df = pd.concat([pq.ParquetFile(f).read().to_pandas().assign(host=f.parent.parent.name.split("=", 1)[1])
+                    for f in files], ignore_index=True)
     return df.astype({c: str for c in ("host", "recording_id", "source") if c in df})
 
 
