@@ -11,15 +11,19 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from analysis.source import Source
 from sampler.dataset import layout
 from sampler.dataset.schema import TABLES
 
 
-def read_table(root: str | Path, name: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
+def read_table(root: str | Path | Source, name: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
     """One table as a DataFrame (empty, with the schema's columns, when nothing was written).
 
     `filter` is a pyarrow.dataset expression, e.g. `ds.field("pid") == 1234`. Both layouts are
-    read (sampler.dataset.layout): host=*/date=*/ and, from schema <= 5, date=*/."""
+    read (sampler.dataset.layout): host=*/date=*/ and, from schema <= 5, date=*/. `root` may be a
+    Source (analysis/source.py): a URI, or a selection of hosts and days pruned before reading."""
+    if isinstance(root, Source):
+        return root.read(name, filter=filter, columns=columns)
     table = TABLES[name]
     path = Path(root) / name
     if not path.is_dir() or not layout.has_files(path):
@@ -128,7 +132,7 @@ def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.Da
 class Dataset:
     """The tables of one dataset directory, filtered, as DataFrames."""
 
-    root: Path
+    root: Path | Source
     outstanding: pd.DataFrame          # running state only (split_exit)
     processes: pd.DataFrame
     stacks: pd.DataFrame
@@ -164,14 +168,15 @@ OUTSTANDING_COLUMNS = ["ts", "recording_id", "pid", "comm", "source", "stack_id"
                        "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples", "exiting"]
 
 
-def load(root: str | Path, *, pids: list[int] | None = None, sources: list[str] | None = None,
+def load(root: str | Path | Source, *, pids: list[int] | None = None, sources: list[str] | None = None,
          since: dt.datetime | None = None, until: dt.datetime | None = None,
          outstanding_columns: list[str] | None = OUTSTANDING_COLUMNS) -> Dataset:
     """Read a dataset, keeping only the given processes, sources and time window (and, of the
     outstanding table, the columns analysis uses; None reads all)."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"no dataset at {root}")
+    if not isinstance(root, Source):
+        root = Path(root)
+        if not root.is_dir():
+            raise FileNotFoundError(f"no dataset at {root}")
     when = _time_filter(since, until)
     by_pid = ds.field("pid").isin(pids) if pids else None
 

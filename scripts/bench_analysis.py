@@ -2,6 +2,7 @@
 """Time and memory of `analyze` on a synthetic dataset: 50 processes x 24 h at 10 s intervals.
 
     .venv/bin/python scripts/bench_analysis.py [--processes 50] [--hours 24] [--stacks 10] [--quick]
+    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--quick]
 
 Each process gets `stacks` stacks: a slow leak, a bounded cache, churn and steady pools, written
 through the recorder's own DatasetWriter (one file per table per simulated hour), then
@@ -11,11 +12,22 @@ reported.
 Every column is converted to its Arrow type in sampler/dataset/schema.py, so a schema change
 breaks this bench loudly (or not at all), and tests/test_benchmarks.py runs its --quick mode
 (2 processes x 2 h x 4 stacks: every kind of stack, two files per table; seconds).
+
+--fleet: a fleet of hosts x days in the schema-6 layout (<table>/host=<h>/date=<d>/, one
+compacted file per table and host-day, as the daemon uploads them), each host-day 8 processes x 8
+stacks at 30 s (184,320 outstanding rows, a 24th of the single-host day above; each process runs
+through all the days of its host, with the same four kinds of stack), then
+`allocsampler analyze DIR --json` (every host, one at a time: analysis/fleet.py) and the same with
+--host and --since pruning, each in a fresh child process: wall time and peak RSS, --runs times.
+--s3 repeats the pruned selections over a moto S3 server on localhost (moto[server] installed).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,6 +132,177 @@ print(dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, kinds)
 """
 
 
+# -- fleet ---------------------------------------------------------------------------------------
+
+FLEET = {"hosts": 100, "days": 5, "processes": 8, "stacks": 8, "interval": 30.0}
+FLEET_QUICK = {"hosts": 3, "days": 2, "processes": 2, "stacks": 4, "interval": 600.0}
+FLEET_T0 = pd.Timestamp("2026-11-01T00:00:00Z")
+
+
+def write_fleet(out: Path, hosts: int, days: int, processes: int, stacks: int, interval: float) -> int:
+    """The fleet through the recorder's writer (schema-6 layout), one file per table and host-day.
+    Returns the outstanding rows."""
+    rng = np.random.default_rng(0)
+    per_day = int(86400 / interval)
+    n = days * per_day
+    ts = FLEET_T0 + pd.to_timedelta(np.arange(1, n + 1) * interval, unit="s")
+    rows = 0
+    for h in range(hosts):
+        rec = f"bench-h{h:03d}"
+        w = DatasetWriter(out, rec, host=f"h{h:03d}")
+        series_of = {}
+        stack_rows, frame_rows = [], []
+        for pid in range(1000, 1000 + processes):
+            for k in range(stacks):
+                sid = pid * 100 + k
+                series_of[(pid, sid)] = series(rng, k % 4 if k < 4 else 3 + k, n, interval)
+                stack_rows.append({"ts": FLEET_T0, "recording_id": rec, "stack_id": sid, "n_frames": 1,
+                                   "site": f"site_{k} (libapp.so)", "summary": f"site_{k} (libapp.so)"})
+                frame_rows.append({"ts": FLEET_T0, "recording_id": rec, "stack_id": sid, "depth": 0,
+                                   "function": f"site_{k}", "module": "libapp.so", "kind": "native"})
+        w.write(STACKS, arrow(STACKS, pd.DataFrame(stack_rows)), day=FLEET_T0.date())     # first seen on day 0
+        w.write(FRAMES, arrow(FRAMES, pd.DataFrame(frame_rows)), day=FLEET_T0.date())
+        for d in range(days):
+            lo, hi = d * per_day, (d + 1) * per_day
+            day = ts[lo].date()
+            parts = [pd.DataFrame({
+                "ts": ts[lo:hi], "recording_id": rec, "interval_s": interval, "pid": pid, "comm": f"svc{pid % 7}",
+                "source": "malloc", "stack_id": sid, "outstanding_bytes": live[lo:hi] * float(T),
+                "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T), "live_samples": live[lo:hi],
+                "alloc_samples": churn[lo:hi], "free_samples": np.zeros(hi - lo)})
+                for (pid, sid), (live, churn) in series_of.items()]
+            procs = [pd.DataFrame({
+                "ts": ts[lo:hi], "recording_id": rec, "pid": pid, "comm": f"svc{pid % 7}",
+                "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval, "memory_limit": 16 << 30})
+                for pid in range(1000, 1000 + processes)]
+            df = pd.concat(parts)
+            rows += len(df)
+            w.write(OUTSTANDING, arrow(OUTSTANDING, df), day=day)
+            w.write(PROCESSES, arrow(PROCESSES, pd.concat(procs)), day=day)
+    return rows
+
+
+FLEET_CHILD = """
+import contextlib, io, json, os, resource, sys, time
+sys.path.insert(0, {root!r})
+t = time.perf_counter()
+from sampler.cli import main
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    code = main({argv!r})
+dt = time.perf_counter() - t
+doc = json.loads(buf.getvalue())
+hosts = len(doc["hosts"]) if "hosts" in doc else 1
+print(code, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, hosts, len(doc["findings"]))
+"""
+
+
+# The contrast: the selected hosts loaded and analysed as one dataset, as a single-host reader
+# would (what per-host streaming avoids).
+AT_ONCE_CHILD = """
+import resource, sys, time
+sys.path.insert(0, {root!r})
+t = time.perf_counter()
+from analysis import analyze
+from analysis.source import Selection, open_source
+argv = {argv!r}
+source = open_source(argv[1], Selection((argv[-1],)))
+findings = analyze.run(analyze.load(source))
+dt = time.perf_counter() - t
+print(0, dt, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, len(source.hosts()), len(findings))
+"""
+
+
+def measure(argv: list[str], env: dict[str, str] | None = None,
+            child: str = FLEET_CHILD) -> tuple[float, int, int, int]:
+    """(wall s, peak RSS bytes, hosts, findings) of `allocsampler ARGV` in a fresh child."""
+    out = subprocess.run([sys.executable, "-c", child.format(root=str(ROOT), argv=argv)], capture_output=True,
+                         text=True, env={**os.environ, **(env or {})})
+    if out.returncode != 0:
+        raise SystemExit(f"analyze {argv} failed: {out.stderr.strip()}")
+    code, wall, rss, hosts, findings = out.stdout.split()
+    assert code == "0", out.stdout
+    return float(wall), int(rss), int(hosts), int(findings)
+
+
+def spread(values: list[float], fmt: str) -> str:
+    """median [min-max] of the runs."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def moto_upload(local: Path) -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free localhost port holding `local` as s3://bench/fleet."""
+    import urllib.request
+
+    import pyarrow.fs as pafs
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    fs = pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
+                           access_key="bench", secret_key="bench", allow_bucket_creation=True)
+    fs.create_dir("bench")
+    pafs.copy_files(str(local), "bench/fleet", destination_filesystem=fs, use_threads=True)
+    return proc, url
+
+
+def fleet_main(args: argparse.Namespace) -> None:
+    sizes = FLEET_QUICK if args.quick else FLEET
+    hosts = args.hosts or sizes["hosts"]
+    days = args.days or sizes["days"]
+    runs = 1 if args.quick else args.runs
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "fleet"
+        t = time.perf_counter()
+        rows = write_fleet(out, hosts, days, sizes["processes"], sizes["stacks"], sizes["interval"])
+        files = sum(1 for _ in out.rglob("*.parquet"))
+        size = sum(f.stat().st_size for f in out.rglob("*.parquet"))
+        print(f"wrote {hosts} hosts x {days} days: {rows:,} outstanding rows, {files:,} files, "
+              f"{size / MiB:.0f} MiB in {time.perf_counter() - t:.0f} s")
+        last_day = (FLEET_T0 + pd.Timedelta(days=days - 1)).date().isoformat()
+        selections = [("every host, every day", []),
+                      ("--host h000 (one host)", ["--host", "h000"]),
+                      (f"--host 'h00*' ({min(hosts, 10)} hosts)", ["--host", "h00*"]),
+                      (f"--since {last_day} (the last day)", ["--since", last_day]),
+                      (f"as one dataset: 'h00*' ({min(hosts, 10)} hosts) loaded at once", ["--host", "h00*"])]
+        where = [("local", str(out), None)]
+        moto = None
+        if args.s3:
+            t = time.perf_counter()
+            moto, url = moto_upload(out)
+            print(f"uploaded to a moto S3 server in {time.perf_counter() - t:.0f} s")
+            where.append(("moto S3", "s3://bench/fleet", {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench",
+                                                          "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}))
+        try:
+            print("| where | selection | hosts | findings | wall time, median [min-max] | peak RSS, median [min-max] |")
+            print("|---|---|--:|--:|--:|--:|")
+            for place, location, env in where:
+                for label, extra in selections:
+                    if place != "local" and (label.startswith("as one") or not extra and not args.s3_all):
+                        continue        # the whole fleet over moto only with --s3-all: moto is one Python process
+                    child = AT_ONCE_CHILD if label.startswith("as one dataset") else FLEET_CHILD
+                    got = [measure(["analyze", location, "--json", *extra], env, child) for _ in range(runs)]
+                    print(f"| {place} | {label} | {got[0][2]} | {got[0][3]} | "
+                          f"{spread([g[0] for g in got], '{:.1f} s')} | "
+                          f"{spread([g[1] / MiB for g in got], '{:,.0f} MiB')} |", flush=True)
+        finally:
+            if moto is not None:
+                moto.terminate()
+                moto.wait()
+    if args.quick:
+        print(QUICK_NOTE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--processes", type=int, help=f"default {FULL['processes']}, --quick {QUICK['processes']}")
@@ -127,7 +310,16 @@ def main() -> None:
     ap.add_argument("--stacks", type=int, help=f"default {FULL['stacks']}, --quick {QUICK['stacks']}")
     ap.add_argument("--interval", type=float, default=10)
     ap.add_argument("--quick", action="store_true", help="smallest sizes that still exercise every step")
+    ap.add_argument("--fleet", action="store_true", help="the fleet benchmark (hosts x days, schema-6 layout)")
+    ap.add_argument("--hosts", type=int, help=f"--fleet: default {FLEET['hosts']}")
+    ap.add_argument("--days", type=int, help=f"--fleet: default {FLEET['days']}")
+    ap.add_argument("--runs", type=int, default=3, help="--fleet: runs of each selection (default 3)")
+    ap.add_argument("--s3", action="store_true", help="--fleet: the pruned selections over a moto S3 server too")
+    ap.add_argument("--s3-all", action="store_true", help="--fleet --s3: the whole fleet over moto too")
     args = ap.parse_args()
+    if args.fleet:
+        fleet_main(args)
+        return
     for k, v in (QUICK if args.quick else FULL).items():      # explicit sizes win over either preset
         if getattr(args, k) is None:
             setattr(args, k, v)

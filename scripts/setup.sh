@@ -45,6 +45,8 @@ apt_install libc6-dbg
 apt_install libjemalloc2 libtcmalloc-minimal4
 # Headless browser and a font for the HTML report's rendering test (tests/test_report_html.py).
 apt_install chromium fonts-dejavu-core
+# A Java runtime for pyspark in local mode: docs/querying.md's Spark fleet recipes (tests/test_querying.py).
+apt_install default-jre-headless
 
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
 kver=$(uname -r)

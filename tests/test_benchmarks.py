@@ -73,6 +73,23 @@ def test_bench_analysis_quick() -> None:
     assert ast.literal_eval(m[3]) == {"persistent_growth": 2}
 
 
+def test_bench_analysis_fleet_quick() -> None:
+    """--fleet --quick (3 hosts x 2 days) with --s3: every selection, locally and over moto, finds
+    each host's leaks (one per process, 2 processes a host) and nothing else."""
+    r = subprocess.run([sys.executable, "scripts/bench_analysis.py", "--fleet", "--quick", "--s3", "--s3-all"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and QUICK_NOTE in r.stdout, r.stderr[-4000:]
+    header, rows = md_table(r.stdout, "where")
+    assert header == ["where", "selection", "hosts", "findings", "wall time, median [min-max]",
+                      "peak RSS, median [min-max]"]
+    assert [(row["where"], row["selection"].split()[0]) for row in rows] == \
+        [("local", s) for s in ("every", "--host", "--host", "--since", "as")] + \
+        [("moto S3", s) for s in ("every", "--host", "--host", "--since")]
+    for row in rows:
+        assert int(row["findings"]) == 2 * int(row["hosts"]) > 0 and num(row["wall time, median [min-max]"]) > 0
+        assert int(row["hosts"]) == (1 if "one host" in row["selection"] else 3)
+
+
 def _bench_analysis_module() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_analysis", ROOT / "scripts" / "bench_analysis.py")
     mod = importlib.util.module_from_spec(spec)

@@ -4,6 +4,7 @@ DuckDB forms give the same table, and that table agrees with the workload that w
 from __future__ import annotations
 
 import ast
+import datetime as dt
 import math
 import re
 import socket
@@ -13,24 +14,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+from fleet_data import copy_recording, recording_day
 from test_pprof import Recorded
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "querying.md"
 FUNCTION = "leak_malloc"
 
 
-def doc_recipes() -> dict[str, dict[str, str]]:
-    """`### title` sections under `## Recipes`: {title: {"python": code, "sql": code}}."""
-    section = DOC.read_text().split("\n## Recipes\n", 1)[1].split("\n## ", 1)[0]
+def doc_recipes(heading: str = "Recipes", langs: tuple[str, ...] = ("python", "sql")) -> dict[str, dict[str, str]]:
+    """`### title` sections under `## heading`: {title: {lang: code}}, one block of each language."""
+    section = DOC.read_text().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
     out: dict[str, dict[str, str]] = {}
     for chunk in section.split("\n### ")[1:]:
         title, body = chunk.split("\n", 1)
         blocks = re.findall(r"```(\w+)\n(.*?)```", body, re.S)
-        langs = [lang for lang, _ in blocks]
-        assert sorted(langs) == ["python", "sql"], f"{title}: one python and one sql block, got {langs}"
+        assert sorted(lang for lang, _ in blocks) == sorted(langs), f"{title}: one block of each of {langs}"
         out[title.strip()] = dict(blocks)
     return out
+
+
+def fleet_recipes() -> dict[str, dict[str, str]]:
+    """The fleet recipes: pyarrow (python), DuckDB (sql) and Spark (pyspark) forms."""
+    return doc_recipes("Fleet recipes", ("python", "sql", "pyspark"))
 
 
 @dataclass
@@ -167,11 +174,11 @@ CHECKS: dict[str, Callable[[pd.DataFrame, Fleet], None]] = {
 
 
 def test_every_recipe_is_checked():
-    recipes = doc_recipes()
-    assert set(recipes) == set(CHECKS)
+    recipes, fleet = doc_recipes(), fleet_recipes()
+    assert set(recipes) == set(CHECKS) and set(fleet) == set(FLEET_CHECKS)
     # no runnable block outside the recipes, where nothing would run it
-    blocks = re.findall(r"```(python|sql)\n", DOC.read_text())
-    assert len(blocks) == 2 * len(recipes)
+    blocks = re.findall(r"```(python|sql|pyspark)\n", DOC.read_text())
+    assert len(blocks) == 2 * len(recipes) + 3 * len(fleet)
 
 
 @pytest.mark.bpf
@@ -187,3 +194,115 @@ def test_recipe(title, fleet):
     assert list(py.columns) == list(sql.columns)
     pd.testing.assert_frame_equal(normalized(py), normalized(sql), check_dtype=False, rtol=1e-9)
     CHECKS[title](py, fleet)
+
+
+# --- fleet recipes: many hosts under one schema-6 prefix, pyarrow, DuckDB and Spark -------------------
+
+@dataclass
+class Prefix:
+    root: Path                  # PREFIX: <table>/host=<h>/date=<d>/
+    deploy: str                 # DEPLOY: the start of the day after the recordings' day
+
+
+@pytest.fixture(scope="module")
+def prefix(tmp_path_factory, leaky, leaky_grown) -> Prefix:
+    """Three hosts of real recordings: web-1 and web-2 ran `leaky` on day 0 and, after the deploy,
+    `leaky_grown` (leak_malloc 4x, leak_posix_memalign new, leak_calloc gone) on day 1; web-3
+    ran `leaky` on day 1."""
+    root = tmp_path_factory.mktemp("prefix")
+    later = 1 + (recording_day(leaky.out) - recording_day(leaky_grown.out)).days    # day 1 of leaky's days
+    for host in ("web-1", "web-2"):
+        copy_recording(leaky.out, root, host, 0)
+        copy_recording(leaky_grown.out, root, host, later)
+    copy_recording(leaky.out, root, "web-3", 1)
+    return Prefix(root, f"{recording_day(leaky.out) + dt.timedelta(days=1)}T00:00:00Z")
+
+
+@pytest.fixture(scope="module")
+def spark():
+    """One local Spark session for the module (the recipes' getOrCreate() returns it)."""
+    from pyspark.sql import SparkSession
+    session = (SparkSession.builder.master("local[1]").appName("allocsampler-recipes")
+               .config("spark.ui.enabled", "false").config("spark.sql.session.timeZone", "UTC")
+               .config("spark.sql.shuffle.partitions", "1").getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def fleet_rows(root: Path, table: str) -> pd.DataFrame:
+    """Every file of a table read on its own (no dataset, no partition discovery; `host` from its
+    host= directory)."""
+    files = sorted(root.glob(f"{table}/host=*/date=*/*.parquet"))
+    df = pd.concat([pq.ParquetFile(f).read().to_pandas().assign(host=f.parent.parent.name.split("=", 1)[1])
+                    for f in files], ignore_index=True)
+    return df.astype({c: str for c in ("host", "recording_id", "source") if c in df})
+
+
+def running_malloc(root: Path) -> pd.DataFrame:
+    o = fleet_rows(root, "outstanding")
+    return o[(o["source"] == "malloc") & ~o["exiting"].fillna(False).astype(bool)]
+
+
+def check_growing(df: pd.DataFrame, fx: Prefix) -> None:
+    o = fleet_rows(fx.root, "outstanding")
+    o = o[o["source"] == "malloc"]
+    growth: dict[int, float] = {}
+    grew_on: dict[int, int] = {}
+    for (sid, _), g in o.groupby(["stack_id", "host"]):
+        d = g["allocated_bytes"].sum() - g["freed_bytes"].sum()
+        growth[sid] = growth.get(sid, 0.0) + d
+        grew_on[sid] = grew_on.get(sid, 0) + (d >= 1)
+    top = sorted((s for s, v in growth.items() if v >= 1), key=lambda s: (-growth[s], s))[:10]
+    assert list(df["stack_id"]) == top
+    assert list(df["growth_bytes"]) == pytest.approx([growth[s] for s in top], rel=1e-9)
+    assert list(df["hosts"]) == [grew_on[s] for s in top]
+    # the leaks: leak_malloc on every host, leak_posix_memalign only where leaky_grown ran
+    sites = df.set_index(df["summary"].str.split(" ").str[0])["hosts"]
+    assert sites["leak_malloc"] == 3 and sites["leak_posix_memalign"] == 2 and "churn" not in sites
+
+
+def check_deploy(df: pd.DataFrame, fx: Prefix) -> None:
+    o = running_malloc(fx.root)
+    stacks = fleet_rows(fx.root, "stacks").drop_duplicates("stack_id").set_index("stack_id")["summary"]
+    deploy = pd.Timestamp(fx.deploy)
+    held: dict[tuple[str, str], float] = {}
+    for _, g in o.groupby(["host", "recording_id", "pid"]):
+        for side, rows in (("before", g[g["ts"] < deploy]), ("after", g[g["ts"] >= deploy])):
+            for sid, b in rows[rows["ts"] == rows["ts"].max()].groupby("stack_id")["outstanding_bytes"].sum().items():
+                key = (stacks[sid], side)
+                held[key] = held.get(key, 0.0) + b
+    got = df.set_index("summary")
+    assert set(got.index) == {s for s, _ in held}
+    for summary, row in got.iterrows():
+        assert row["before_bytes"] == pytest.approx(held.get((summary, "before"), 0.0), rel=1e-9)
+        assert row["after_bytes"] == pytest.approx(held.get((summary, "after"), 0.0), rel=1e-9)
+    assert list(df["change_bytes"]) == sorted(df["change_bytes"], reverse=True)
+    first = df.iloc[0]      # leak_malloc held 4x more after the deploy
+    assert first["summary"].startswith("leak_malloc (") and first["after_bytes"] > 2 * first["before_bytes"] > 0
+
+
+FLEET_CHECKS: dict[str, Callable[[pd.DataFrame, Prefix], None]] = {
+    "Top growing stacks across hosts": check_growing,
+    "Before and after a deploy": check_deploy,
+}
+
+
+def spark_frame(df) -> pd.DataFrame:
+    return pd.DataFrame([r.asDict() for r in df.collect()], columns=df.columns)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("title", list(FLEET_CHECKS))
+def test_fleet_recipe(title, prefix, spark):
+    recipe = fleet_recipes()[title]
+
+    def concrete(code: str) -> str:
+        return code.replace("PREFIX", str(prefix.root)).replace("DEPLOY", prefix.deploy)
+
+    py = run_python(concrete(recipe["python"]))
+    results = {"sql": run_sql(concrete(recipe["sql"])), "pyspark": spark_frame(run_python(concrete(recipe["pyspark"])))}
+    for lang, df in results.items():
+        assert list(df.columns) == list(py.columns), lang
+        pd.testing.assert_frame_equal(normalized(py), normalized(df), check_dtype=False, rtol=1e-9, obj=lang)
+    FLEET_CHECKS[title](py.reset_index(drop=True), prefix)

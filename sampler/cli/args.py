@@ -66,28 +66,64 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 90s, 30m, 2h)") from None
 
 
+DIR_HELP = "dataset: a directory (record --out, the daemon's data directory) or a URI (s3://BUCKET/PREFIX)"
+
+
+def add_location(p: argparse.ArgumentParser) -> None:
+    """Where the data lies beyond a local directory, and which hosts of it."""
+    p.add_argument("--host", action="append", default=[], metavar="GLOB",
+                   help="only these hosts (host= partition names; globs such as 'web-*'; repeatable)")
+    p.add_argument("--endpoint", metavar="URL", help="S3 endpoint of an s3:// dataset, e.g. http://127.0.0.1:9000 "
+                   "(default: AWS_ENDPOINT_URL, else AWS)")
+
+
 def add_window(p: argparse.ArgumentParser) -> None:
     """The dataset selection of analyze and report."""
-    p.add_argument("dir", help="dataset directory (record --out, or the daemon's data directory)")
+    p.add_argument("dir", help=DIR_HELP)
     p.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+    p.add_argument("--comm", action="append", default=[], metavar="NAME", help="only processes of this name")
+    add_location(p)
     p.add_argument("--source", action="append", default=[], choices=SOURCES, help="only these allocation sources")
     p.add_argument("--since", type=when, help="start of the window (ISO time, UTC if no zone)")
     p.add_argument("--until", type=when, help="end of the window (ISO time)")
     p.add_argument("--last", type=duration, metavar="DURATION", help="only the last DURATION of the data, e.g. 30m, 2h")
 
 
-def load_window(args):
-    """The dataset that add_window's arguments select."""
-    from analysis.dataset import load, read_table
+def open_location(args, *, since: dt.datetime | None = None, until: dt.datetime | None = None):
+    """The Source (analysis/source.py) of args.dir with --host, --comm and the window, which
+    prunes host= and date= directories before reading."""
+    from analysis.source import Selection, open_source
 
+    selection = Selection(tuple(args.host), since, until, tuple(getattr(args, "comm", ())))
+    return open_source(args.dir, selection, endpoint=args.endpoint)
+
+
+def dataset_location(args, source=None):
+    """What the readers get: args.dir itself for a local directory read whole (as before any
+    selection existed), else the Source."""
+    from analysis.source import Selection, is_uri
+
+    source = source or open_location(args, since=getattr(args, "since", None), until=getattr(args, "until", None))
+    return args.dir if not is_uri(args.dir) and source.selection == Selection() else source
+
+
+def load_window(args, where=None):
+    """The dataset that add_window's arguments select (`where`: dataset_location(args), or one
+    host's Source of it)."""
+    from analysis.dataset import load, read_table
+    from analysis.source import Source
+
+    where = dataset_location(args) if where is None else where
     since = args.since
     if args.last:
-        procs = read_table(args.dir, "processes", columns=["ts", "pid"])
+        procs = read_table(where, "processes", columns=["ts", "pid"])
         if args.pid:
             procs = procs[procs["pid"].isin(args.pid)]
         if not procs.empty:     # the last DURATION of the selected processes' data
             since = procs["ts"].max().to_pydatetime() - dt.timedelta(seconds=args.last)
+            if isinstance(where, Source):
+                where = where.select(since=since)
     try:
-        return load(args.dir, pids=args.pid or None, sources=args.source or None, since=since, until=args.until)
+        return load(where, pids=args.pid or None, sources=args.source or None, since=since, until=args.until)
     except FileNotFoundError:
         raise UsageError(f"no dataset at {args.dir}: give the directory passed to `record --out`") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from sampler.cli.args import add_location
 from sampler.errors import UsageError
 
 HELP = "compare a baseline dataset with a new one (CI memory gate)"
@@ -21,8 +22,9 @@ def _budget(text: str):
 def prepare_parser(d: argparse.ArgumentParser) -> None:
     d.description = ("Per process name and stack: peak and final outstanding memory, peak RSS, "
                      "arena resident, GPU reserved. Exit 1 when a metric grows beyond --budget.")
-    d.add_argument("baseline", help="baseline dataset directory")
-    d.add_argument("new", help="new dataset directory")
+    d.add_argument("baseline", help="baseline dataset: a directory or a URI (s3://BUCKET/PREFIX)")
+    d.add_argument("new", help="new dataset: a directory or a URI")
+    add_location(d)     # --host applies to both sides
     d.add_argument("--budget", type=_budget, help="allowed growth of each metric: a share of the baseline "
                    "(5%%) or a size (64M); without it nothing fails")
     d.add_argument("--metric", action="append", default=[], metavar="NAME",
@@ -39,9 +41,19 @@ def run(args: argparse.Namespace) -> int:
     bad = sorted(set(args.metric) - set(METRICS))
     if bad:
         raise UsageError(f"unknown --metric {', '.join(bad)}: choose from {', '.join(METRICS)}")
-    for d in (args.baseline, args.new):
-        if read_table(d, "processes", columns=["pid"]).empty:
+    sides = [side(args, d) for d in (args.baseline, args.new)]
+    for d, where in zip((args.baseline, args.new), sides, strict=True):
+        if read_table(where, "processes", columns=["pid"]).empty:
             raise UsageError(f"no recording in {d}: give a directory written by `record --out`")
-    report = compare(args.baseline, args.new, args.budget, tuple(args.metric) or METRICS)
+    report = compare(*sides, args.budget, tuple(args.metric) or METRICS)
     print(json.dumps(report.to_json(), indent=2) if args.json else render(report, n=args.n))
     return 1 if report.over_budget else 0
+
+
+def side(args: argparse.Namespace, location: str):
+    """One side's dataset: the directory itself, or a Source of a URI or of the --host selection."""
+    from analysis.source import Selection, is_uri, open_source
+
+    if not is_uri(location) and not args.host:
+        return location
+    return open_source(location, Selection(hosts=tuple(args.host)), endpoint=args.endpoint)

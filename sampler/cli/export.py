@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from sampler.cli.args import SOURCES, when
+from sampler.cli.args import DIR_HELP, SOURCES, add_location, when
 from sampler.errors import UsageError
 
 HELP = "write a pprof profile or collapsed stacks of a dataset"
@@ -15,10 +14,12 @@ HELP = "write a pprof profile or collapsed stacks of a dataset"
 def prepare_parser(e: argparse.ArgumentParser) -> None:
     e.description = ("Export outstanding (inuse_*) and allocated (alloc_*) bytes and objects "
                      "per stack: a gzipped pprof Profile and/or collapsed stacks.")
-    e.add_argument("dir", help="dataset directory (record --out)")
+    e.add_argument("dir", help=DIR_HELP)
     e.add_argument("--pprof", metavar="OUT.pb.gz", help="write a gzipped pprof profile")
     e.add_argument("--collapsed", metavar="OUT.txt", help="write collapsed stacks ('-': standard output)")
     e.add_argument("--pid", type=int, action="append", default=[], help="only these processes")
+    e.add_argument("--comm", action="append", default=[], metavar="NAME", help="only processes of this name")
+    add_location(e)
     e.add_argument("--source", choices=SOURCES, default="malloc",
                    help="allocation source (they overlap, so one at a time; default: %(default)s)")
     window = e.add_mutually_exclusive_group()
@@ -35,22 +36,23 @@ def run(args: argparse.Namespace) -> int:
     from analysis.export.pprof import Window, profile_values, write_pprof
     from analysis.frames import read_stack_frames
     from sampler import files
+    from sampler.cli.args import dataset_location, open_location
     from sampler.units import fmt_bytes
 
     if not args.pprof and not args.collapsed:
         raise UsageError("nothing to write: give --pprof OUT.pb.gz and/or --collapsed OUT.txt")
-    if not Path(args.dir).is_dir():
-        raise UsageError(f"no dataset at {args.dir}: give the directory passed to `record --out`")
     start, end = args.window if args.window else (None, args.at)
     if start is not None and start >= end:
         raise UsageError("--window START END: START must be before END")
+    # inuse is each process's last state up to END, whenever it began: only END prunes days
+    where = dataset_location(args, open_location(args, until=end))
     window = Window(start, end)
-    values = profile_values(args.dir, window=window, source=args.source, pids=args.pid or None)
-    frames = read_stack_frames(args.dir)
+    values = profile_values(where, window=window, source=args.source, pids=args.pid or None)
+    frames = read_stack_frames(where)
     log = sys.stderr if args.collapsed == "-" else sys.stdout
     try:
         if args.pprof:
-            write_pprof(args.dir, values, args.pprof, source=args.source, window=window, frames=frames)
+            write_pprof(where, values, args.pprof, source=args.source, window=window, frames=frames)
             print(f"pprof profile written to {args.pprof}: {len(values)} samples of "
                   f"{values.groupby(['recording_id', 'pid']).ngroups} processes, inuse_space "
                   f"{fmt_bytes(values['inuse_space'].sum())}, alloc_space {fmt_bytes(values['alloc_space'].sum())} "

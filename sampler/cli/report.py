@@ -18,7 +18,15 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    ds, findings = analyzed(args)
+    from sampler.cli.args import open_location
+
+    source = open_location(args, since=args.since, until=args.until)
+    hosts = source.hosts()
+    if len(hosts) > 1:
+        shown = ", ".join(hosts[:3]) + (", ..." if len(hosts) > 3 else "")
+        raise UsageError(f"{args.dir} holds {len(hosts)} hosts ({shown}): a report is of one host, give "
+                         "--host NAME (`allocsampler analyze` gives the findings of every host)")
+    ds, findings = analyzed(args, source)
     if args.html:
         from analysis.report.html import render_html
         from sampler import files

@@ -1,0 +1,181 @@
+"""Fleet reading on local files: many hosts' data in the schema-6 layout (and one host in the older
+layout) read by the CLI as a whole, by --host/--since/--until, one host at a time, with pruning
+proven by unreadable files where a selection must not look. The data are real recordings (the
+session's `leaky` and `leaky_grown`) copied in as other hosts and days (tests/fleet_data.py)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import weakref
+
+import pandas as pd
+import pytest
+from conftest import allocsampler_cmd
+from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording, window_args
+
+from analysis import analyze
+from analysis.fleet import per_host
+from analysis.source import Selection, open_source
+from sampler.dataset.layout import host_key
+
+pytestmark = pytest.mark.bpf
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(allocsampler_cmd(*args), capture_output=True, text=True, timeout=300, cwd="/")
+
+
+def ok(*args: str) -> str:
+    p = cli(*args)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    return p.stdout
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, leaky, leaky_grown):
+    """FLEET (every host and day), and REF/<host>: each host's data alone, as one host's
+    recorder writes it (older layout), which the fleet's results must equal."""
+    base = tmp_path_factory.mktemp("fleet")
+    plan = fleet_plan(leaky.out, leaky_grown.out, synthetic_recording(base / "synthetic"))
+    root = build_fleet(base / "fleet", plan)
+    refs = {h: build_fleet(base / "ref" / host_key(h), plan, hosts={h}, old_layout=True) for h in plan}
+    return root, refs, plan, recording_day(leaky.out)
+
+
+def findings_by_host(doc: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for f in doc["findings"]:
+        out.setdefault(f.pop("host"), []).append(f)
+    return out
+
+
+def test_fleet_analysis_equals_each_host_alone(fleet):
+    root, refs, plan, _ = fleet
+    doc = json.loads(ok("analyze", str(root), "--json"))
+    hosts = [h["host"] for h in doc["hosts"]]
+    assert hosts == sorted(host_key(h) for h in plan)
+    got = findings_by_host(doc)
+    for host, ref in refs.items():
+        alone = json.loads(ok("analyze", str(ref), "--json"))["findings"]
+        assert got.get(host_key(host), []) == alone, host
+    assert len(got["batch-7"]) >= 4       # its leaks, in each of its two days' recordings
+    n = {h["host"]: h["processes"] for h in doc["hosts"]}
+    for host, (src, days, _) in plan.items():
+        procs = pd.read_parquet(src / "processes")
+        assert n[host_key(host)] == len(days) * procs["pid"].nunique()
+    text = ok("analyze", str(root))
+    assert [ln.split(":")[0] for ln in text.splitlines() if ln.startswith("== host ")] == \
+        [f"== host {h}" for h in hosts]
+
+
+def test_one_host_in_memory_at_a_time(fleet):
+    """per_host releases each host's dataset (its frames) before it loads the next host's."""
+    root, _, plan, _ = fleet
+    earlier: list[weakref.ref] = []
+
+    def load(source):
+        assert all(r() is None for r in earlier), "an earlier host's frames are still referenced"
+        ds = analyze.load(source)
+        earlier.extend([weakref.ref(ds), weakref.ref(ds.outstanding), weakref.ref(ds.processes)])
+        return ds
+
+    got = dict(per_host(open_source(str(root)), lambda host, ds, findings: len(findings), load))
+    assert sorted(got) == sorted(host_key(h) for h in plan) and got["batch-7"] >= 4
+
+
+def test_top_per_host_equals_each_host_alone(fleet):
+    root, refs, _, _ = fleet
+    text = ok("top", str(root), "-n", "3")
+    sections = {}
+    for chunk in text.split("== host ")[1:]:
+        head, body = chunk.split(" ==\n", 1)
+        sections[head] = body
+    assert set(sections) == {host_key(h) for h in refs}
+    for host, ref in refs.items():
+        assert sections[host_key(host)] == ok("top", str(ref), "-n", "3"), host
+    # one host: the plain output, as for a single dataset
+    assert ok("top", str(root), "-n", "3", "--host", "db_1") == ok("top", str(refs["db 1"]), "-n", "3")
+
+
+def test_selection_prunes_before_opening(fleet, tmp_path):
+    """Unreadable files in the partitions a selection excludes: the commands never open them,
+    and give what the same selection gives on clean data (and what the selected data alone gives)."""
+    root, _, plan, day0 = fleet
+    dirty = build_fleet(tmp_path / "dirty", plan)
+    garbage = add_garbage(dirty, day0)
+    sel = window_args(day0)
+    p = cli("top", str(dirty))          # unselected, the garbage is read and said to be bad
+    assert p.returncode != 0 and "Traceback" not in p.stderr and "garbage.parquet" in p.stderr, p.stderr
+    source = open_source(str(dirty), Selection(("web-*",), *(dt.datetime.fromisoformat(v).replace(
+        tzinfo=dt.timezone.utc) for v in (sel[3], sel[5]))))
+    listed = {f.path for t in ("outstanding", "processes", "stacks", "frames", "targets", "recordings")
+              for f in source.files(t)}
+    assert listed and not listed & {str(g) for g in garbage}
+    # the window's data alone: web-1 and web-2 of day0+1 (web-1's day0+2 copy has catalogs only in reach)
+    alone = build_fleet(tmp_path / "alone", plan, only_days={1}, hosts={"web-1", "web-2"})
+    outputs = {}
+    for cmd in (["top", "-n", "3"], ["analyze", "--json"]):
+        outputs[cmd[0]] = ok(cmd[0], str(dirty), *cmd[1:], *sel)
+        assert outputs[cmd[0]] == ok(cmd[0], str(root), *cmd[1:], *sel)
+        assert outputs[cmd[0]] == ok(cmd[0], str(alone), *cmd[1:])
+    assert [h["host"] for h in json.loads(outputs["analyze"])["hosts"]] == ["web-1", "web-2"]
+    assert "== host web-2" in outputs["top"] and "leak_malloc" in outputs["top"]
+
+
+def test_comm_selects_processes(fleet):
+    """--comm keeps the processes of that name: their findings are those of the whole analysis."""
+    root, _, _, _ = fleet
+    every = json.loads(ok("analyze", str(root), "--host", "batch-7", "--json"))["findings"]
+    comm = every[-1]["comm"]
+    some = json.loads(ok("analyze", str(root), "--host", "batch-7", "--comm", comm, "--json"))["findings"]
+    assert some and some == [f for f in every if f["comm"] == comm]
+
+
+def test_old_layout_host_by_its_rows(fleet):
+    """A host in the older layout is selected by its rows' host (sanitized as a host= name)."""
+    root, refs, _, _ = fleet
+    source = open_source(str(root), Selection(("db_1",)))
+    got = source.read("processes")
+    ref = pd.read_parquet(refs["db 1"] / "processes")
+    assert set(got["host"].astype(str)) == {"db 1"} and len(got) == len(ref)
+    assert source.hosts() == ["db_1"]
+    assert open_source(str(root), Selection(("web-*",))).read("processes")["host"].astype(str).unique().tolist() \
+        in (["web-1", "web-2"], ["web-2", "web-1"])
+
+
+def test_host_partition_and_column_do_not_clash(fleet):
+    """`host` is both a host= directory and a column in the files: one `host` column, the rows'."""
+    root, _, plan, _ = fleet
+    df = open_source(str(root)).read("outstanding")
+    assert list(df.columns).count("host") == 1 and "date" in df.columns
+    expect = sum(len(pd.read_parquet(src / "outstanding")) * len(days) for src, days, _ in plan.values())
+    assert len(df) == expect
+    assert set(df["host"].astype(str)) == set(plan)
+
+
+def test_report_of_several_hosts_asks_for_one(fleet):
+    root, _, plan, _ = fleet
+    p = cli("report", str(root))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert f"{len(plan)} hosts" in p.stderr and "--host" in p.stderr
+    assert "allocsampler analysis of" in ok("report", str(root), "--host", "web-2")
+
+
+def test_diff_and_export_take_a_host(fleet, tmp_path):
+    root, refs, _, _ = fleet
+    assert json.loads(ok("diff", str(root), str(root), "--host", "web-1", "--json"))["processes"] == \
+        json.loads(ok("diff", str(refs["web-1"]), str(refs["web-1"]), "--json"))["processes"]
+    assert ok("export", str(root), "--host", "web-2", "--collapsed", "-") == \
+        ok("export", str(refs["web-2"]), "--collapsed", "-")
+
+
+def test_bad_locations_are_one_line():
+    for args, words in ((["top", "foo://bucket/x"], ("unknown URI scheme foo://",)),
+                        (["analyze", "/nonexistent/prefix"], ("no dataset at /nonexistent/prefix",)),
+                        (["export", "/", "--collapsed", "-"], ("no allocsampler dataset at /",))):
+        p = cli(*args)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("allocsampler: error:")]
+        assert len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
