@@ -3,7 +3,7 @@ mappings with /proc/PID/maps (ProcessTable.keep_mapped): plain logic, no BPF."""
 
 from __future__ import annotations
 
-from sampler.control.sample_rate import SHIFT_MAX, SampleRate
+from sampler.control.sample_rate import MIN_CAP, SHIFT_MAX, SampleRate
 from sampler.record.outstanding import FAULT, MMAP, ProcessTable
 
 
@@ -30,6 +30,29 @@ def test_a_burst_raises_the_mean_enough_at_once_and_it_comes_back_step_by_step()
     assert shifts == []                                    # within the cap: no oscillation
     t, n, shifts = feed(sr, 1, 100, 3.0, t, n)             # the burst is over
     assert shifts == [7, 6, 5, 4, 3, 2, 1, 0] and sr.shift(1) == 0
+
+
+def test_a_recorder_over_its_cpu_budget_raises_the_busiest_means_before_anything_drops():
+    sr = SampleRate(2000)
+    sr.add(1, 0.0)                          # busy: 1,500 samples/s, under the configured cap
+    sr.add(2, 0.0)                          # quiet: 20 samples/s
+    t, n1, _ = feed(sr, 1, 1500, 1.0, 0.0, 0)
+    t2, n2, _ = feed(sr, 2, 20, 1.0, 0.0, 0)
+    assert sr.shift(1) == 0
+    caps = []
+    while sr.squeeze("the daemon is over its CPU budget of 10%"):
+        caps.append(sr.cap)
+    assert caps == [1000, 500, 250, 125, 62.5, MIN_CAP]       # halved down to its floor, no further
+    t, n1, shifts = feed(sr, 1, 1500, 1.0, t, n1)
+    feed(sr, 2, 20, 1.0, t2, n2)
+    # the busy process's mean rises until its rate is at most half the squeezed cap; the quiet one's does not
+    assert sr.shift(1) >= 6 and 1500 * 2.0 ** -sr.shift(1) <= MIN_CAP / 2
+    assert "over the cap of 50" in sr.why(1) and "over its CPU budget" in sr.why(1)
+    assert sr.shift(2) == 0
+    relaxed = []
+    while sr.relax():
+        relaxed.append(sr.cap)
+    assert relaxed[-1] == 2000 and sr.squeezed_why == ""      # back to the configured cap
 
 
 def test_the_shift_is_bounded_and_a_cap_of_zero_is_off():
