@@ -167,9 +167,11 @@ class BpfProbes:
                 self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
                                                     uprobe_multi.BPF_TRACE_UPROBE_SESSION)
                 self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+            # perf mode's return program walks stacks (the verifier's longest work): in session mode
+            # it is loaded when a fallback first needs it
             for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
                                                   if not n.startswith(("free", "delete"))),
-                         "alloc_return"}:
+                         *(() if self.session else ("alloc_return",))}:
                 self.bpf.load_func(name, PROG_KPROBE)
         except OSError as e:
             self.bpf.close()
