@@ -137,15 +137,31 @@ class _SymTab:
         self.is_symtab = sec.type == SHT_SYMTAB
         self.syms = file.array(sec, SYM_DTYPE)
         self.versym = file.array(versym, np.dtype("<u2")) if versym else None
-        self.strtab = bytes(file.elf.data(strtab))  # read once: names are searched in it
+        self._strtab_sec = strtab
+        self._strtab: bytes | None = None
+
+    @property
+    def strtab(self) -> bytes:
+        """The whole string table, read when a name is searched for (`find`). Naming symbols reads
+        only their own names: libtorch_cpu's .strtab is 76 MiB, of which a stack names a few."""
+        if self._strtab is None:
+            self._strtab = bytes(self.file.elf.data(self._strtab_sec))
+        return self._strtab
 
     def raw_name(self, i: int) -> str:
         """The name as stored, at most MAX_SYMBOL_NAME bytes; .symtab names of versioned symbols
         carry '@VER' or '@@VER'."""
         lo = int(self.syms["st_name"][i])
-        cap = lo + MAX_SYMBOL_NAME
-        hi = self.strtab.find(b"\0", lo, cap)
-        return self.strtab[lo : hi if hi >= 0 else cap].decode("utf-8", "replace")
+        if self._strtab is not None:
+            cap = lo + MAX_SYMBOL_NAME
+            hi = self._strtab.find(b"\0", lo, cap)
+            return self._strtab[lo : hi if hi >= 0 else cap].decode("utf-8", "replace")
+        sec = self._strtab_sec
+        if lo >= sec.file_size:
+            return ""
+        raw = self.file.elf.read_at(sec.offset + lo, min(MAX_SYMBOL_NAME, sec.file_size - lo))
+        hi = raw.find(b"\0")
+        return raw[: hi if hi >= 0 else len(raw)].decode("utf-8", "replace")
 
     def name(self, i: int) -> str:
         return self.raw_name(i).split("@", 1)[0]

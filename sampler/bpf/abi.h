@@ -17,7 +17,7 @@
 /* Native frames walked in BPF per sampled event; a deeper stack is copied from there on and
  * user space goes on (UWS_DEEP). */
 #ifndef UW_FRAMES
-#define UW_FRAMES 96
+#define UW_FRAMES 128
 #endif
 /* The stack is copied in aligned chunks: the end of a stack mapping is page aligned, so an
  * aligned chunk lies wholly inside or wholly outside it (a read that crosses the end fails). */

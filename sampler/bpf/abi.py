@@ -28,7 +28,7 @@ CK_NULL_SKIP = 0x20000
 # Compile-time parameters' defaults (the loader passes the configured values with -D).
 STACK_BYTES = 16384
 PY_MAX = 96
-UW_FRAMES = 96
+UW_FRAMES = 128
 UW_PENDING = 0xFFFFFFFF
 UW_MAPS = 256
 UW_ROWS_LOG2 = 23

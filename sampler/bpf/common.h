@@ -545,6 +545,10 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
     /* tests compare the walk with user space's over a copy from the sample's own registers */
     return e->sp;
 #endif
+#ifdef UW_DEEP_FINAL
+    if (stop == UWS_DEEP)
+        return 0;                           /* user space keeps no more frames than these */
+#endif
     if (stop < UWS_NO_TABLE)
         return 0;
     /* hand over: user space goes on from the last pc with these registers and a copy from sp */

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
-from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_MAPS, Counter, Fn, TargetFlag
+from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
 from sampler.control import weights
 from sampler.errors import EnvironmentProblem
@@ -58,6 +58,7 @@ class ProbeConfig:
     unwind_pages: int = 1 << 20     # their page index (4 bytes per 4 KiB of code)
     unwind_procs: int = 512
     verify_unwind: bool = False   # tests: also copy every stack from the sample's registers
+    max_frames: int = 127         # native frames kept per stack: a walk this deep is not handed over
 
 
 @dataclass
@@ -104,6 +105,8 @@ def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
         cflags.append("-DEXIT_HAS_GROUP_DEAD")
     if cfg.verify_unwind:
         cflags.append("-DUW_VERIFY")
+    if cfg.max_frames <= UW_FRAMES:
+        cflags.append("-DUW_DEEP_FINAL")
     cflags += _uretprobe_flags()
     return text, cflags
 

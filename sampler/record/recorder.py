@@ -198,7 +198,8 @@ class Recorder:
         o = self.opts
         self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
                                             stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
-                                            vm_events_per_s=o.vm_events_per_s, cache_dir=cache_dir("bpf")))
+                                            vm_events_per_s=o.vm_events_per_s, cache_dir=cache_dir("bpf"),
+                                            max_frames=o.max_frames))
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
         self.unwinder = Unwinder(cache_dir("unwind", o.unwind_cache))

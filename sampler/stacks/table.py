@@ -108,6 +108,8 @@ class StackTable:
         """The pcs BPF walked, then user space's walk from the last of them over the stack copied
         there (its rbp unknown where BPF could not restore it)."""
         walked = ev.pcs[:-1]
+        if ev.stop == UwStop.DEEP and len(ev.pcs) >= self.max_frames:
+            return ev.pcs[:self.max_frames], "max_frames"    # as deep as kept: BPF copied nothing
         if not ev.stack or ev.flags & EvFlag.STACK_ERR:
             return ev.pcs, "stack_end"
         bp = None if ev.flags & EvFlag.CONT_BP_UNKNOWN else ev.bp
