@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -25,6 +26,17 @@ def compile_c(src: Path, out: Path, *flags: str) -> Path:
     cmd = ["gcc", "-O1", "-g", "-fno-omit-frame-pointer", "-fno-builtin", *flags, "-o", str(out), str(src)]
     subprocess.run(cmd, check=True, capture_output=True)
     return out
+
+
+@pytest.fixture(scope="session")
+def leakext(tmp_path_factory) -> Path:
+    """tests/workloads/leakext.c as a C extension built like most wheels: -O2, no frame pointers,
+    no debug info. Its directory (for PYTHONPATH)."""
+    d = tmp_path_factory.mktemp("leakext")
+    inc = sysconfig.get_paths()["include"]
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", f"-I{inc}",
+                    "-o", str(d / "leakext.so"), str(WORKLOADS / "leakext.c")], check=True)
+    return d
 
 
 @pytest.fixture(scope="session")

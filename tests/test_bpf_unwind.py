@@ -14,7 +14,6 @@ import collections
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from functools import partial
 from pathlib import Path
@@ -36,15 +35,6 @@ from sampler.stacks.unwind import Regs, Unwinder
 
 pytestmark = pytest.mark.bpf
 PY_LEAK = WORKLOADS / "py_leak.py"
-
-
-@pytest.fixture(scope="module")
-def leakext(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("leakext")
-    inc = sysconfig.get_paths()["include"]
-    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", f"-I{inc}",
-                    "-o", str(d / "leakext.so"), str(WORKLOADS / "leakext.c")], check=True)
-    return d
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -38,16 +37,6 @@ def interpreters() -> list[str]:
     found = ["/usr/bin/python3.11"]
     found += sorted(glob.glob("/root/.pyenv/versions/3.1[0-9].*/bin/python3"))
     return [p for p in found if os.access(p, os.X_OK)]
-
-
-@pytest.fixture(scope="module")
-def leakext(tmp_path_factory) -> Path:
-    """The C extension, built like most wheels: -O2, no frame pointers, no debug info."""
-    d = tmp_path_factory.mktemp("leakext")
-    inc = sysconfig.get_paths()["include"]
-    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", f"-I{inc}",
-                    "-o", str(d / "leakext.so"), str(WORKLOADS / "leakext.c")], check=True)
-    return d
 
 
 def heaviest_stack(out: Path, pid: int) -> tuple[pd.DataFrame, pd.Series]:
