@@ -103,8 +103,6 @@ class KernelTables:
         self._dirty_files: set[tuple[str, int]] = set()
         self._retries: dict[tuple[str, int], int] = {}
         self.full_warned = False
-        self.rows_loaded = 0            # rows written to uw_rows so far
-        self.load_seconds = 0.0         # spent writing them
 
     # processes -------------------------------------------------------------------------------
     def track(self, pid: int) -> bool:
@@ -255,11 +253,8 @@ class KernelTables:
                 log.warning("the unwind tables are full (%d rows, %d pages): stacks in %s are unwound in user "
                             "space; raise unwind_rows", self._ranges.capacity, self._page_ranges.capacity, f.ident)
             return
-        t0 = time.perf_counter()
         self._rows.write_array(lo, rows.rows.tobytes())
         self._pages.write_array(plo, pages.tobytes())
-        self.load_seconds += time.perf_counter() - t0
-        self.rows_loaded += n
         f.lo, f.n, f.page_lo, f.page_n, f.page_first = lo, n, plo, npages, first
 
     def _take(self, ranges: _Ranges, n: int) -> int | None:

@@ -22,7 +22,7 @@ from sampler.probes.allocators import exe_path
 from sampler.python.codeobj import PyFrame
 from sampler.python.targets import PythonTargets
 from sampler.stacks.symbolize import Frame, Place, Symbolizer
-from sampler.stacks.unwind import Regs, Unwinder
+from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
 # The walk reached the thread's entry: the stack is complete.
 COMPLETE = "entry"
@@ -119,7 +119,7 @@ class StackTable:
         self._learn_depth(ev.pid, res)
         return walked + res.pcs, res.stop
 
-    def _learn_depth(self, pid: int, res) -> None:
+    def _learn_depth(self, pid: int, res: UnwindResult) -> None:
         """Copy sizes follow the deepest complete walk (stack_hint)."""
         d = self._depth.get(pid, 0)
         if res.stop == "stack_end":
