@@ -1060,6 +1060,7 @@ class Bench:
         if str(REPO) not in sys.path:
             sys.path.insert(0, str(REPO))
         from sampler.inprocess import inject
+        from sampler.proc.process import read_stat
 
         code, helper = inject.built()
         layout = inject.CodeLayout.of(code)
@@ -1073,7 +1074,7 @@ class Bench:
                 if work.poll() is not None:
                     raise BenchError(f"the mt workload ended after {len(stops)} placements")
                 try:
-                    stops.append(inject.place(work.pid, helper, layout)[1] / 1000)
+                    stops.append(inject.place(work.pid, helper, layout, read_stat(work.pid).start)[1] / 1000)
                 except inject.Refused as e:
                     raise BenchError(f"placement refused: {e}") from None
                 time.sleep(0.01)

@@ -13,7 +13,8 @@
  * Freestanding (-ffreestanding -fPIC -nostdlib, inject.ld): no relocations (all data RIP-relative;
  * every pointer the code calls is written by the recorder into `inj`), no libc, no TLS (a thread's
  * countdown is a slot chosen by its stack pointer), no locks (sampling.h: atomics only), no system
- * call (the rate cap's clock is the vDSO's). Nothing here allocates. A signal handler that allocates
+ * call on any allocator path (the rate cap's clock is the vDSO's; only inj_store_run, which a
+ * stopped thread runs for the recorder, calls mprotect). Nothing here allocates. A signal handler that allocates
  * while this runs shares the slot: a countdown update may be lost, never memory. A forked child
  * inherits the code, the data (copy-on-write) and the redirected slots, and keeps working; each
  * draw mixes the time stamp counter in, so parent and child stop drawing the same gaps.
@@ -35,6 +36,8 @@
 struct inj_data inj __attribute__((visibility("hidden"), section(".inj_data"), aligned(4096)));
 struct smp_bucket inj_table[SMP_TABLE_BYTES / sizeof(struct smp_bucket) + 1]
     __attribute__((visibility("hidden"), section(".inj_data"), aligned(4096)));
+
+struct inj_store inj_store __attribute__((visibility("hidden"), section(".inj_data"), aligned(64)));
 
 static inline struct smp_bucket *table(void)
 {
@@ -351,3 +354,59 @@ static COLD PYFN void *py_realloc_sampled(struct inj_py_allocator *a, void *p, s
 
 PY_DOMAIN(mem, INJ_PY_MEM)
 PY_DOMAIN(obj, INJ_PY_OBJ)
+
+/* ------------------------------------------------------------------------------------------ */
+/* Writes for the recorder (inject_abi.h: struct inj_store), run by a thread the placement       */
+/* helper stopped and pointed here, on inj_store.stack; it ends on an int3 the helper waits for.  */
+
+__asm__(".text\n"
+        ".globl inj_syscall3\n.hidden inj_syscall3\n.type inj_syscall3,@function\n"
+        "inj_syscall3:\n"
+        "  mov %rdi, %rax\n  mov %rsi, %rdi\n  mov %rdx, %rsi\n  mov %rcx, %rdx\n"
+        "  syscall\n  ret\n"
+        ".size inj_syscall3, .-inj_syscall3\n");
+long inj_syscall3(long nr, long a, long b, long c);
+
+#define INJ_SYS_MPROTECT 10
+
+static int page_ok(uint64_t addr)
+{
+    for (uint64_t i = 0; i < inj_store.npages && i < INJ_STORE_PAGES; i++) {
+        struct inj_store_page *pg = &inj_store.pages[i];
+        if (addr >= pg->addr && addr + 8 <= pg->addr + pg->len)
+            return pg->err == 0;
+    }
+    return 1; /* already writable: the helper listed only the pages that were not */
+}
+
+API __attribute__((noreturn)) void inj_store_run(void)
+{
+    uint64_t npages = inj_store.npages < INJ_STORE_PAGES ? inj_store.npages : INJ_STORE_PAGES;
+    uint64_t nops = inj_store.nops < INJ_STORE_OPS ? inj_store.nops : INJ_STORE_OPS;
+    for (uint64_t i = 0; i < npages; i++) {
+        struct inj_store_page *pg = &inj_store.pages[i];
+        pg->err = inj_syscall3(INJ_SYS_MPROTECT, (long)pg->addr, (long)pg->len, (long)pg->write_prot);
+    }
+    int last = 1;
+    for (uint64_t i = 0; i < nops; i++) {
+        struct inj_store_op *op = &inj_store.ops[i];
+        op->done = 0;
+        if (((op->flags & INJ_STORE_AFTER_OK) && !last) || (op->addr & 7) || !page_ok(op->addr)) {
+            last = 0;
+            continue;
+        }
+        uint64_t seen = op->expected;
+        last = __atomic_compare_exchange_n((uint64_t *)op->addr, &seen, op->value, 0, __ATOMIC_SEQ_CST,
+                                           __ATOMIC_SEQ_CST);
+        op->seen = seen;
+        op->done = (uint64_t)last;
+    }
+    for (uint64_t i = 0; i < npages; i++) {
+        struct inj_store_page *pg = &inj_store.pages[i];
+        if (pg->err == 0)
+            inj_syscall3(INJ_SYS_MPROTECT, (long)pg->addr, (long)pg->len, (long)pg->prot);
+    }
+    __atomic_store_n(&inj_store.state, INJ_STORE_DONE, __ATOMIC_SEQ_CST);
+    for (;;)
+        __asm__ volatile("int3");
+}

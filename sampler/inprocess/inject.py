@@ -11,29 +11,40 @@
 3. The recorder attaches its otel_memory USDT program to the sampler's probe sites (the preload
    tier's path: same events, same stacks, same Parquet), then
 4. Redirection: each GOT slot of the process's objects that binds to the allocator's malloc family
-   gets the sampler's function, with one aligned 8-byte write through /proc/PID/mem (the kernel
-   copies it in one store: a concurrent call sees the old or the new function, never a mix;
-   tests/test_inject.py measures it). Objects loaded later are redirected when they appear.
+   gets the sampler's function, by one aligned 8-byte compare-and-exchange that a thread of the
+   process executes (the helper stops it and runs the sampler's inj_store_run: place.c `store`), so
+   a concurrent call sees the old or the new function, never a mix (a copy through /proc/PID/mem is
+   a string move and tears on some CPUs; tests/test_inject.py measures both). Objects loaded later
+   are redirected when they appear.
 Detaching restores every slot that still holds our function. The code stays mapped (a thread may be
 between loading a slot and returning from it, and copies of slots taken as function pointers keep
 calling in): it keeps forwarding correctly for the process's life, its probe sites trap for nobody.
-A later recorder finds it by its memfd name and magic and adopts it instead of placing a second.
+A later recorder adopts it instead of placing a second, only when this host placed it: the placement
+is recorded (pid, start time, memfd inode, base) in a root-only directory, and the whole code span
+must still be ours.
 
-Everything read from the target (its maps, its files, its memory) is checked before it is used: a
-slot is redirected only when it holds the allocator's function (or its own lazy-binding stub), and
-restored only while it still holds ours.
+Everything read from the target (its maps, its files, its memory, the helper's remote calls) is
+checked before it is used, and nothing root writes can land in another image: the process's memory
+is opened once per injection, after its (pid, start time) is checked, and kept (the kernel binds the
+descriptor to that image: after an exec or exit every access fails); every word of the process is
+written by compare-and-exchange in a thread of the image the helper verified; a slot is redirected
+only when it holds the allocator's function (or its own lazy-binding stub), and restored only while
+it still holds ours, and never on exit, pid reuse or exec (docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sampler import files
 from sampler.binary.elf import SHT_RELA, ElfImage, dynsym_entry, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.bpf.abi import Layout
@@ -42,9 +53,12 @@ from sampler.inprocess import build as builder
 from sampler.inprocess import pydomains
 from sampler.probes.allocators import FAMILIES
 from sampler.proc.maps import Mapping, open_path, read_maps
+from sampler.proc.process import read_stat
 
 MEMFD_NAME = "/memfd:allocsampler"
-PLACE_TIMEOUT_S = 10.0
+# The helper waits for a thread it changed for as long as it takes (it must give it its registers
+# back); past this the recorder stops waiting for the answer, never kills it.
+PLACE_WAIT_S = 30.0
 
 # inject_abi.h (tests/test_inject.py checks these against the header) --------------------------
 INJ_MAGIC = 0x31504D53434F4C41
@@ -73,7 +87,10 @@ CFLAGS = ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidd
           "-Wl,--eh-frame-hdr", "-Wl,-z,noexecstack", "-Wl,-z,norelro", "-Wl,--hash-style=gnu")
 SAMPLER = builder.Artifact("the injected sampler", "allocsampler-inject.so", "inject.c", CFLAGS,
                            ("sampling.h", "inject_abi.h", "inject.ld"))
-PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c", ("-O2", "-Wall", "-Wextra"))
+PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c",
+                         ("-O2", "-Wall", "-Wextra", "-Wno-unused-function"), ("inject_abi.h", "sampling.h"))
+INJ_STORE_OPS = 256
+INJ_STORE_AFTER_OK = 1
 
 
 class Refused(Exception):
@@ -101,6 +118,9 @@ class CodeLayout:
     table: int                      # `inj_table`
     entries: dict[str, int]         # as_* functions
     py_code: tuple[int, int]        # [start, end) of CPython's wrappers (.inj_py), relative to the base
+    store_entry: int                # inj_store_run: the writes a stopped thread makes (place.c `store`)
+    store: int                      # inj_store, its request and stack
+    syscall_at: int                 # the `syscall` instruction those writes' mprotect runs at
 
     @classmethod
     def of(cls, path: Path) -> CodeLayout:
@@ -122,8 +142,13 @@ class CodeLayout:
         if any(s.type == SHT_RELA and s.file_size for s in elf.sections):
             raise EnvironmentProblem(f"{path} has relocations, which nothing would apply in the target: "
                                      "rebuild it (python -m sampler.inprocess.build)")
+        run, store, sys3 = (img.symbol(n) for n in ("inj_store_run", "inj_store", "inj_syscall3"))
+        if run is None or store is None or sys3 is None:
+            raise EnvironmentProblem(f"{path} lacks inj_store_run: rebuild it (python -m sampler.inprocess.build)")
+        text = path.read_bytes()
+        syscall_at = text.find(b"\x0f\x05", sys3.value, sys3.value + 32)
         return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries,
-                   (py.addr, py.addr + py.size))
+                   (py.addr, py.addr + py.size), run.value, store.value, syscall_at)
 
 
 @dataclass
@@ -135,13 +160,33 @@ class Slot:
 
 
 @dataclass
+class _Write:
+    """One word to change in the process: written only while it holds `expected`."""
+
+    addr: int
+    expected: int
+    value: int
+    after_ok: bool = False          # only when the write before it was made
+    done: Callable[[], None] | None = None   # what the recorder notes once it is made
+
+
+class StoreFailed(OSError):
+    """The helper wrote nothing (the process is gone, another image, no thread to stop...)."""
+
+
+@dataclass
 class Injection:
-    """The sampler in one process, and the slots it redirects."""
+    """The sampler in one process, and the slots it redirects. `mem` is the process's memory as
+    opened when (pid, start) was checked: bound to that image, used for reads and for the
+    sampler's own data; the process's words are changed only by `store` (compare-and-exchange in
+    a thread of the image that holds our code)."""
 
     pid: int
+    start: int                      # the process's start time (/proc/PID/stat): with the pid, its identity
     base: int
     layout: CodeLayout
     originals: dict[str, int]
+    mem: _Memory
     adopted: bool = False
     stop_ns: int | None = None      # how long the placing thread was stopped
     slots: dict[int, Slot] = field(default_factory=dict)
@@ -156,6 +201,8 @@ class Injection:
     news: list[str] = field(default_factory=list)      # what the recorder should say (drained by it)
     python_objects: bool = False    # redirect CPython's object and mem domains (_redirect_python)
     said: set[str] = field(default_factory=set)
+    stores: int = 0                 # helper runs that changed the process's words
+    store_ns: int = 0               # how long their threads were stopped, in all
 
     @property
     def allocator(self) -> str:
@@ -181,53 +228,76 @@ class Injection:
     def wrapper(self, name: str) -> int:
         return self.base + self.layout.entries[name]
 
+    def close(self) -> None:
+        self.mem.close()
+
     def redirect(self) -> int:
         """Redirect the slots of objects not looked at yet; returns how many slots changed. An object
         still being loaded (its data not mapped, or not relocated yet) is looked at again next time.
         The first call also points the allocator's exported symbols at the sampler, so that objects
-        loaded later (dlopen) bind to it from their first call, before any rescan."""
+        loaded later (dlopen) bind to it from their first call, before any rescan. All of a call's
+        writes are made in one stop of one thread."""
         maps = read_maps(self.pid)
-        changed = 0
         owner = self._owner_of_malloc(maps)
-        with _Memory(self.pid) as mem:
-            if not self.symbols:
-                self._bind_symbols(mem, maps)
-            for obj, bias, m in _objects(self.pid, maps, self.biases):
-                if obj in self.seen:
-                    continue
-                if m.path.startswith(MEMFD_NAME) or _is_loader(m.path) \
-                        or (obj == owner and "libc.so" not in os.path.basename(m.path)):
-                    self.seen.add(obj)  # the allocator's own calls stay inside it (glibc's: see docs)
-                    continue
-                found = self._imports(obj, m)
-                if found is None:
-                    self.seen.add(obj)
-                    continue
-                own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
-                try:
-                    done = [self._redirect_one(mem, bias + off, name, m.path, own) for off, name in found]
-                except OSError:
-                    continue            # its data is not mapped yet
-                if None not in done:
-                    self.seen.add(obj)
-                changed += sum(d for d in done if d)
-            changed += self._redirect_python(mem, maps)
+        writes: list[_Write] = []
+        looked: list[tuple] = []
+        if not self.symbols:
+            self._bind_symbols(maps, writes)
+        for obj, bias, m in _objects(self.pid, maps, self.biases):
+            if obj in self.seen:
+                continue
+            if m.path.startswith(MEMFD_NAME) or _is_loader(m.path) \
+                    or (obj == owner and "libc.so" not in os.path.basename(m.path)):
+                self.seen.add(obj)  # the allocator's own calls stay inside it (glibc's: see docs)
+                continue
+            found = self._imports(obj, m)
+            if found is None:
+                self.seen.add(obj)
+                continue
+            own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
+            planned: list[_Write] = []
+            try:
+                ready = all([self._redirect_one(bias + off, name, m.path, own, planned) for off, name in found])
+            except OSError:
+                continue            # its data is not mapped yet
+            writes += planned
+            if ready:
+                looked.append(obj)
+        writes += self._redirect_python(maps)
+        changed = self.store(writes)
+        self.seen.update(looked)
         return changed
 
-    def _redirect_python(self, mem: _Memory, maps: list[Mapping]) -> int:
+    def store(self, writes: list[_Write]) -> int:
+        """Makes the writes (each while its word holds what it expected); returns how many were
+        made, after noting each. Raises StoreFailed when the helper made none."""
+        made = 0
+        for i in range(0, len(writes), INJ_STORE_OPS):
+            chunk = writes[i:i + INJ_STORE_OPS]
+            for w, (_seen, done) in zip(chunk, _store(self, chunk), strict=True):
+                if done:
+                    made += 1
+                    if w.done is not None:
+                        w.done()
+        return made
+
+    def _redirect_python(self, maps: list[Mapping]) -> list[_Write]:
         """CPython's object and mem domains (pymalloc) go through the sampler's as_py_* functions:
         their small objects never reach malloc. Each field is written only while it holds what was
-        read (an 8-byte write each: free first, malloc last, so that nothing is sampled before its
-        free is seen); a domain that is hooked (tracemalloc, PYTHONMALLOC=debug, an embedder's
-        allocator) or backed by malloc (PYTHONMALLOC=malloc: sampled there) is left alone. Looked
-        at on every rescan: an interpreter that was starting sets its allocators once more."""
+        read (free first, malloc last, each only once the one before it was written, so that
+        nothing is sampled before its free is seen); a domain that is hooked (tracemalloc,
+        PYTHONMALLOC=debug, an embedder's allocator) or backed by malloc (PYTHONMALLOC=malloc:
+        sampled there) is left alone. Looked at on every rescan: an interpreter that was starting
+        sets its allocators once more."""
         if self.python is None:
             self.python = self._find_python(maps) or ""
         if not self.python:
-            return 0
+            return []
+        mem = self.mem
         path, bias, doms, own = self.python
         raw = _fields(mem, bias + doms.raw)
-        changed, done = 0, []
+        writes: list[_Write] = []
+        adopted, placing = [], []
         for i, name in enumerate(PY_DOMAINS):
             addr = bias + doms.get(name)
             cur = _fields(mem, addr)
@@ -239,7 +309,7 @@ class Injection:
                     if saved[0] == cur[0] and all(_within(own, v) for v in saved[1:]):
                         for j, f in enumerate(pydomains.FIELDS[1:], 1):
                             self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", saved[j], path)
-                        done.append(name)
+                        adopted.append(name)
                 continue
             if not self.python_objects:
                 continue
@@ -251,37 +321,32 @@ class Injection:
                 continue
             if cur[1] == raw[1] or not all(_within(own, v) for v in cur[1:]):
                 continue                                # malloc-backed (sampled there), or not CPython's own
-            mem.write(keep, struct.pack("<5Q", *cur))
-            for j in (4, 3, 2, 1):                      # free, realloc, calloc, malloc
+            mem.write(keep, struct.pack("<5Q", *cur))   # the sampler's own data: what it forwards to
+            for k, j in enumerate((4, 3, 2, 1)):        # free, realloc, calloc, malloc
                 f = pydomains.FIELDS[j]
-                if mem.u64(addr + 8 * j) != cur[j]:
-                    break                               # changed under us: the rest stays as it is
-                mem.write_u64(addr + 8 * j, self.wrapper(f"py_{name}_{f}"))
-                self.py_fields[addr + 8 * j] = Slot(addr + 8 * j, f"py_{name}_{f}", cur[j], path)
-                changed += 1
-            done.append(name)
-        if done and not self.python_objects:        # adopted from a recorder that sampled them
-            self._restore_python(mem)
-            done = []
+                slot = Slot(addr + 8 * j, f"py_{name}_{f}", cur[j], path)
+                writes.append(_Write(slot.addr, cur[j], self.wrapper(slot.name), after_ok=k > 0,
+                                     done=lambda s=slot: self.py_fields.__setitem__(s.addr, s)))
+            placing.append(name)
+        if adopted and not self.python_objects:         # adopted from a recorder that sampled them
+            self.store(self._restore_python())
+            adopted = []
+        done = adopted + placing
         if done:
             self._say(f"CPython objects sampled in the {' and '.join(done)} domain{'s' * (len(done) > 1)} ({path})")
         elif not self.python_objects:
             self._say("CPython objects are not sampled apart from malloc (--python-objects samples them; "
                       "optimised CPython builds inline pymalloc only while it is the domain's allocator: "
                       "an allocation-heavy Python loop ran ~10% slower, docs/performance.md)")
-        return changed
+        return writes
 
-    def _restore_python(self, mem: _Memory) -> int:
-        """The domains' fields that hold our functions get back CPython's; returns how many."""
-        restored = 0
-        order = {"malloc": 0, "calloc": 1, "realloc": 2, "free": 3}   # free last: see _redirect_python
-        for s in sorted(self.py_fields.values(), key=lambda x: order[x.name.rsplit("_", 1)[1]]):
-            with contextlib.suppress(OSError):
-                if mem.u64(s.addr) == self.wrapper(s.name):
-                    mem.write_u64(s.addr, s.original)
-                    restored += 1
+    def _restore_python(self) -> list[_Write]:
+        """The domains' fields that hold our functions get back CPython's (malloc first, free last:
+        see _redirect_python)."""
+        order = {"malloc": 0, "calloc": 1, "realloc": 2, "free": 3}
+        fields = sorted(self.py_fields.values(), key=lambda x: order[x.name.rsplit("_", 1)[1]])
         self.py_fields.clear()
-        return restored
+        return [_Write(s.addr, self.wrapper(s.name), s.original) for s in fields]
 
     def _find_python(self, maps: list[Mapping]) -> tuple | None:
         """(path, bias, domains, its code ranges) of the process's CPython, None without one (or one
@@ -305,26 +370,26 @@ class Injection:
             self.said.add(line)
             self.news.append(line)
 
-    def _redirect_one(self, mem: _Memory, addr: int, name: str, path: str,
-                      own: list[tuple[int, int]]) -> int | None:
-        """1 when the slot was redirected, 0 when not (ours already, or bound elsewhere), None when
-        it is not relocated yet."""
+    def _redirect_one(self, addr: int, name: str, path: str, own: list[tuple[int, int]],
+                      writes: list[_Write]) -> bool:
+        """Plans the slot's redirection (a write noted in self.slots once made); False when it is not
+        relocated yet (the object is looked at again next time)."""
         if addr % 8 or addr in self.slots or name not in self.originals:
-            return 0
-        value = mem.u64(addr)
+            return True
+        value = self.mem.u64(addr)
         wrapper = self.wrapper(name)
         if value == wrapper:                        # redirected by an earlier recorder: ours now
             self.slots[addr] = Slot(addr, name, self.originals[name], path)
-            return 0
+            return True
         lazy = any(lo <= value < hi for lo, hi in own)
         if value != self.originals[name] and not lazy:
             if value < 1 << 32:
-                return None                         # not relocated yet (0, or a link-time offset)
+                return False                        # not relocated yet (0, or a link-time offset)
             self.skipped.append(f"{name} in {os.path.basename(path)} is bound to {value:#x}, not the allocator")
-            return 0
-        mem.write_u64(addr, wrapper)
-        self.slots[addr] = Slot(addr, name, value, path)
-        return 1
+            return True
+        slot = Slot(addr, name, value, path)
+        writes.append(_Write(addr, value, wrapper, done=lambda: self.slots.__setitem__(addr, slot)))
+        return True
 
     def _imports(self, obj: tuple, m: Mapping) -> list[tuple[int, str]] | None:
         """The object's slots for our functions (read from its file once); None: not readable."""
@@ -335,7 +400,7 @@ class Injection:
                 return None
         return self.imports[obj]
 
-    def _bind_symbols(self, mem: _Memory, maps: list[Mapping]) -> None:
+    def _bind_symbols(self, maps: list[Mapping], writes: list[_Write]) -> None:
         """The allocator's .dynsym values (st_value, relative to its load bias) of each function we
         redirect become our function's: the dynamic linker binds every later lookup, a dlopen'ed
         object's relocations and a lazy slot's first call alike, to the sampler. Checked against the
@@ -344,10 +409,13 @@ class Injection:
             self.symbol_plan = self._plan_symbols(maps)
         for addr, name, value, path, bias in self.symbol_plan:
             ours = (self.wrapper(name) - bias) % (1 << 64)
+            slot = Slot(addr, name, value, path)
             with contextlib.suppress(OSError):
-                if mem.u64(addr) in (value, ours):
-                    mem.write_u64(addr, ours)
-                    self.symbols[addr] = Slot(addr, name, value, path)
+                cur = self.mem.u64(addr)
+                if cur == ours:
+                    self.symbols[addr] = slot
+                elif cur == value:
+                    writes.append(_Write(addr, value, ours, done=lambda s=slot: self.symbols.__setitem__(s.addr, s)))
 
     def _plan_symbols(self, maps: list[Mapping]) -> list[tuple[int, str, int, str, int]]:
         """(address of st_value, name, its value in the file, path, bias) for each function's entry."""
@@ -369,32 +437,34 @@ class Injection:
 
     def restore(self) -> int:
         """The allocator's symbols, then every slot that holds our function (also those of objects
-        that bound to it through our symbols), get back what they held; returns how many slots."""
-        restored = 0
+        that bound to it through our symbols), get back what they held, each only while it holds
+        ours; returns how many slots. Only for a process that goes on in the same image: never on
+        exit, pid reuse or exec (the helper refuses an image without our code anyway)."""
         try:
-            mem = _Memory(self.pid)
-        except OSError:
+            self._find_slots()
+        except (OSError, ProcessLookupError):
             return 0                                # the process is gone: nothing to restore
-        with mem:
-            restored += self._restore_python(mem)
-            for s in self.symbols.values():
-                with contextlib.suppress(OSError):
-                    mem.write_u64(s.addr, s.original)
-            with contextlib.suppress(OSError, ProcessLookupError):
-                self._find_slots(mem)
-            for s in self.slots.values():
-                with contextlib.suppress(OSError):
-                    if mem.u64(s.addr) == self.wrapper(s.name):
-                        mem.write_u64(s.addr, s.original)
-                        restored += 1
+        writes = self._restore_python()
+        for s in self.symbols.values():
+            bias = next((b for a, _n, _v, _p, b in self.symbol_plan or () if a == s.addr), None)
+            if bias is not None:
+                writes.append(_Write(s.addr, (self.wrapper(s.name) - bias) % (1 << 64), s.original))
+        restored = [0]
+
+        def counted() -> None:
+            restored[0] += 1
+        writes += [_Write(s.addr, self.wrapper(s.name), s.original, done=counted) for s in self.slots.values()]
         self.slots.clear()
         self.symbols.clear()
-        self.py_fields.clear()
         self.python = None
         self.seen.clear()
-        return restored
+        try:
+            self.store(writes)
+        except StoreFailed:
+            return 0                                # nothing written (gone, exec'd, no thread to stop)
+        return restored[0]
 
-    def _find_slots(self, mem: _Memory) -> None:
+    def _find_slots(self) -> None:
         """Slots that hold one of our functions without our having written them (objects loaded since
         the last redirect, bound through our symbols): they get the allocator's function back too."""
         wrappers = {self.wrapper(n): n for n in FUNCTIONS}
@@ -405,21 +475,24 @@ class Injection:
             for off, name in self._imports(obj, m) or ():
                 addr = bias + off
                 with contextlib.suppress(OSError):
-                    if addr not in self.slots and name in self.originals and wrappers.get(mem.u64(addr)) == name:
+                    if addr not in self.slots and name in self.originals and wrappers.get(self.mem.u64(addr)) == name:
                         self.slots[addr] = Slot(addr, name, self.originals[name], m.path)
 
     def set_mean(self, mean: int) -> None:
         """The sampling mean from now on (the recorder's sample-rate control, pre-OOM capture); the
-        sampler's own cap may raise it again. Gaps drawn before keep their mean and their weights."""
-        proc = self.base + self.layout.data + INJ_DATA.offsets["proc"]
-        with _Memory(self.pid) as mem:
-            mem.write_u64(proc + SMP_PROCESS.offsets["base_mean"], mean)
-            mem.write_u64(proc + SMP_PROCESS.offsets["cur_mean"], mean)
+        sampler's own cap may raise it again. Gaps drawn before keep their mean and their weights.
+        Written into the sampler's own data of the image it was placed in (a mean read half-written
+        only skews one gap's length: each gap's weight uses the mean it was drawn with)."""
+        data = self.base + self.layout.data
+        proc = data + INJ_DATA.offsets["proc"]
+        if self.mem.u64(data + INJ_DATA.offsets["magic"]) != INJ_MAGIC:
+            raise StoreFailed(f"the sampler at {self.base:#x} is gone from process {self.pid}")
+        self.mem.write_u64(proc + SMP_PROCESS.offsets["base_mean"], mean)
+        self.mem.write_u64(proc + SMP_PROCESS.offsets["cur_mean"], mean)
 
     def counters(self) -> dict[str, int]:
         """The sampler's own counts (smp_process), read from the process."""
-        with _Memory(self.pid) as mem:
-            raw = mem.read(self.base + self.layout.data + INJ_DATA.offsets["proc"], SMP_PROCESS.struct.size)
+        raw = self.mem.read(self.base + self.layout.data + INJ_DATA.offsets["proc"], SMP_PROCESS.struct.size)
         return dict(zip((n for n, _ in SMP_PROCESS.fields), SMP_PROCESS.struct.unpack(raw), strict=True))
 
     def _owner_of_malloc(self, maps: list[Mapping]) -> tuple | None:
@@ -433,66 +506,172 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
     too with `python_objects`). Raises Refused."""
     code, helper = built()
     layout = CodeLayout.of(code)
+    st = read_stat(pid)
+    if st is None:
+        raise Refused("the process exited")
     try:
-        maps = read_maps(pid)
-    except ProcessLookupError:
-        raise Refused("the process exited") from None
-    originals = _originals(pid, maps)
-    if "malloc" not in originals or "free" not in originals:
-        raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
-                      "this recorder does not know)", transient=True)
-    base = _existing(pid, maps, layout)
-    adopted, stop_ns = base is not None, None
-    if base is None:
-        base, stop_ns = place(pid, helper, layout)
-    inj = Injection(pid, base, layout, originals, adopted=adopted, stop_ns=stop_ns, python_objects=python_objects)
-    _configure(inj, sample_mean, max_samples_per_s, maps)
+        mem = _Memory(pid)
+    except OSError as e:
+        raise Refused(f"its memory cannot be opened ({e.strerror})") from None
+    try:
+        again = read_stat(pid)
+        if again is None or again.start != st.start:
+            raise Refused("the process exited")     # the memory opened is another process's
+        try:
+            maps = read_maps(pid)
+        except ProcessLookupError:
+            raise Refused("the process exited") from None
+        originals = _originals(pid, maps, mem)
+        if "malloc" not in originals or "free" not in originals:
+            raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
+                          "this recorder does not know)", transient=True)
+        base = _existing(pid, st.start, maps, layout, mem)
+        adopted, stop_ns = base is not None, None
+        if base is None:
+            base, stop_ns, inode = place(pid, helper, layout, st.start)
+            _placed(pid, st.start, base, inode)
+        inj = Injection(pid, st.start, base, layout, originals, mem, adopted=adopted, stop_ns=stop_ns,
+                        python_objects=python_objects)
+        _configure(inj, sample_mean, max_samples_per_s, maps)
+    except BaseException:
+        mem.close()
+        raise
     return inj
 
 
 # -- the steps ------------------------------------------------------------------------------------
 
-def place(pid: int, helper: Path, layout: CodeLayout) -> tuple[int, int]:
-    """Map a new sampler into `pid` with the placement helper (no configuration, no redirection:
-    inject() does those; scripts/bench_overhead.py times placements with it). Returns (its base,
-    how long the thread was stopped in ns). Raises Refused."""
+_running: list[subprocess.Popen] = []       # helpers the recorder stopped waiting for (reaped later)
+
+
+def _helper(argv: list[str], stdin: str = "") -> list[str]:
+    """Runs the placement helper; its output lines. It is never killed: a helper that outlasts
+    PLACE_WAIT_S still owes a thread its registers, and gives them back on its own."""
+    for p in list(_running):
+        if p.poll() is not None:
+            _running.remove(p)
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        r = subprocess.run([str(helper), str(pid), str(layout.path), hex(layout.code_span), hex(layout.total_span)],
-                           capture_output=True, text=True, timeout=PLACE_TIMEOUT_S, start_new_session=True)
+        out, err = p.communicate(stdin, timeout=PLACE_WAIT_S)
     except subprocess.TimeoutExpired:
-        raise Refused(f"placing the sampler took over {PLACE_TIMEOUT_S:g} s") from None
-    line = (r.stdout.strip().splitlines() or [""])[-1]
-    parts = line.split()
-    if r.returncode != 0 or len(parts) != 4 or parts[0] != "ok":
-        raise Refused(line.removeprefix("error ") or f"the placement helper failed ({r.stderr.strip()[:200]})")
-    return int(parts[1], 16), int(parts[3])
+        _running.append(p)
+        raise Refused(f"the placement helper is still waiting for a thread of the process after "
+                      f"{PLACE_WAIT_S:g} s (it gives it back its registers when its system call returns)") from None
+    lines = out.strip().splitlines()
+    if p.returncode != 0 or not lines or not lines[0].startswith("ok"):
+        last = lines[-1] if lines else ""
+        raise Refused(last.removeprefix("error ") or f"the placement helper failed ({err.strip()[:200]})")
+    return lines
 
 
-def _existing(pid: int, maps: list[Mapping], layout: CodeLayout) -> int | None:
-    """The base of a sampler an earlier recorder placed (found by its memfd name and magic, the
-    same code: a different build is refused rather than mixed with)."""
+def place(pid: int, helper: Path, layout: CodeLayout, start: int) -> tuple[int, int, int]:
+    """Map a new sampler into `pid` (started at `start`) with the placement helper (no
+    configuration, no redirection: inject() does those; scripts/bench_overhead.py times
+    placements with it). Returns (its base, how long the thread was stopped in ns, the memfd's
+    inode). Raises Refused."""
+    parts = _helper([str(helper), "place", str(pid), str(start), str(layout.path), hex(layout.code_span),
+                     hex(layout.total_span)])[0].split()
+    if len(parts) != 5:
+        raise Refused(f"the placement helper answered {' '.join(parts)[:80]!r}")
+    return int(parts[1], 16), int(parts[3]), int(parts[4])
+
+
+def _store(inj: Injection, writes: list[_Write]) -> list[tuple[int, bool]]:
+    """(what each word held, whether it was written), in one stop of one thread of the process."""
+    if not writes:
+        return []
+    _code, helper = built()
+    lay = inj.layout
+    ops = "".join(f"{w.addr:x} {w.expected:x} {w.value:x} {INJ_STORE_AFTER_OK if w.after_ok else 0:x}\n"
+                  for w in writes)
+    try:
+        lines = _helper([str(helper), "store", str(inj.pid), str(inj.start), str(lay.path), hex(inj.base),
+                         hex(lay.store_entry), hex(lay.store), hex(lay.syscall_at)], ops)
+    except Refused as e:
+        raise StoreFailed(str(e)) from None
+    if len(lines) != len(writes) + 1:
+        raise StoreFailed(f"the placement helper answered {len(lines) - 1} of {len(writes)} writes")
+    inj.stores += 1
+    inj.store_ns += int(lines[0].split()[2])
+    return [(int(seen, 16), done == "1") for seen, done in (ln.split() for ln in lines[1:])]
+
+
+def _state_dir() -> Path | None:
+    """Where this host notes the samplers it placed (root-only; under /run: a boot's pids)."""
+    return files.private_dir(Path(os.environ.get("ALLOCSAMPLER_RUN_DIR") or "/run/allocsampler") / "placed")
+
+
+PLACED_MAX = 4096
+
+
+def _placed(pid: int, start: int, base: int, inode: int) -> None:
+    """Notes a placement (what _existing will adopt); records of processes gone are dropped."""
+    d = _state_dir()
+    if d is None:
+        return
+    with contextlib.suppress(OSError):
+        names = os.listdir(d)
+        for name in names[:PLACED_MAX] if len(names) >= PLACED_MAX // 2 else ():
+            p, _, s = name.partition("-")
+            st = read_stat(int(p)) if p.isdigit() else None
+            if st is None or str(st.start) != s:
+                with contextlib.suppress(OSError):
+                    os.unlink(d / name)
+        files.write_atomic(d / f"{pid}-{start}", json.dumps({"base": base, "inode": inode}).encode(), 0o600)
+
+
+def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem: _Memory) -> int | None:
+    """The base of a sampler an earlier recorder of this host placed in this process (its record:
+    same start time, memfd inode and base; its whole code ours: a different build is refused
+    rather than mixed with). A sampler this host did not place is refused: its base would steer
+    every later write."""
     for m in maps:
-        if m.path.startswith(MEMFD_NAME) and m.offset == 0 and m.executable:
-            with _Memory(pid) as mem:
-                if mem.u64(m.start + layout.data) != INJ_MAGIC:
-                    continue
-                with open(layout.path, "rb") as f:
-                    ours = f.read(4096)
-                if mem.read(m.start, len(ours)) != ours:
-                    raise Refused("an earlier recorder's sampler of another build is in the process; restart it "
-                                  "to replace it, or record with --attach-mode uprobe")
-            return m.start
+        if not (m.path.startswith(MEMFD_NAME) and m.offset == 0 and m.executable):
+            continue
+        with contextlib.suppress(OSError):
+            if mem.u64(m.start + layout.data) != INJ_MAGIC:
+                continue
+        d = _state_dir()
+        try:
+            note = json.loads(files.read_private(d / f"{pid}-{start}", 4096)) if d is not None else None
+        except (OSError, ValueError):
+            note = None
+        if not isinstance(note, dict) or note.get("base") != m.start or note.get("inode") != m.inode:
+            raise Refused("a sampler that this host did not place is in the process (a forged or foreign "
+                          "memfd called allocsampler): not adopted")
+        if not _same_code(mem, m.start, layout):
+            raise Refused("an earlier recorder's sampler of another build is in the process; restart it "
+                          "to replace it, or record with --attach-mode uprobe")
+        return m.start
     return None
 
 
+def _same_code(mem: _Memory, base: int, layout: CodeLayout) -> bool:
+    code = layout.path.read_bytes()
+    try:
+        return mem.read(base, len(code)) == code
+    except OSError:
+        return False
+
+
 def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: list[Mapping]) -> None:
+    """The sampler's own data, through the memory opened for this image (after checking that the
+    whole code at base is ours)."""
     data = inj.base + inj.layout.data
     o = INJ_DATA.offsets
     proc = data + o["proc"]
     p = SMP_PROCESS.offsets
-    with _Memory(inj.pid) as mem:
+    mem = inj.mem
+    if not _same_code(mem, inj.base, inj.layout):
+        raise Refused(f"the sampler's code is not at {inj.base:#x} (the process changed it or exec'd)")
+    try:
+        if inj.adopted:             # its saved fields are checked like fresh ones: forwards only to the allocator
+            real = struct.unpack(f"<{INJ_NFN}Q", mem.read(data + o["real"], 8 * INJ_NFN))
+            if any(v and v != inj.originals.get(n, 0) for v, n in zip(real, FUNCTIONS, strict=True)):
+                raise Refused("the adopted sampler forwards to functions that are not the allocator's: not adopted")
         mem.write_u64(data + o["owner"], os.getpid())
-        mem.write_u64(data + o["clock"], _vdso_clock(inj.pid, maps) or 0)
+        mem.write_u64(data + o["clock"], _vdso_clock(inj.pid, maps, mem) or 0)
         for i, name in enumerate(FUNCTIONS):
             mem.write_u64(data + o["real"] + 8 * i, inj.originals.get(name, 0))
         if not inj.adopted:
@@ -501,30 +680,31 @@ def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: l
         mem.write_u64(proc + p["max_per_s"], max_samples_per_s)
         mem.write(data + o["version"], struct.pack("<I", INJ_VERSION))
         mem.write_u64(data + o["magic"], INJ_MAGIC)
+    except OSError as e:
+        raise Refused(f"cannot configure the sampler ({e}): the process exec'd or exited") from None
 
 
-def _originals(pid: int, maps: list[Mapping]) -> dict[str, int]:
+def _originals(pid: int, maps: list[Mapping], mem: _Memory) -> dict[str, int]:
     """The allocator function each name binds to in this process: what the dynamic linker wrote into
     the GOT slots it resolved (GLOB_DAT slots always are; JUMP_SLOTs once called), else the
     definition exported by the library that provides malloc, else by libc."""
     resolved: dict[str, int] = {}
-    with _Memory(pid) as mem:
-        for obj, bias, m in _objects(pid, maps):
-            if m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+    for obj, bias, m in _objects(pid, maps):
+        if m.path.startswith(MEMFD_NAME) or _is_loader(m.path):
+            continue
+        try:
+            found = import_slots(ElfReader.open(open_path(pid, m)), set(FUNCTIONS))
+        except (OSError, ElfFormatError):
+            continue
+        own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
+        for off, name in found:
+            if name in resolved:
                 continue
-            try:
-                found = import_slots(ElfReader.open(open_path(pid, m)), set(FUNCTIONS))
-            except (OSError, ElfFormatError):
-                continue
-            own = [(x.start, x.end) for x in maps if (x.dev, x.inode, x.path) == obj]
-            for off, name in found:
-                if name in resolved:
-                    continue
-                with contextlib.suppress(OSError):
-                    v = mem.u64(bias + off)
-                    if not any(lo <= v < hi for lo, hi in own) and _in_code(maps, v) and not _ours(maps, v) \
-                            and _defines(pid, maps, v, name):
-                        resolved[name] = v
+            with contextlib.suppress(OSError):
+                v = mem.u64(bias + off)
+                if not any(lo <= v < hi for lo, hi in own) and _in_code(maps, v) and not _ours(maps, v) \
+                        and _defines(pid, maps, v, name):
+                    resolved[name] = v
     owners = []
     if "malloc" in resolved:
         # the offset-0 mapping of malloc's object: _bias measures from there (from its text mapping,
@@ -563,14 +743,14 @@ def _defines(pid: int, maps: list[Mapping], addr: int, name: str) -> bool:
     return v is not None and bias + v == addr
 
 
-def _vdso_clock(pid: int, maps: list[Mapping]) -> int | None:
+def _vdso_clock(pid: int, maps: list[Mapping], them: _Memory) -> int | None:
     """The target's __vdso_clock_gettime: the vDSO is the kernel's, the same bytes in every process
     (checked against ours), at the target's own address."""
     theirs = next((m for m in maps if m.path == "[vdso]"), None)
     mine = next((m for m in read_maps(os.getpid()) if m.path == "[vdso]"), None)
     if theirs is None or mine is None or theirs.end - theirs.start != mine.end - mine.start:
         return None
-    with _Memory(os.getpid()) as me, _Memory(pid) as them:
+    with _Memory(os.getpid()) as me:
         image = me.read(mine.start, mine.end - mine.start)
         if them.read(theirs.start, len(image)) != image:
             return None
@@ -584,7 +764,8 @@ def _vdso_clock(pid: int, maps: list[Mapping]) -> int | None:
 # -- the process ----------------------------------------------------------------------------------
 
 class _Memory:
-    """/proc/PID/mem, for aligned reads and 8-byte writes."""
+    """/proc/PID/mem as opened once: the kernel binds it to the image the process had then, so
+    after an exec or exit every access fails instead of reaching the next image."""
 
     def __init__(self, pid: int):
         self.fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
@@ -593,7 +774,15 @@ class _Memory:
         return self
 
     def __exit__(self, *exc) -> None:
-        os.close(self.fd)
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def read(self, addr: int, n: int) -> bytes:
         data = os.pread(self.fd, n, addr)
@@ -609,8 +798,7 @@ class _Memory:
             raise OSError(f"short write at {addr:#x}")
 
     def write_u64(self, addr: int, value: int) -> None:
-        # One aligned 8-byte write: the kernel copies it with one store (see the module doc).
-        assert addr % 8 == 0
+        # Only into the sampler's own data (a copy, not one store: the process's words go through store)
         self.write(addr, struct.pack("<Q", value))
 
 

@@ -55,4 +55,44 @@ struct inj_data {
 /* The set of sampled addresses (SMP_TABLE_BYTES) is the object `inj_table`, after `inj` in the
  * data segment; the recorder takes both places from the ELF's symbols. */
 
+/* Writes into the process's own words (GOT slots, .dynsym values, CPython's allocator domains),
+ * made by a thread of the process that the placement helper stopped and pointed at inj_store_run
+ * (place.c `store`): each is one aligned 8-byte compare-and-exchange by the CPU, so a thread
+ * loading the word sees the old or the new value, never a mix (a copy through /proc/PID/mem is a
+ * string move and tears), and nothing is written where the word no longer holds what the recorder
+ * planned on. Pages that are not writable are made so around the writes and get their protection
+ * back. The helper fills `inj_store` (and runs on `stack`); the thread ends on an int3. */
+#define INJ_STORE_OPS 256
+#define INJ_STORE_PAGES 64
+#define INJ_STORE_STACK 4096
+#define INJ_STORE_AFTER_OK 1ULL        /* flags: only when the op before it was written */
+
+struct inj_store_op {
+    uint64_t addr;
+    uint64_t expected;
+    uint64_t value;
+    uint64_t flags;
+    uint64_t seen;              /* what the word held (== expected: written) */
+    uint64_t done;              /* 1: written, 0: not (seen differs, or skipped) */
+};
+
+struct inj_store_page {
+    uint64_t addr;              /* page-aligned */
+    uint64_t len;
+    uint64_t prot;              /* its protection, given back after the writes */
+    uint64_t write_prot;        /* the same with PROT_WRITE (exec kept: other threads may run there) */
+    int64_t err;                /* mprotect's result (0, or -errno: then none of its ops ran) */
+};
+
+struct inj_store {
+    uint64_t nops;
+    uint64_t npages;
+    uint64_t state;             /* INJ_STORE_DONE once the routine has ended */
+    uint64_t pad;
+    struct inj_store_page pages[INJ_STORE_PAGES];
+    struct inj_store_op ops[INJ_STORE_OPS];
+    uint8_t stack[INJ_STORE_STACK];
+};
+#define INJ_STORE_DONE 0x454e4f44ULL   /* "DONE" */
+
 #endif

@@ -92,11 +92,16 @@ class Attacher:
         if len(t.libs) > n or new_gpu:
             self.note(t, "attach", t.attach_detail())
 
-    def release(self, t: Target) -> None:
-        """The process stops being recorded (alive): its redirected slots get their functions back."""
+    def release(self, t: Target, restore: bool) -> None:
+        """The process stops being recorded. `restore`: it goes on in the same image (the recording
+        ended, or failed on it), and its redirected slots get their functions back; never after an
+        exit, a pid reuse or an exec (the sampler went with the image, and nothing is written into
+        whatever holds the pid now)."""
         if t.injection is not None:
-            with contextlib.suppress(OSError):
-                t.injection.restore()
+            if restore:
+                with contextlib.suppress(OSError):
+                    t.injection.restore()
+            t.injection.close()
             t.injection = None
 
     def leave_attach(self, t: Target, tier: str, why: str) -> None:
@@ -130,6 +135,8 @@ class Attacher:
         t.inject_refused = None              # a new image: a new chance
         if t.tier == INJECT:                 # the sampler went with the old image: inject again
             self.probes.detach_probes(pid)
+            if t.injection is not None:
+                t.injection.close()
             t.injection = None
             t.usdt.clear()
             t.usdt_labels = []

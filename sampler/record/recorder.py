@@ -411,10 +411,12 @@ class Recorder:
         self._add_target(info, RSS)
         return self.targets.get(pid)
 
-    def _drop_target(self, pid: int, why: str, exited: bool = False) -> None:
+    def _drop_target(self, pid: int, why: str, exited: bool = False, restore: bool = False) -> None:
+        """`restore`: the process goes on in the image it was recorded in (the recording ended, or
+        failed on it): its redirected slots get their functions back, before the probes go."""
         t = self.targets.pop(pid, None)
         if t is not None:
-            self.attacher.release(t)        # slots back before the probes go
+            self.attacher.release(t, restore)
         # an exited process makes no more hits: its links may close in the background
         self.probes.detach(pid, wait=not exited)
         self.controls.forget(pid)
@@ -447,7 +449,7 @@ class Recorder:
                   file=sys.stderr)
         self.hooks.target_failed(pid, t.info.comm, why)
         try:
-            self._drop_target(pid, why)
+            self._drop_target(pid, why, restore=True)
         except Exception:  # noqa: BLE001  (detaching what we could; the pid is out of `targets` already)
             self.targets.pop(pid, None)
 
@@ -749,7 +751,7 @@ class Recorder:
             for pid in list(self.targets):
                 t = self.targets[pid]
                 self._target_row(t, "detach", "recording ended")
-                self._drop_target(pid, "recording ended", exited=True)     # nothing reads on
+                self._drop_target(pid, "recording ended", exited=True, restore=True)     # nothing reads on
             self._write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:
             if getattr(self, "gpu", None) is not None:

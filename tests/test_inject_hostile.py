@@ -1,0 +1,254 @@
+"""Placement against processes that lie (sampler/inprocess/place.c, inject.py; docs/security.md):
+real targets started as `nobody` (tests/workloads/hostile.c) answer the helper's remote calls with
+forged results, slowly, or with a seccomp policy that would kill them; they exec another image or
+give up their pid between placement and the next write; they forge a sampler to be adopted. Root's
+files, other images and the targets themselves come through unchanged."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import WORKLOADS, compile_c
+
+from sampler.inprocess import inject
+from sampler.proc.process import read_stat
+
+NOBODY = pwd.getpwnam("nobody").pw_uid
+SECRET = b"root's own bytes: nobody may read or write them\n"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A directory nobody can reach, with the hostile workload, a victim program and a root 0600
+    file (in a 0755 directory: nobody can name it, not open it)."""
+    d = Path(tempfile.mkdtemp(prefix="allocsampler-hostile-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    compile_c(WORKLOADS / "hostile.c", d / "hostile", "-pthread")
+    compile_c(_victim_source(d), d / "victim", "-no-pie")
+    secret = d / "secret"
+    secret.write_bytes(SECRET)
+    os.chmod(secret, 0o600)
+    code, _ = inject.built()
+    shutil.copy(code, d / "sampler.so")
+    os.chmod(d / "sampler.so", 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _victim_source(d: Path) -> Path:
+    src = d / "victim.c"
+    src.write_text(r"""
+#include <stdint.h>
+#include <stdio.h>
+volatile uint64_t word = 0x1122334455667788ULL;
+int main(void) {
+    printf("%lx %lx\n", (unsigned long)(uintptr_t)&word, (unsigned long)word);
+    fflush(stdout);
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    printf("%lx\n", (unsigned long)word);
+    return 0;
+}
+""")
+    return src
+
+
+class Hostile:
+    def __init__(self, d: Path, *args: str):
+        def drop():
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        self.p = subprocess.Popen([str(d / "hostile"), *args], preexec_fn=drop, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, cwd="/")
+        self.lines = [self.p.stdout.readline().strip()]
+        assert self.lines[-1] in ("ready",) or self.lines[-1].startswith("0x"), self.lines
+
+    @property
+    def pid(self) -> int:
+        return self.p.pid
+
+    def finish(self) -> str:
+        out, _ = self.p.communicate("done\n", timeout=30)
+        return out.strip()
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+
+
+def _place(pid: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    code, helper = inject.built()
+    layout = inject.CodeLayout.of(code)
+    return subprocess.run([str(helper), "place", str(pid), str(read_stat(pid).start), str(code),
+                           hex(layout.code_span), hex(layout.total_span)], capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+def _ours(pid: int) -> bool:
+    return inject.MEMFD_NAME in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_forged_memfd_never_makes_root_write_a_file(shared):
+    """memfd_create answered (seccomp user notification) with an O_PATH fd of a root 0600 file:
+    the helper duplicates the fd instead of reopening it, finds it is no memfd of ours, writes
+    nothing, and gives the process back running."""
+    before = (shared / "secret").stat()
+    h = Hostile(shared, "notify-fd", str(shared / "secret"))
+    try:
+        r = _place(h.pid)
+        assert r.returncode == 1 and "answered memfd_create with fd" in r.stdout, r.stdout
+        assert "not placed" in r.stdout
+        assert not _ours(h.pid)                     # the anonymous region it made is gone again
+        assert h.finish() == "ok 1"                 # its computation never saw us
+    finally:
+        h.kill()
+    after = (shared / "secret").stat()
+    assert (shared / "secret").read_bytes() == SECRET
+    assert (after.st_size, after.st_mtime_ns, stat.S_IMODE(after.st_mode)) == \
+           (before.st_size, before.st_mtime_ns, 0o600)
+
+
+def test_a_forged_mmap_answer_is_not_used(shared):
+    """The anonymous mmap answered with an address of the process's own data: not the region
+    asked for, so nothing is written there or mapped over it."""
+    h = Hostile(shared, "notify-mmap")
+    try:
+        r = _place(h.pid)
+        assert r.returncode == 1 and "answered mmap with" in r.stdout, r.stdout
+        assert not _ours(h.pid)
+        assert h.finish() == "ok 1"
+    finally:
+        h.kill()
+
+
+def test_a_call_answered_late_is_interrupted_and_the_thread_gets_its_registers(shared):
+    """memfd_create answered after 3 s, past the helper's 2 s: the call is interrupted, the region
+    already made is unmapped, the thread gets its registers back; the process lives and its
+    computation is the uninterrupted one."""
+    h = Hostile(shared, "notify-slow")
+    try:
+        t0 = time.monotonic()
+        r = _place(h.pid)
+        took = time.monotonic() - t0
+        assert r.returncode == 1 and "memfd_create did not return within 2000 ms" in r.stdout, r.stdout
+        assert took < 10
+        time.sleep(1.5)                             # the supervisor's late answer comes and goes
+        assert h.p.poll() is None, f"the target died (exit {h.p.returncode})"
+        assert not _ours(h.pid)
+        assert h.finish() == "ok 1"
+    finally:
+        h.kill()
+
+
+@pytest.mark.parametrize("mode", ["kill-memfd", "strict"])
+def test_a_seccomp_policy_that_would_kill_it_is_read_first(shared, mode):
+    """A filter that kills on memfd_create, and strict mode: placement is refused before any call,
+    with the reason (the recorder then falls back to uprobes with it); the process lives."""
+    h = Hostile(shared, mode)
+    try:
+        with pytest.raises(inject.Refused, match="seccomp (filter of .* would kill it on memfd_create|strict mode)"):
+            inject.inject(h.pid, 65536, 0)
+        assert h.p.poll() is None and not _ours(h.pid)
+        assert h.finish() == "ok 1"
+    finally:
+        h.kill()
+
+
+def test_check_fd_accepts_only_an_empty_sealable_memfd_of_ours(shared):
+    """The check every memfd_create answer goes through, on each kind of fd a process could
+    answer with."""
+    h = Hostile(shared, "fds", str(shared / "secret"))
+    _code, helper = inject.built()
+    try:
+        said = {}
+        for fd in (3, 4, 5, 6):
+            r = subprocess.run([str(helper), "check-fd", str(h.pid), str(fd)], capture_output=True, text=True)
+            said[fd] = r.stdout.strip()
+        assert said[6] == "ok"
+        assert said[3].startswith("error pidfd_getfd(3)") or "not open read-write" in said[3], said[3]
+        assert "not an empty unlinked file" in said[4], said[4]
+        assert "not our memfd" in said[5], said[5]
+    finally:
+        h.kill()
+    assert (shared / "secret").read_bytes() == SECRET
+
+
+def test_a_forged_sampler_is_not_adopted(shared):
+    """A whole copy of the sampler's code in a memfd called allocsampler, with the magic set: this
+    host did not place it, so it is refused (its base would steer every later write)."""
+    layout = inject.CodeLayout.of(inject.built()[0])
+    h = Hostile(shared, "forge", str(shared / "sampler.so"), hex(layout.data))
+    try:
+        with pytest.raises(inject.Refused, match="did not place"):
+            inject.inject(h.pid, 65536, 0)
+    finally:
+        h.kill()
+
+
+def test_no_write_reaches_the_image_an_exec_brings(shared):
+    """Placed and redirected, then the process execs a non-PIE program whose word lies where the
+    recorder's planned writes point: set_mean and restore write nothing into it (the memory was
+    opened for the old image; the helper finds no sampler of ours in the new one)."""
+    h = Hostile(shared, "exec", str(shared / "victim"))
+    try:
+        inj = inject.inject(h.pid, 65536, 0)
+        inj.redirect()
+        assert inj.slots
+        h.p.stdin.write("exec\n")
+        h.p.stdin.flush()
+        addr, value = (int(x, 16) for x in h.p.stdout.readline().split())
+        # the writes as an attacker would aim them: at the victim's word, expecting what it holds
+        for s in inj.slots.values():
+            s.addr, s.original = addr, 0x4141414141414141
+        inj.slots = {addr: next(iter(inj.slots.values()))}
+        with pytest.raises(OSError):
+            inj.set_mean(0x4141414141)
+        with pytest.raises(inject.StoreFailed, match="not at"):
+            inj.store([inject._Write(addr, value, 0x4141414141414141)])
+        assert inj.restore() == 0
+        out, _ = h.p.communicate("done\n", timeout=30)
+        assert int(out.strip(), 16) == value == 0x1122334455667788
+    finally:
+        h.kill()
+
+
+def test_no_write_reaches_a_process_that_reused_the_pid(shared):
+    """The placed process exits and another (the victim) gets its pid: nothing of the injection
+    reaches it."""
+    h = Hostile(shared, "exec", "/bin/true")
+    inj = inject.inject(h.pid, 65536, 0)
+    inj.redirect()
+    pid = h.pid
+    h.kill()
+    victim = None
+    for _ in range(20):                         # the next pid handed out is the old one
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen([str(shared / "victim")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if p.pid == pid:
+            victim = p
+            break
+        p.kill()
+        p.wait()
+    assert victim is not None, "could not get the pid back"
+    try:
+        addr, value = (int(x, 16) for x in victim.stdout.readline().split())
+        with pytest.raises(OSError):
+            inj.set_mean(0x4141414141)
+        with pytest.raises(inject.StoreFailed, match="another process"):
+            inj.store([inject._Write(addr, value, 0x4141414141414141)])
+        assert inj.restore() == 0
+        out, _ = victim.communicate("done\n", timeout=30)
+        assert int(out.strip(), 16) == value
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
