@@ -648,11 +648,14 @@ def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem
 
 
 def _same_code(mem: _Memory, base: int, layout: CodeLayout) -> bool:
+    """The whole code at `base` is ours, but that a recorder's uprobe may have put an int3 over a
+    nop (the sampler's USDT probe sites); place.c checks the same."""
     code = layout.path.read_bytes()
     try:
-        return mem.read(base, len(code)) == code
+        theirs = mem.read(base, len(code))
     except OSError:
         return False
+    return theirs == code or all(a == b or (a == 0x90 and b == 0xCC) for a, b in zip(code, theirs, strict=True))
 
 
 def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: list[Mapping]) -> None:

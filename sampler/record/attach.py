@@ -31,6 +31,7 @@ from sampler.probes import usdt
 from sampler.probes.allocators import Family, find_allocators
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.python.targets import PythonTargets
+from sampler.record.placement import Placements
 from sampler.record.target import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS, Target
 from sampler.record.vm_events import VmClassifier
 
@@ -55,19 +56,77 @@ class Attacher:
         self.note, self.warn, self.quiet = note, warn, quiet
         self.faults_used = False            # the page-fault program ran for some target
         self._gpu_said = False
+        self.placements = Placements()
+        self.waiting: set[int] = set()      # targets whose placement waits for the rate (poll tries again)
 
     def attach(self, t: Target) -> None:
-        """Probes for a new target, then its `attach` row. ProcessLookupError: it exited meanwhile."""
+        """Probes for a new target, then its `attach` row (once its placement is done, when it has
+        one: poll). ProcessLookupError: it exited meanwhile."""
         if t.tier == RSS:
             self.enable_faults()
         self.probes.add_target(t.pid, TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0))
-        if t.tier == ATTACH and self.attach_mode != "uprobe":
-            self._inject(t)
+        if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
+            t.attach_owed = True            # its allocator probes come with the placement's outcome
+            self._detect_python(t, final=False)
+            return
+        self._settled(t)
+
+    def _settled(self, t: Target) -> None:
+        """The target's tier is decided: its allocator probes, then the `attach` row (now, or once
+        its first redirection is done)."""
         if self.governor is not None and t.tier == ATTACH:
             self.governor.add(t.pid, time.monotonic())
         self._attach_gpu(t, self._attach_allocators(t))
         self._detect_python(t, final=True)
-        self.note(t, "attach", t.attach_detail())
+        if self.placements.busy(t.pid):
+            t.attach_owed = True
+        else:
+            t.attach_owed = False
+            self.note(t, "attach", t.attach_detail())
+
+    def poll(self, targets: dict[int, Target], fail: Callable[[int, str, Exception], None]) -> None:
+        """What follows each finished placement or redirection (on the loop), and placements that
+        waited for the rate."""
+        for job, result, error in self.placements.poll():
+            t = targets.get(job.pid)
+            if t is None or t.image != job.image:
+                if result is not None and hasattr(result, "close"):
+                    result.close()          # placed for an image (or a process) no longer recorded
+                continue
+            try:
+                job.then(result, error)
+            except ProcessLookupError:
+                continue                    # it exited: its exit event ends it
+            except Exception as e:  # noqa: BLE001
+                fail(t.pid, "placing the sampler", e)
+                continue
+            if t.attach_owed and not self.placements.busy(t.pid) and (t.injection or t.inject_refused):
+                t.attach_owed = False       # (a transient refusal is tried again first)
+                self.note(t, "attach", t.attach_detail())
+        for pid in list(self.waiting):
+            t = targets.get(pid)
+            self.waiting.discard(pid)
+            if t is not None and t.injection is None and t.inject_refused is None:
+                try:
+                    if not self._inject(t):
+                        self._settled(t)
+                except ProcessLookupError:
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    fail(pid, "placing the sampler", e)
+
+    def settle(self, targets: dict[int, Target], fail: Callable[[int, str, Exception], None]) -> None:
+        """A recording's first targets: their placements are waited for (they are attached when the
+        recording says so)."""
+        end = time.monotonic() + inject.PLACE_WAIT_S + 5
+        while (self.placements.jobs or self.waiting) and time.monotonic() < end:
+            self.placements.wait(set(targets), max(0.0, end - time.monotonic()))
+            self.poll(targets, fail)
+            if self.waiting:
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.placements.close()
 
     def enable_faults(self) -> None:
         """The page-fault program, once, with the recording's host-wide selection (a target that
@@ -78,11 +137,10 @@ class Attacher:
 
     def rescan(self, t: Target) -> None:
         """Look for libraries mapped since the last look (a new `attach` row when there are)."""
-        if t.tier == ATTACH and self.attach_mode != "uprobe":
-            try:
-                self._inject(t)         # after an exec: the new image is injected once it is mapped
-            except ProcessLookupError:
-                return
+        if self.placements.busy(t.pid) or t.pid in self.waiting:
+            return                      # what it needs comes with its placement
+        if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
+            return                      # after an exec: the new image is injected once it is mapped
         n = len(t.libs)
         try:
             new_gpu = self._attach_gpu(t, self._attach_allocators(t))
@@ -103,6 +161,7 @@ class Attacher:
                     t.injection.restore()
             t.injection.close()
             t.injection = None
+        self.waiting.discard(t.pid)
 
     def leave_attach(self, t: Target, tier: str, why: str) -> None:
         """Move a target out of the attach tier: its allocator probes go, and with them the
@@ -132,7 +191,8 @@ class Attacher:
         self.probes.forget_live(pid, t.table.live_addresses())
         self.probes.forget_mappings(pid)
         t.table.clear()
-        t.inject_refused = None              # a new image: a new chance
+        t.image += 1                         # what was being placed for the old image is dropped
+        t.inject_refused = None              # a new image: a new chance (within the backoff)
         if t.tier == INJECT:                 # the sampler went with the old image: inject again
             self.probes.detach_probes(pid)
             if t.injection is not None:
@@ -172,38 +232,78 @@ class Attacher:
             if why:
                 self.warn(t, why)
 
-    def _inject(self, t: Target) -> None:
-        """Place (or adopt) the injected sampler; the target moves to the inject tier, or stays in
-        the attach tier with the reason (said once)."""
+    def _inject(self, t: Target) -> bool:
+        """Starts placing (or adopting) the injected sampler beside the loop; True when it started or
+        waits for the rate (poll goes on), False when the target stays in the attach tier (the
+        reason is said once)."""
         if t.injection is not None or t.inject_refused is not None:
-            return
-        try:
-            if self._emits_otel_memory(t):
-                return                      # samples itself already (the preload shim): never twice
-            t.injection = inject.inject(t.pid, self.sample_mean, self.max_samples_per_s, self.python_objects)
-        except (inject.Refused, OSError, ElfFormatError) as e:
+            return False
+        if self._emits_otel_memory(t):
+            return False                    # samples itself already (the preload shim): never twice
+        now = time.monotonic()
+        why = self.placements.when(t.pid, now)
+        if why is not None:
+            self._refused(t, why)
+            return False
+        pid, image = t.pid, t.image
+
+        def work() -> inject.Injection:
+            return inject.inject(pid, self.sample_mean, self.max_samples_per_s, self.python_objects)
+        if not self.placements.submit(pid, image, work, lambda inj, e: self._placed(t, inj, e)):
+            self.waiting.add(pid)
+        return True
+
+    def _placed(self, t: Target, inj: inject.Injection | None, e: BaseException | None) -> None:
+        """On the loop: the placement's outcome. The target moves to the inject tier, or stays in the
+        attach tier with the reason (said once), and gets its allocator probes."""
+        if e is not None:
             if isinstance(e, ProcessLookupError) or not os.path.exists(f"/proc/{t.pid}"):
-                raise ProcessLookupError(t.pid) from None
+                raise ProcessLookupError(t.pid)
+            if not isinstance(e, (inject.Refused, OSError, ElfFormatError)):
+                raise e
             if isinstance(e, inject.Refused) and e.transient and t.rescan_until:
-                return                      # an exec's image still being mapped: again at the next poll
-            t.inject_refused = str(e) or type(e).__name__
-            if self.attach_mode == "inject":
-                t.tier = SYSCALLS
-                self.warn(t, f"the sampler could not be injected ({t.inject_refused}); --attach-mode inject: "
-                             "no allocator probes, only mmap/brk are recorded")
-            else:
-                self.note(t, "tier", f"attach: uprobes on the allocator, the sampler could not be injected "
-                                     f"({t.inject_refused})")
+                return                      # an exec's image still being mapped: again at the next rescan
+            self.placements.failed(t.pid, time.monotonic())
+            self._refused(t, str(e) or type(e).__name__)
+            self._settled(t)
             return
-        i = t.injection
-        how = ("adopted from an earlier recording" if i.adopted
-               else f"placed (one thread stopped {i.stop_ns / 1000:.0f} us)")
-        why = f"in-process sampler at {i.base:#x} {how}"
+        t.injection = inj
+        how = ("adopted from an earlier recording" if inj.adopted
+               else f"placed (one thread stopped {inj.stop_ns / 1000:.0f} us)")
+        why = f"in-process sampler at {inj.base:#x} {how}"
         if t.attached:                      # uprobes of the image before an exec: the sampler replaces them
             self.leave_attach(t, INJECT, why)
         else:
             t.tier = INJECT
             self.note(t, "tier", f"inject: {why}")
+        self._settled(t)
+
+    def _refused(self, t: Target, why: str) -> None:
+        t.inject_refused = why
+        if self.attach_mode == "inject":
+            t.tier = SYSCALLS
+            self.warn(t, f"the sampler could not be injected ({why}); --attach-mode inject: "
+                         "no allocator probes, only mmap/brk are recorded")
+        else:
+            self.note(t, "tier", f"attach: uprobes on the allocator, the sampler could not be injected ({why})")
+
+    def _redirect(self, t: Target) -> None:
+        """Redirects the slots of objects loaded since (a job beside the loop; its notes when done)."""
+        inj = t.injection
+
+        def done(n: int | None, e: BaseException | None) -> None:
+            if e is not None:
+                if not os.path.exists(f"/proc/{t.pid}"):
+                    raise ProcessLookupError(t.pid)
+                if not isinstance(e, (OSError, ElfFormatError, ValueError, inject.Refused)):
+                    raise e
+                self.warn(t, f"could not redirect newly loaded objects ({e}); tried again at the next rescan")
+                return
+            if n and t.rescan_until == 0.0 and len(inj.slots) > n:
+                self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
+            while inj.news:
+                self.note(t, "inject", inj.news.pop(0))
+        self.placements.submit(t.pid, t.image, inj.redirect, done, limited=False)
 
     def _emits_otel_memory(self, t: Target) -> bool:
         for m in read_maps(t.pid):
@@ -221,17 +321,7 @@ class Attacher:
             maps = read_maps(pid)
             self._attach_usdt(t, maps)
             if t.usdt:
-                try:
-                    n = t.injection.redirect()     # only once its probe sites are watched
-                except (OSError, ElfFormatError, ValueError) as e:
-                    if not os.path.exists(f"/proc/{pid}"):
-                        raise ProcessLookupError(pid) from None
-                    self.warn(t, f"could not redirect newly loaded objects ({e}); tried again at the next rescan")
-                    return maps
-                if n and t.rescan_until == 0.0 and len(t.injection.slots) > n:
-                    self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
-                while t.injection.news:
-                    self.note(t, "inject", t.injection.news.pop(0))
+                self._redirect(t)           # only once its probe sites are watched
             return maps
         libs, maps = find_allocators(pid, self.allocators)
         if self._attach_usdt(t, maps) or t.tier == PRELOAD:

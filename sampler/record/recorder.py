@@ -250,6 +250,7 @@ class Recorder:
             self.hooks.started()
             for info in infos:
                 self._add_target(info)
+            self.attacher.settle(self.targets, self._fail)
             if not self.targets and not (o.all_processes or o.cgroups or o.daemon):
                 raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
                                  "nothing to record")
@@ -282,6 +283,7 @@ class Recorder:
             if self.tables is not None:
                 self.tables.poll()
             now = time.monotonic()
+            self.attacher.poll(self.targets, self._fail)
             self._rescan(now)
             self._reap_launched()
             self.hooks.tick(now)
@@ -754,6 +756,8 @@ class Recorder:
                 self._drop_target(pid, "recording ended", exited=True, restore=True)     # nothing reads on
             self._write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:
+            if getattr(self, "attacher", None) is not None:
+                self.attacher.close()
             if getattr(self, "gpu", None) is not None:
                 self.gpu.close()
             if getattr(self, "tables", None) is not None:

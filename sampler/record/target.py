@@ -41,6 +41,8 @@ class Target:
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
     inject_refused: str | None = None                        # why it was not injected (said once)
+    image: int = 0                                           # execs seen (a placement is for one image)
+    attach_owed: bool = False                                # its `attach` row comes once placed
     sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
     recorder_s: float = 0.0                                  # recorder time spent on it this interval
 
