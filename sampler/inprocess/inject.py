@@ -771,6 +771,7 @@ class _Memory:
     after an exec or exit every access fails instead of reaching the next image."""
 
     def __init__(self, pid: int):
+        self.fd = -1
         self.fd = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
 
     def __enter__(self) -> _Memory:
