@@ -252,3 +252,62 @@ def test_no_write_reaches_a_process_that_reused_the_pid(shared):
         if victim.poll() is None:
             victim.kill()
         victim.wait()
+
+
+def _many_layouts_source(d: Path, n: int) -> Path:
+    """A program with `n` otel_memory:alloc sites whose third argument is a different constant each
+    (a distinct argument layout per site), all reached once a line arrives."""
+    sites = "\n".join(f"__attribute__((noinline)) void s{i}(unsigned long p) {{ STAP_PROBE3(otel_memory, alloc, p, "
+                      f"64, {i + 1}); }}" for i in range(n))
+    calls = "\n".join(f"    s{i}((unsigned long)buf);" for i in range(n))
+    src = d / "layouts.c"
+    src.write_text(f"""
+#include <stdio.h>
+#include <sys/sdt.h>
+static char buf[64];
+{sites}
+__attribute__((noinline)) void released(void) {{ unsigned long p = 0; STAP_PROBE1(otel_memory, free, p); }}
+int main(void) {{
+    char line[8];
+    printf("ready\\n"); fflush(stdout);
+    while (fgets(line, sizeof line, stdin)) {{
+{calls}
+        released();
+    }}
+    return 0;
+}}
+""")
+    return src
+
+
+@pytest.mark.bpf
+def test_a_file_with_a_thousand_argument_layouts_crowds_out_no_one(tmp_path, workload, record):
+    """A process whose memory probes have 1,100 distinct argument layouts (over the 1,024 slots the
+    BPF side has) is refused its probes with the reason, and an inject-tier target recorded beside
+    it still gets its allocation data (the samplers' own layouts are reserved at load)."""
+    from conftest import final_by_site
+    exe = compile_c(_many_layouts_source(tmp_path, 1100), tmp_path / "layouts")
+    greedy = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert greedy.stdout.readline().strip() == "ready"
+        w = workload()
+        rec = record("--pid", str(greedy.pid), "--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K")
+        rec.wait_attached()
+        greedy.stdin.write("go\n")
+        greedy.stdin.flush()
+        w.call("leak_malloc", 4096, 4096)
+        time.sleep(1.5)
+        code, _, err = rec.stop()
+        assert code == 0, err
+    finally:
+        greedy.kill()
+        greedy.wait()
+    from analysis.dataset import read_table
+    targets = read_table(rec.out, "targets")
+    said = targets[targets["pid"] == greedy.pid]["detail"].astype(str)
+    assert said.str.contains("distinct argument layouts in the memory probes of").any(), list(said)
+    tiers = read_table(rec.out, "processes")
+    assert set(tiers[tiers["pid"] == w.pid]["tier"]) == {"inject"}
+    df = final_by_site(rec.out, w.pid)
+    est = df[df["site_fn"] == "leak_malloc"]["outstanding_bytes"].sum()
+    assert est > 0.5 * 4096 * 4096, est

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -84,3 +85,72 @@ def test_other_providers_are_read_but_are_not_the_memory_contract(tmp_path):
     assert hello.args[1].kind == usdt.ARG_DEREF and hello.args[1].value == 8
     assert hello.args[2] == usdt.UsdtArg(usdt.ARG_CONST, 4, True, value=7)
     assert usdt.memory_probes(str(exe)) == []
+
+
+REMAPPER = r"""
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+def place(path, at=None):
+    fd = os.open(path, os.O_RDONLY)
+    flags = mmap.MAP_PRIVATE | (0x10 if at else 0)               # MAP_FIXED
+    addr = libc.mmap(at, 4096, mmap.PROT_READ | mmap.PROT_EXEC, flags, fd, 0)
+    os.close(fd)
+    return addr
+addr = place(sys.argv[1])
+print(hex(addr), flush=True)
+sys.stdin.readline()
+place(sys.argv[2], addr)                                         # another file at the same range
+print("remapped", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_probes_are_parsed_from_and_attached_through_one_descriptor(tmp_path):
+    """A range remapped with another file after its probes were found: the pinned descriptor still
+    reads the file it was opened on, and a mapping seen before the remap is refused as stale (never
+    resolved again by path: probes would land on another inode)."""
+    import sys
+
+    from sampler.proc.maps import pinned, read_maps
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\0" * 4096)
+    p = subprocess.Popen([sys.executable, "-c", REMAPPER, str(shim_path()), str(other)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(p.stdout.readline(), 16)
+        m = next(x for x in read_maps(p.pid) if x.start == addr)
+        with pinned(p.pid, m) as path:
+            assert usdt.memory_probes(path)                        # the shim's contract
+            p.stdin.write("remap\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "remapped"
+            assert usdt.memory_probes(path)                        # still the shim, not the new file
+            assert os.stat(path).st_ino == m.inode
+        with pytest.raises(OSError, match="remapped"), pinned(p.pid, m):
+            pass
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_semaphore_outside_writable_data_is_not_used(tmp_path):
+    """A probe whose semaphore points into code (the kernel would increment it there): dropped."""
+    src = tmp_path / "sem.c"
+    src.write_text(r"""
+#include <sys/sdt.h>
+__extension__ unsigned short otel_memory_alloc_semaphore __attribute__((unused, section(".text")));
+__extension__ unsigned short otel_memory_free_semaphore __attribute__((unused, section(".probes")));
+int main(int argc, char **argv) {
+    if (otel_memory_alloc_semaphore) STAP_PROBE3(otel_memory, alloc, argc, 8, 8);
+    if (otel_memory_free_semaphore) STAP_PROBE1(otel_memory, free, argv);
+    return 0;
+}
+""")
+    exe = tmp_path / "sem"
+    subprocess.run(["gcc", "-O1", "-DSDT_USE_VARIADIC", "-D_SDT_HAS_SEMAPHORES=1", "-o", str(exe), str(src)],
+                   check=True, capture_output=True)
+    names = {(p.name, p.semaphore != 0) for p in usdt.read_probes(str(exe))}
+    assert ("free", True) in names                                 # .probes: writable data
+    assert not any(n == "alloc" for n, _ in names), names          # in .text: refused

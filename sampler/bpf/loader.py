@@ -65,6 +65,53 @@ class ProbeConfig:
 class _Attachment:
     links: list[tuple[int, bool]] = field(default_factory=list)        # link fd, allocation probes
     perf: list[tuple[int, bytes, bool]] = field(default_factory=list)  # perf fd, event name, allocation
+    specs: list[int] = field(default_factory=list)                     # usdt_specs slots its links use
+
+
+USDT_SPECS_PER_FILE = 16        # distinct argument layouts of one file's memory probes
+USDT_SPECS_PER_TARGET = 64
+
+
+class _UsdtSpecs:
+    """The `usdt_specs` slots: one per distinct argument layout, shared by the links that use it and
+    freed with the last of them (reused only after a grace period: a hit in flight may still read
+    it). Layouts reserved at load (the project's own samplers') are never freed, so that no file's
+    probes can crowd them out."""
+
+    GRACE_S = 5.0
+
+    def __init__(self, table):
+        self.table = table
+        self.ids: dict[bytes, int] = {}
+        self.refs: dict[int, int] = {}
+        self.free = list(range(USDT_SPECS - 1, -1, -1))
+        self.cooling: list[tuple[float, int]] = []
+        self.reserved: set[int] = set()
+
+    def take(self, value: bytes) -> int:
+        idx = self.ids.get(value)
+        if idx is None:
+            now = time.monotonic()
+            while self.cooling and self.cooling[0][0] <= now:
+                self.free.append(self.cooling.pop(0)[1])
+            if not self.free:
+                raise OSError(errno.ENOSPC, "too many distinct USDT argument layouts in use")
+            idx = self.ids[value] = self.free.pop()
+            self.table[ctypes.c_int(idx)] = self.table.Leaf.from_buffer_copy(value)
+        self.refs[idx] = self.refs.get(idx, 0) + 1
+        return idx
+
+    def drop(self, slots: list[int]) -> None:
+        for idx in slots:
+            n = self.refs.get(idx, 0) - 1
+            if n > 0 or idx in self.reserved:
+                self.refs[idx] = max(n, 1)
+                continue
+            self.refs.pop(idx, None)
+            value = next((v for v, i in self.ids.items() if i == idx), None)
+            if value is not None:
+                del self.ids[value]
+                self.cooling.append((time.monotonic() + self.GRACE_S, idx))
 
 
 _EINVAL_HINT = ("the kernel refused the uprobe (EINVAL): most likely another tool holds a uprobe at "
@@ -123,7 +170,8 @@ class BpfProbes:
                  "uw_pages": cfg.unwind_pages, "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
         self._attached: dict[int, _Attachment] = {}
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
-        self._usdt_ids: dict[bytes, int] = {}
+        self._specs: _UsdtSpecs | None = None
+        self._gpu_specs: dict[int, list[int]] = {}
         self._faults_on = False
         self._seq = 0
         self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -286,15 +334,51 @@ class BpfProbes:
         samplers need it at once, before the process they went into allocates."""
         self._multi_prog("usdt_memory")
 
+    def reserve_usdt(self, probes) -> None:
+        """The argument layouts of the project's own samplers' probe sites: never crowded out."""
+        for p in probes:
+            idx = self._spec_table().take(usdt.pack_spec(p.args, usdt.memory_kind(p)))
+            self._spec_table().reserved.add(idx)
+
     def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
         """Attach the preload tier's program to a file's otel_memory probe sites for one process
-        (sampler/probes/usdt.py UsdtProbe). Raises OSError (the process is gone, or the kernel refuses)."""
+        (sampler/probes/usdt.py UsdtProbe). Raises OSError (the process is gone, the kernel refuses,
+        or the file's or the process's probes have too many distinct argument layouts)."""
         att = self._attached.setdefault(pid, _Attachment())
-        cookies = [self._usdt_spec(p) for p in probes]
+        cookies = self._take_specs(probes, [None] * len(probes), att.specs, attach_path)
         refs = [p.semaphore for p in probes]
-        fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes],
-                                 cookies, pid, session=False, ref_ctr_offsets=refs if any(refs) else None)
+        try:
+            fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes],
+                                     cookies, pid, session=False, ref_ctr_offsets=refs if any(refs) else None)
+        except OSError:
+            self._spec_table().drop(cookies)
+            raise
         att.links.append((fd, False))
+        att.specs += cookies
+
+    def _take_specs(self, probes, layouts: list, held: list[int], path: str) -> list[int]:
+        """One `usdt_specs` slot per probe (taken: dropped again when its link goes); bounded per
+        file and per process."""
+        values = [usdt.pack_spec(p.args if lay is None else lay[0], usdt.memory_kind(p) if lay is None else lay[1])
+                  for p, lay in zip(probes, layouts, strict=True)]
+        if len(set(values)) > USDT_SPECS_PER_FILE:
+            raise OSError(errno.ENOSPC, f"{len(set(values))} distinct argument layouts in the memory probes of "
+                                        f"{path}, over {USDT_SPECS_PER_FILE}: not attached")
+        if len(set(held)) + len(set(values)) > USDT_SPECS_PER_TARGET:
+            raise OSError(errno.ENOSPC, f"over {USDT_SPECS_PER_TARGET} distinct USDT argument layouts in one process")
+        taken: list[int] = []
+        try:
+            for v in values:
+                taken.append(self._spec_table().take(v))
+        except OSError:
+            self._spec_table().drop(taken)
+            raise
+        return taken
+
+    def _spec_table(self) -> _UsdtSpecs:
+        if self._specs is None:
+            self._specs = _UsdtSpecs(self.bpf["usdt_specs"])
+        return self._specs
 
     def attach_cuda(self, pid: int, attach_path: str, offsets: list[int], cookies: list[int]) -> None:
         """Trace CUDA calls of one library for one process (sampler/gpu/cuda.py): one link at the
@@ -314,28 +398,22 @@ class BpfProbes:
         """PyTorch's pytorch:malloc/free USDT sites of one file for one process (their semaphore
         is raised while attached). Raises OSError."""
         from sampler.gpu.cuda import torch_spec
-        cookies = [self._usdt_spec(p, *torch_spec(p)) for p in probes]
+        held = self._gpu_specs.setdefault(pid, [])
+        cookies = self._take_specs(probes, [torch_spec(p) for p in probes], held, attach_path)
         refs = [p.semaphore for p in probes]
-        self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
-            self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes], cookies, pid, session=False,
-            ref_ctr_offsets=refs if any(refs) else None))
+        try:
+            self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
+                self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes], cookies, pid,
+                session=False, ref_ctr_offsets=refs if any(refs) else None))
+        except OSError:
+            self._spec_table().drop(cookies)
+            raise
+        held += cookies
 
     def detach_gpu(self, pid: int) -> None:
         for fd in self._gpu_links.pop(pid, ()):
             os.close(fd)
-
-    def _usdt_spec(self, probe, args=None, kind: int | None = None) -> int:
-        """The `usdt_specs` slot describing one probe site's arguments (shared by processes)."""
-        kind = kind or usdt.memory_kind(probe)
-        value = usdt.pack_spec(probe.args if args is None else args, kind)
-        idx = self._usdt_ids.get(value)
-        if idx is None:
-            if len(self._usdt_ids) >= USDT_SPECS:
-                raise OSError(errno.ENOSPC, "too many distinct USDT argument layouts")
-            idx = self._usdt_ids[value] = len(self._usdt_ids)
-            tab = self.bpf["usdt_specs"]
-            tab[ctypes.c_int(idx)] = tab.Leaf.from_buffer_copy(value)
-        return idx
+        self._spec_table().drop(self._gpu_specs.pop(pid, []))
 
     def pause_allocs(self, pid: int) -> None:
         """Detach a process's allocation probes, keep its free probes (the governor's off phase:
@@ -369,6 +447,7 @@ class BpfProbes:
                     os.close(fd)
                 else:
                     self._close_later(fd)
+            self._spec_table().drop(att.specs)
             for fd, ev, _ in att.perf:
                 libbcc().bpf_close_perf_event_fd(fd)
                 libbcc().bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU

@@ -38,7 +38,7 @@ from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HO
 from sampler.probes import usdt
 from sampler.probes.allocators import own_probes
 from sampler.probes.plans import PlanCache
-from sampler.proc.maps import Mapping, open_path
+from sampler.proc.maps import Mapping, open_path, pinned
 
 SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = Source.CUDA, Source.CUDA_DRIVER, Source.TORCH
 LAYER_OF = {SRC_CUDA: CUDA, SRC_CUDA_DRIVER: CUDA_DRIVER}
@@ -325,13 +325,13 @@ class GpuTracer:
             if not m.executable or ident in st.attached or not TORCH_LIB.search(os.path.basename(m.path)):
                 continue
             st.attached.add(ident)
-            path = open_path(pid, m)
-            found = torch_probes(path)
-            if not found:
+            if not torch_probes(open_path(pid, m)):
                 continue
             try:
-                self.probes.attach_torch(pid, path, found)
-            except OSError as e:
+                with pinned(pid, m) as path:        # parsed from and attached through one descriptor
+                    found = torch_probes(path)
+                    self.probes.attach_torch(pid, path, found)
+            except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise ProcessLookupError(pid) from None
                 warnings.append(f"could not attach the pytorch USDT probes of {m.path}: {e}")

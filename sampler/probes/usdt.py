@@ -180,7 +180,9 @@ def _parse_probes(elf: ElfReader) -> tuple[UsdtProbe, ...]:
             if sem:
                 sem += base_sec.addr - base
         file_off = _file_offset(loads, pc)
-        sem_off = _file_offset(loads, sem) if sem else 0
+        # a semaphore the kernel increments must lie in the file's writable data (a forged one
+        # elsewhere would make it write into code or read-only data)
+        sem_off = _file_offset([s for s in loads if s.flags & PF_W], sem) if sem else 0
         if file_off is None or sem_off is None:
             continue
         try:
@@ -191,6 +193,9 @@ def _parse_probes(elf: ElfReader) -> tuple[UsdtProbe, ...]:
         probes.append(UsdtProbe(provider.decode(errors="replace"), name.decode(errors="replace"),
                                 pc, file_off, sem_off, args))
     return tuple(probes)
+
+
+PF_W = 2
 
 
 def _file_offset(loads: list[Segment], vaddr: int) -> int | None:

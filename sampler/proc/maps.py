@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+from sampler import files
 
 _DELETED = " (deleted)"
 
@@ -73,6 +77,21 @@ def open_path(pid: int, m: Mapping) -> str:
         return mf
     except OSError:
         return f"/proc/{pid}/root{m.path}"
+
+
+@contextlib.contextmanager
+def pinned(pid: int, m: Mapping) -> Iterator[str]:
+    """A path bound to the file behind `m` while the block runs: its map_files link opened once,
+    under the untrusted-file policy, and checked to be the mapping's inode; /proc/self/fd/N of that
+    descriptor is what probes are parsed from and attached through (a path resolved again later
+    would reach whatever the process mapped there meanwhile). Raises OSError or ValueError."""
+    fd, st = files.open_untrusted(f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}", 1 << 40)
+    try:
+        if st.st_ino != m.inode:
+            raise OSError(errno.ESTALE, f"{m.path} was remapped")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def find_mapping(maps: Sequence[Mapping], addr: int) -> Mapping | None:

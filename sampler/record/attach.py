@@ -29,7 +29,7 @@ from sampler.gpu.cuda import GpuTracer
 from sampler.inprocess import inject
 from sampler.probes import usdt
 from sampler.probes.allocators import Family, find_allocators
-from sampler.proc.maps import Mapping, open_path, read_maps
+from sampler.proc.maps import Mapping, open_path, pinned, read_maps
 from sampler.python.targets import PythonTargets
 from sampler.record.placement import Placements
 from sampler.record.target import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS, Target
@@ -385,10 +385,11 @@ class Attacher:
         if t.tier == ATTACH:
             self.leave_attach(t, PRELOAD, f"carries otel_memory USDT probes ({found[0][1].path}): "
                                           "recorded from its own samples, no allocator uprobes")
-        for ident, m, probes in found:
+        for ident, m, _probes in found:
             try:
-                self.probes.attach_usdt(t.pid, open_path(t.pid, m), probes)
-            except OSError as e:
+                with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
+                    self.probes.attach_usdt(t.pid, path, usdt.memory_probes(path))
+            except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{t.pid}"):
                     raise ProcessLookupError(t.pid) from None
                 t.failures.append(f"could not attach the otel_memory probes of {m.path}: {e}")

@@ -48,7 +48,8 @@ from sampler.dataset.writer import DatasetWriter, DiskFull
 from sampler.errors import EXIT_ENVIRONMENT, EnvironmentProblem, TargetGone
 from sampler.gpu import cuda
 from sampler.gpu.cuda import GpuTracer
-from sampler.probes import allocators
+from sampler.inprocess import inject, preload
+from sampler.probes import allocators, usdt
 from sampler.probes.allocators import Family
 from sampler.proc.arenas import arena_rows
 from sampler.proc.cgroups import cgroup_id
@@ -235,6 +236,9 @@ class Recorder:
             self.attacher.enable_faults()
         elif o.attach_mode != "uprobe" and not o.syscalls_only:
             self.probes.load_usdt()
+            # the injected sampler's and the shim's argument layouts: no file's probes crowd them out
+            own = (inject.built()[0], preload.shim_path())
+            self.probes.reserve_usdt([p for path in own for p in usdt.memory_probes(str(path))])
 
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
