@@ -417,6 +417,74 @@ def test_placement_gives_each_thread_back_its_registers_and_its_system_call(tmp_
     assert stops[-1] < 1e9
 
 
+SIGNALS_C = r"""
+#define _GNU_SOURCE
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+/* Counts SIGUSR1s by what their siginfo says: sigqueue's (SI_QUEUE, value 42), or anything else. */
+static volatile sig_atomic_t good, bad;
+static void on_usr1(int sig, siginfo_t *si, void *uc) {
+    (void)sig; (void)uc;
+    if (si->si_code == SI_QUEUE && si->si_value.sival_int == 42) good++; else bad++;
+}
+int main(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_usr1;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigaction(SIGUSR1, &sa, NULL);
+    printf("ready\n"); fflush(stdout);
+    char line[8];
+    if (!fgets(line, sizeof line, stdin)) return 2;
+    printf("%d %d\n", (int)good, (int)bad);
+    return 0;
+}
+"""
+
+
+def test_signals_held_during_placement_keep_their_siginfo(tmp_path):
+    """sigqueue()d signals (SI_QUEUE, a value) arrive while placements stop the thread: each is held
+    and delivered again afterwards with its own siginfo, not as a plain kill."""
+    import ctypes
+    import threading
+    exe = compile_c(_write(tmp_path, "signals.c", SIGNALS_C), tmp_path / "signals")
+    code, helper = inject.built()
+    layout = inject.CodeLayout.of(code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stop = threading.Event()
+
+    def send():
+        while not stop.is_set():
+            libc.sigqueue(p.pid, 10, ctypes.c_void_p(42))     # SIGUSR1
+            time.sleep(0.0002)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        sender = threading.Thread(target=send)
+        sender.start()
+        held = 0
+        for _ in range(40):
+            r = subprocess.run([str(helper), "place", str(p.pid), str(read_stat(p.pid).start), str(code),
+                                hex(layout.code_span), hex(layout.total_span)],
+                               capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, r.stdout
+            held += int(r.stdout.split()[5])
+        stop.set()
+        sender.join()
+        time.sleep(0.1)
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        good, bad = map(int, p.stdout.readline().split())
+    finally:
+        stop.set()
+        p.kill()
+        p.wait()
+    print(f"\n[signals] {held} held during 40 placements; handler saw {good} with sigqueue's siginfo, {bad} without")
+    assert held > 0 and good > 0 and bad == 0
+
+
 def test_what_is_refused_says_why(tmp_path):
     static = compile_c(WORKLOADS / "static_alloc.c", tmp_path / "static_alloc", "-static")
     p = subprocess.Popen([str(static)], stdout=subprocess.PIPE, text=True)

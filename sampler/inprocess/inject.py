@@ -572,7 +572,7 @@ def place(pid: int, helper: Path, layout: CodeLayout, start: int) -> tuple[int, 
     inode). Raises Refused."""
     parts = _helper([str(helper), "place", str(pid), str(start), str(layout.path), hex(layout.code_span),
                      hex(layout.total_span)])[0].split()
-    if len(parts) != 5:
+    if len(parts) != 6:
         raise Refused(f"the placement helper answered {' '.join(parts)[:80]!r}")
     return int(parts[1], 16), int(parts[3]), int(parts[4])
 

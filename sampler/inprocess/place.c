@@ -3,7 +3,7 @@
  * (sampler/inprocess/inject.py runs it; docs/security.md says what it trusts and why).
  *
  *   allocsampler-place place PID START CODE_FILE CODE_SPAN TOTAL_SPAN
- *       maps the sampler: prints "ok BASE TID STOP_NS INODE"
+ *       maps the sampler: prints "ok BASE TID STOP_NS INODE SIGNALS" (SIGNALS: held back meanwhile)
  *   allocsampler-place store PID START CODE_FILE BASE ENTRY STORE SYSCALL_AT < OPS
  *       writes words in the process (OPS: lines "ADDR EXPECTED VALUE FLAGS", hex), each one
  *       compare-and-exchange by a thread of the process running the sampler's inj_store_run:
@@ -35,7 +35,8 @@
  * a system call that outlasts the deadline (a slow seccomp supervisor, mmap waiting for mmap_lock)
  * is interrupted and waited for, what it did is undone, and the registers are put back before this
  * gives up; only a thread that never stopped is left untouched. Signals that arrive for the thread
- * meanwhile are held back (no handler runs on our registers) and sent to it again once released.
+ * meanwhile are held back (no handler runs on our registers) and delivered again, with their own
+ * siginfo, once it has its registers back.
  * A target that is already traced, a zombie, stopped by job control or in seccomp strict mode is
  * refused.
  */
@@ -96,18 +97,58 @@ static int g_mem = -1;
 static pid_t g_tid;                            /* the stopped thread */
 static struct user_regs_struct g_back;         /* its registers to give back */
 static int g_changed;                          /* we set other registers in it */
-static int g_held[MAX_HELD], g_nheld;          /* signals held back while it is ours */
+static siginfo_t g_held[MAX_HELD];             /* signals held back while it is ours */
+static int g_nheld, g_held_total;
 static int g_late;                             /* a call outlasted the deadline (interrupted, waited for) */
 static int64_t g_deadline_ns = STOP_TIMEOUT_NS;
+
+static int64_t now_ns(void);
+
+/* Gives a held signal back with its own siginfo: queued again (tgkill: the kernel lets no other
+ * process queue a kernel-made siginfo), its delivery stop awaited, its siginfo put back there, and
+ * delivered when the thread goes on. False when it did not come (blocked meanwhile: it stays
+ * pending, with SI_TKILL's siginfo). */
+static int redeliver(const siginfo_t *info, int *deliver)
+{
+    if (syscall(SYS_tgkill, g_pid, g_tid, info->si_signo))
+        return 0;
+    int64_t deadline = now_ns() + 200000000LL;
+    for (int i = 0; i < 64 && now_ns() < deadline; i++) {
+        if (ptrace(PTRACE_CONT, g_tid, 0, (void *)(uintptr_t)*deliver))
+            return 0;
+        *deliver = 0;
+        int status;
+        pid_t r;
+        while ((r = waitpid(g_tid, &status, __WALL | WNOHANG)) == 0 && now_ns() < deadline)
+            ;
+        if (r != g_tid || !WIFSTOPPED(status))
+            return 0;
+        int sig = WSTOPSIG(status);
+        if (status >> 16 == PTRACE_EVENT_STOP || sig == (SIGTRAP | 0x80))
+            continue;
+        if (sig == info->si_signo) {
+            siginfo_t copy = *info;
+            ptrace(PTRACE_SETSIGINFO, g_tid, 0, &copy);
+            *deliver = sig;
+            return 1;
+        }
+        *deliver = sig; /* another signal, its own: delivered as it came */
+    }
+    return 0;
+}
 
 static void release(void)
 {
     if (g_changed && ptrace(PTRACE_SETREGS, g_tid, 0, &g_back) == 0)
         g_changed = 0;
+    int deliver = 0, i = 0;
+    if (g_tid && !g_changed)
+        for (; i < g_nheld && redeliver(&g_held[i], &deliver); i++)
+            ;
     if (g_tid)
-        ptrace(PTRACE_DETACH, g_tid, 0, 0);
-    for (int i = 0; i < g_nheld; i++)
-        syscall(SYS_tgkill, g_pid, g_tid, g_held[i]);
+        ptrace(PTRACE_DETACH, g_tid, 0, (void *)(uintptr_t)deliver);
+    for (; i < g_nheld; i++) /* what could not be given back with its siginfo: at least the signal */
+        syscall(SYS_tgkill, g_pid, g_tid, g_held[i].si_signo);
     g_nheld = 0;
     g_tid = 0;
 }
@@ -472,10 +513,16 @@ static int is_syscall_stop(int status)
     return WIFSTOPPED(status) && WSTOPSIG(status) == (SIGTRAP | 0x80);
 }
 
+/* A signal stopped at its delivery: held back (no handler runs on our registers), given back with
+ * its siginfo on release. */
 static void hold(int sig)
 {
-    if (g_nheld < MAX_HELD)
-        g_held[g_nheld++] = sig; /* a signal: held back, sent on release */
+    g_held_total++;
+    if (g_nheld >= MAX_HELD)
+        return; /* a flood: the kernel had already merged standard signals, and caps queued ones */
+    if (ptrace(PTRACE_GETSIGINFO, g_tid, 0, &g_held[g_nheld]))
+        g_held[g_nheld] = (siginfo_t){.si_signo = sig, .si_code = SI_TKILL};
+    g_nheld++;
 }
 
 static uint64_t g_syscall_at; /* the vDSO's `syscall` instruction */
@@ -852,7 +899,7 @@ static int do_place(char **argv)
     release();
     if (why)
         fail("%s: not placed (the process was given back as it was)", why);
-    printf("ok 0x%lx %d %lld %lu\n", (unsigned long)base, tid, (long long)stopped, inode);
+    printf("ok 0x%lx %d %lld %lu %d\n", (unsigned long)base, tid, (long long)stopped, inode, g_held_total);
     return 0;
 }
 
