@@ -40,6 +40,7 @@ import os
 import re
 import struct
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -542,20 +543,21 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
 # -- the steps ------------------------------------------------------------------------------------
 
 _running: list[subprocess.Popen] = []       # helpers the recorder stopped waiting for (reaped later)
+_running_lock = threading.Lock()            # placements run on worker threads (sampler/record/placement.py)
 
 
 def _helper(argv: list[str], stdin: str = "") -> list[str]:
     """Runs the placement helper; its output lines. It is never killed: a helper that outlasts
     PLACE_WAIT_S still owes a thread its registers, and gives them back on its own."""
-    for p in list(_running):
-        if p.poll() is not None:
-            _running.remove(p)
+    with _running_lock:
+        _running[:] = [p for p in _running if p.poll() is None]
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
         out, err = p.communicate(stdin, timeout=PLACE_WAIT_S)
     except subprocess.TimeoutExpired:
-        _running.append(p)
+        with _running_lock:
+            _running.append(p)
         raise Refused(f"the placement helper is still waiting for a thread of the process after "
                       f"{PLACE_WAIT_S:g} s (it gives it back its registers when its system call returns)") from None
     lines = out.strip().splitlines()

@@ -26,7 +26,7 @@
  * reopened by number through /proc, which would reopen whatever file the process put there, with
  * root's rights) and must be an empty, unlinked, sealable tmpfs file called allocsampler, opened
  * read-write; the code is written through that duplicate and sealed before it is mapped; the maps
- * must then show our memfd's inode at base and the code bytes there. For `store`, the process's
+ * must then show our memfd's inode at base (sealed: its bytes can only be ours). For `store`, the process's
  * memory is opened after the stop (so it is the stopped thread's image), the sampler's whole code
  * must be at BASE, and the thread runs inj_store_run on the sampler's own stack.
  *
@@ -876,8 +876,8 @@ static int do_place(char **argv)
             snprintf(whybuf, sizeof whybuf, "mmap of the code failed in %d (%s)", g_pid,
                      is_error(code) ? strerror((int)-code) : "another address");
             why = whybuf;
-        } else if (!mapping_at((uint64_t)base, &m) || m.inode != os.st_ino || strcmp(m.prot, "r-xp") ||
-                   !same_code((uint64_t)base, code_file)) {
+        } else if (!mapping_at((uint64_t)base, &m) || m.inode != os.st_ino || strcmp(m.prot, "r-xp")) {
+            /* our sealed memfd's inode at base: its bytes are ours (F_SEAL_WRITE) */
             why = "the code is not where it was mapped (the process changed its maps meanwhile)";
         } else if (g_late) {
             why = "mmap of the code took over the deadline";

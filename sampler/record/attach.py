@@ -157,6 +157,8 @@ class Attacher:
         whatever holds the pid now)."""
         if t.injection is not None:
             if restore:
+                # a redirection still running for it finishes first (it changes the same slots)
+                self.placements.wait({t.pid}, inject.PLACE_WAIT_S)
                 with contextlib.suppress(OSError):
                     t.injection.restore()
             t.injection.close()
@@ -385,10 +387,11 @@ class Attacher:
         if t.tier == ATTACH:
             self.leave_attach(t, PRELOAD, f"carries otel_memory USDT probes ({found[0][1].path}): "
                                           "recorded from its own samples, no allocator uprobes")
-        for ident, m, _probes in found:
+        for ident, m, _seen in found:
             try:
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
-                    self.probes.attach_usdt(t.pid, path, usdt.memory_probes(path))
+                    probes = usdt.memory_probes(path)
+                    self.probes.attach_usdt(t.pid, path, probes)
             except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{t.pid}"):
                     raise ProcessLookupError(t.pid) from None
