@@ -163,17 +163,18 @@ class Recording:
         self.proc = subprocess.Popen(allocsampler_cmd("record", "-o", str(out), "-q", *args),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def wait_attached(self, timeout: float = 60) -> None:
-        """Until a target's `attach` row is on disk: its probes are in place (a `tier` row can
-        come first, before the probes of that tier)."""
+    def wait_attached(self, timeout: float = 60, pid: int | None = None) -> None:
+        """Until a target's (`pid`'s) `attach` row is on disk: its probes are in place (a `tier`
+        row can come first, before the probes of that tier)."""
         from analysis.dataset import read_table
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
-            if any((self.out / "targets").glob("host=*/date=*/*.parquet")) and \
-                    (read_table(self.out, "targets")["event"] == "attach").any():
-                return
+            if any((self.out / "targets").glob("host=*/date=*/*.parquet")):
+                t = read_table(self.out, "targets")
+                if ((t["event"] == "attach") & (pid is None or t["pid"] == pid)).any():
+                    return
             time.sleep(0.1)
         raise AssertionError("recorder did not attach in time")
 

@@ -114,49 +114,50 @@ def test_a_slot_write_is_seen_whole(tmp_path):
     word of the process."""
     exe = compile_c(_write(tmp_path, "tear.c", TEAR_C), tmp_path / "tear", "-pthread")
     a, b = 0x1122334455667788, 0x8877665544332211
-    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        addr = int(p.stdout.readline(), 16)
-        inj = inject.inject(p.pid, 65536, 0)
+    stops = 0
+
+    def by_store(pid: int, addr: int, end: float) -> int:
+        nonlocal stops
+        inj = inject.inject(pid, 65536, 0)
         flips = [inject._Write(addr, a if i % 2 == 0 else b, b if i % 2 == 0 else a, after_ok=i > 0)
                  for i in range(inject.INJ_STORE_OPS)]
-        writes, stops, end = 0, 0, time.monotonic() + 2.0
+        writes = 0
         while time.monotonic() < end:
             writes += inj.store(flips)
             stops += 1
         inj.close()
+        return writes
+
+    def by_copy(pid: int, addr: int, end: float) -> int:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+        writes = 0
+        while time.monotonic() < end:
+            for v in (b, a):
+                os.pwrite(fd, struct.pack("<Q", v), addr)
+            writes += 2
+        os.close(fd)
+        return writes
+
+    writes, reads, torn = _flipped(exe, by_store, 2.0)
+    copied, _, copy_torn = _flipped(exe, by_copy, 1.0)         # for the record: it depends on the CPU
+    print(f"\n[slot writes] {_cpu()}: {writes} compare-and-exchanges in {stops} stops, {reads} concurrent loads, "
+          f"{torn} torn; /proc/PID/mem copies: {copied} writes, {copy_torn} loads torn")
+    assert writes == stops * inject.INJ_STORE_OPS and writes > 20_000 and reads > 1_000_000 and torn == 0
+
+
+def _flipped(exe: Path, flip, seconds: float) -> tuple[int, int, int]:
+    """tear.c's slot flipped by `flip(pid, addr, end)` for `seconds`: (writes, loads, torn loads)."""
+    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        addr = int(p.stdout.readline(), 16)
+        writes = flip(p.pid, addr, time.monotonic() + seconds)
         p.stdin.write("done\n")
         p.stdin.flush()
         reads, torn = map(int, p.stdout.readline().split())
     finally:
         p.kill()
         p.wait()
-    copied, copy_torn = _copies_through_proc_mem(tmp_path / "tear")
-    print(f"\n[slot writes] {_cpu()}: {writes} compare-and-exchanges in {stops} stops, {reads} concurrent loads, "
-          f"{torn} torn; /proc/PID/mem copies: {copied} writes, {copy_torn} loads torn")
-    assert writes == stops * inject.INJ_STORE_OPS and writes > 20_000 and reads > 1_000_000 and torn == 0
-
-
-def _copies_through_proc_mem(exe: Path) -> tuple[int, int]:
-    """What the old slot writes did (for the record: not asserted, it depends on the CPU)."""
-    p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        addr = int(p.stdout.readline(), 16)
-        fd = os.open(f"/proc/{p.pid}/mem", os.O_RDWR)
-        values = [struct.pack("<Q", v) for v in (0x8877665544332211, 0x1122334455667788)]
-        writes, end = 0, time.monotonic() + 1.0
-        while time.monotonic() < end:
-            for v in values:
-                os.pwrite(fd, v, addr)
-            writes += 2
-        os.close(fd)
-        p.stdin.write("done\n")
-        p.stdin.flush()
-        _reads, torn = map(int, p.stdout.readline().split())
-    finally:
-        p.kill()
-        p.wait()
-    return writes, torn
+    return writes, reads, torn
 
 
 # -- a workload that checks its own work ------------------------------------------------------------
@@ -386,21 +387,25 @@ int main(void) {
 """
 
 
+def _placing(pid: int) -> list[str]:
+    """The helper's command line that places a sampler into `pid` (no configuration, no redirection)."""
+    code, helper = inject.built()
+    layout = inject.CodeLayout.of(code)
+    return [str(helper), "place", str(pid), str(read_stat(pid).start), str(code), hex(layout.code_span),
+            hex(layout.total_span)]
+
+
 def test_placement_gives_each_thread_back_its_registers_and_its_system_call(tmp_path):
     """Placed 20 times into a process whose threads sleep in read() and nanosleep() and compute in
     their registers: the read gets its data, the sleep lasts its 1.5 s, the computation matches an
     uninterrupted one, and each placement stopped one thread for well under a second."""
     exe = compile_c(_write(tmp_path, "threads.c", THREADS_C), tmp_path / "threads", "-pthread", "-O2")
-    code, helper = inject.built()
-    layout = inject.CodeLayout.of(code)
     p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "ready"
         stops = []
         for _ in range(20):
-            r = subprocess.run([str(helper), "place", str(p.pid), str(read_stat(p.pid).start), str(code),
-                                hex(layout.code_span), hex(layout.total_span)],
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(_placing(p.pid), capture_output=True, text=True, timeout=30)
             assert r.returncode == 0 and r.stdout.startswith("ok "), r.stdout
             stops.append(int(r.stdout.split()[3]))
         maps = Path(f"/proc/{p.pid}/maps").read_text()
@@ -450,8 +455,6 @@ def test_signals_held_during_placement_keep_their_siginfo(tmp_path):
     import ctypes
     import threading
     exe = compile_c(_write(tmp_path, "signals.c", SIGNALS_C), tmp_path / "signals")
-    code, helper = inject.built()
-    layout = inject.CodeLayout.of(code)
     libc = ctypes.CDLL(None, use_errno=True)
     p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     stop = threading.Event()
@@ -466,9 +469,7 @@ def test_signals_held_during_placement_keep_their_siginfo(tmp_path):
         sender.start()
         held = 0
         for _ in range(40):
-            r = subprocess.run([str(helper), "place", str(p.pid), str(read_stat(p.pid).start), str(code),
-                                hex(layout.code_span), hex(layout.total_span)],
-                               capture_output=True, text=True, timeout=30)
+            r = subprocess.run(_placing(p.pid), capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stdout
             held += int(r.stdout.split()[5])
         stop.set()

@@ -292,7 +292,7 @@ def test_a_file_with_a_thousand_argument_layouts_crowds_out_no_one(tmp_path, wor
         assert greedy.stdout.readline().strip() == "ready"
         w = workload()
         rec = record("--pid", str(greedy.pid), "--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K")
-        rec.wait_attached()
+        rec.wait_attached(pid=w.pid)
         greedy.stdin.write("go\n")
         greedy.stdin.flush()
         w.call("leak_malloc", 4096, 4096)

@@ -54,7 +54,8 @@ def test_summary_names_dataset_and_top_stack(workload, bpf_ready, tmp_path):
     p = subprocess.Popen(allocsampler_cmd("record", "--pid", str(w.pid), "-o", str(out), "-i", "1"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not any((out / "targets").glob("host=*/date=*/*.parquet")) and time.monotonic() < deadline:
+    while time.monotonic() < deadline and not (any((out / "targets").glob("host=*/date=*/*.parquet"))
+                                               and (read_table(out, "targets")["event"] == "attach").any()):
         time.sleep(0.1)
     w.call("leak_malloc", 16 * 1024, 4096)
     time.sleep(1.5)

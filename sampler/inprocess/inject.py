@@ -534,6 +534,7 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
         inj = Injection(pid, st.start, base, layout, originals, mem, adopted=adopted, stop_ns=stop_ns,
                         python_objects=python_objects)
         _configure(inj, sample_mean, max_samples_per_s, maps)
+        inj.python = inj._find_python(maps) or ""   # now (its code is decoded apart): redirect() is quick
     except BaseException:
         mem.close()
         raise
