@@ -13,9 +13,9 @@ field at A + 8/16/24/32: five loads that agree, which no unrelated code matches 
 per-version table; a build where they do not agree is not redirected (reported, never guessed).
 
 The file is the target's (any process can map a file called *python* that exports PyObject_Malloc),
-and decoding it runs capstone, native code: it runs in a child of its own, with the privileges of
-`nobody` and its memory and CPU bounded (`python -m sampler.inprocess.pydomains FD`), never in the
-root recorder.
+and decoding it runs capstone, native code: it runs in a child of its own that drops to the
+privileges of `nobody`, with its memory and CPU bounded, before it reads a byte of the file
+(`python -m sampler.inprocess.pydomains FD`), never in the root recorder.
 """
 
 from __future__ import annotations
@@ -82,13 +82,10 @@ DECODER_TIMEOUT_S = 30.0
 
 
 def _decode_apart(fd: int) -> Domains | None:
-    root = os.geteuid() == 0
     try:
         r = subprocess.run([sys.executable, "-m", "sampler.inprocess.pydomains", str(fd)], pass_fds=(fd,),
                            capture_output=True, text=True, timeout=DECODER_TIMEOUT_S, cwd=Path(__file__).parents[2],
-                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2])},
-                           user=NOBODY if root else None, group=NOBODY if root else None,
-                           extra_groups=[] if root else None)
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2])})
     except (OSError, subprocess.SubprocessError):
         return None
     parts = r.stdout.split()
@@ -184,7 +181,13 @@ def _loads(code: bytes, vaddr: int) -> list[tuple]:
 
 
 def _decode(fd: int) -> int:
-    """The decoding child: bounded first, then the file behind `fd` (opened by the recorder)."""
+    """The decoding child: everything imported (as its parent's user: the install may be readable by
+    root alone), then nobody's privileges and bounds, and only then the file behind `fd` (opened by
+    the recorder)."""
+    if os.geteuid() == 0:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
     resource.setrlimit(resource.RLIMIT_AS, (DECODER_AS, DECODER_AS))
     resource.setrlimit(resource.RLIMIT_CPU, (DECODER_CPU_S, DECODER_CPU_S))
     try:
