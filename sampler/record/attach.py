@@ -270,6 +270,8 @@ class Attacher:
             self._settled(t)
             return
         t.injection = inj
+        # its mappings, made beside the loop, may have been read as the process's own before now
+        t.table.unmap(inj.base, inj.layout.total_span)
         how = ("adopted from an earlier recording" if inj.adopted
                else f"placed (one thread stopped {inj.stop_ns / 1000:.0f} us)")
         why = f"in-process sampler at {inj.base:#x} {how}"

@@ -526,9 +526,16 @@ class Recorder:
         elif ev.type == EvType.CUDA and self.gpu is not None:
             self.gpu.on_event(t.table, ev, self._intern, self._wall)
 
+    def _mapped_code(self, t: Target) -> None:
+        self.symbolizer.mapped_code(t.pid)
+        if self.tables is not None:
+            self.tables.changed(t.pid)
+
     def _on_vm(self, t: Target, ev: Event) -> None:
         op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
         if t.injection is not None and t.injection.owns(ev.ret if op == VmOp.MMAP else ev.addr):
+            if ok and op == VmOp.MMAP and ev.arg & PROT_EXEC:
+                self._mapped_code(t)        # its code: walked in BPF like the rest (placed beside the loop)
             return                          # the injected sampler's own mappings, made by us
         sid = self._intern(ev) if ev.weight else None
         if sid is not None and op == VmOp.MMAP and t.injection is not None \
@@ -545,9 +552,7 @@ class Recorder:
             # for a moment, not only at the next snapshot; its samples come after this event (one
             # ring buffer, in order), and their stacks need the new maps
             t.rescan_until = max(t.rescan_until, time.monotonic() + DLOPEN_RESCAN_S)
-            self.symbolizer.mapped_code(t.pid)
-            if self.tables is not None:
-                self.tables.changed(t.pid)
+            self._mapped_code(t)
         elif ok and op == VmOp.MREMAP:
             t.table.move(ev.addr, ev.size, ev.ret, ev.arg)
             t.table.unmap(ev.addr, ev.size)
