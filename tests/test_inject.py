@@ -550,6 +550,9 @@ def test_record_injects_by_default_and_matches_the_truth(workload, record):
         targets = read_table(rec.out, "targets")
         if mode == "auto":
             assert targets["detail"].str.contains("inject: in-process sampler at").any()
+            # placed beside the loop, the sampler's code still joins the process's unwind tables
+            walks = read_table(rec.out, "recorder")[["stacks_in_bpf", "stacks_handed_over"]].sum()
+            assert walks["stacks_in_bpf"] > 4 * walks["stacks_handed_over"], walks.to_dict()
     assert set(got["auto"].index) & {"leak_malloc", "leak_calloc"} == set(got["uprobe"].index) & {
         "leak_malloc", "leak_calloc"}
 
