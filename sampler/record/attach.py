@@ -40,20 +40,22 @@ NO_ALLOCATOR = ("no probeable allocator (statically linked or stripped: no mallo
 
 
 class Attacher:
-    """`note(t, event, detail)` writes a `targets` row; `warn(t, message)` one of event "warning"."""
+    """`note(t, event, detail)` writes a `targets` row; `warn(t, message)` one of event "warning";
+    `mapped_code(t)` says the process has new code (the sampler placed beside the loop)."""
 
     def __init__(self, probes: BpfProbes, *, allocators: tuple[Family, ...], fault_period: int,
                  fault_all: bool, fault_cgroups: list[int], gpu: GpuTracer | None,
                  python: PythonTargets | None, governor: Governor | None,
                  note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool,
                  attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000,
-                 python_objects: bool = False):
+                 python_objects: bool = False, mapped_code: Callable[[Target], None] = lambda t: None):
         self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
         self.python_objects = python_objects
         self.attach_mode, self.sample_mean, self.max_samples_per_s = attach_mode, sample_mean, max_samples_per_s
         self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
         self.gpu, self.python, self.governor = gpu, python, governor
         self.note, self.warn, self.quiet = note, warn, quiet
+        self.mapped_code = mapped_code      # the process has new code (the sampler's): unwind tables, symbols
         self.faults_used = False            # the page-fault program ran for some target
         self._gpu_said = False
         self.placements = Placements()
@@ -272,6 +274,7 @@ class Attacher:
         t.injection = inj
         # its mappings, made beside the loop, may have been read as the process's own before now
         t.table.unmap(inj.base, inj.layout.total_span)
+        self.mapped_code(t)
         how = ("adopted from an earlier recording" if inj.adopted
                else f"placed (one thread stopped {inj.stop_ns / 1000:.0f} us)")
         why = f"in-process sampler at {inj.base:#x} {how}"

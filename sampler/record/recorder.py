@@ -229,7 +229,8 @@ class Recorder:
                                  gpu=self.gpu, python=self.python, governor=self.governor,
                                  note=self._target_row, warn=self._warn, quiet=o.quiet,
                                  attach_mode=o.attach_mode, sample_mean=o.sample_mean,
-                                 max_samples_per_s=o.max_samples_per_s, python_objects=o.python_objects)
+                                 max_samples_per_s=o.max_samples_per_s, python_objects=o.python_objects,
+                                 mapped_code=lambda t: self._mapped_code(t, now=True))
         self.controls = Controls(self.probes, self.governor, SampleRate(o.max_samples_per_s), o.sample_mean,
                                  self.attacher, self._target_row)
         if o.rss or o.all_processes or o.cgroups:
@@ -526,16 +527,19 @@ class Recorder:
         elif ev.type == EvType.CUDA and self.gpu is not None:
             self.gpu.on_event(t.table, ev, self._intern, self._wall)
 
-    def _mapped_code(self, t: Target) -> None:
+    def _mapped_code(self, t: Target, now: bool = False) -> None:
+        """`t` mapped code: symbols and unwind tables read again (`now`: at once, for code its walks
+        need from the start: the injected sampler)."""
         self.symbolizer.mapped_code(t.pid)
         if self.tables is not None:
-            self.tables.changed(t.pid)
+            if now:
+                self.tables.refresh(t.pid)
+            else:
+                self.tables.changed(t.pid)
 
     def _on_vm(self, t: Target, ev: Event) -> None:
         op, ok = ev.op, ev.ret >= 0 or ev.ret < -4095
         if t.injection is not None and t.injection.owns(ev.ret if op == VmOp.MMAP else ev.addr):
-            if ok and op == VmOp.MMAP and ev.arg & PROT_EXEC:
-                self._mapped_code(t)        # its code: walked in BPF like the rest (placed beside the loop)
             return                          # the injected sampler's own mappings, made by us
         sid = self._intern(ev) if ev.weight else None
         if sid is not None and op == VmOp.MMAP and t.injection is not None \

@@ -131,6 +131,18 @@ class KernelTables:
         if not p.due:
             p.due = time.monotonic()
 
+    def refresh(self, pid: int) -> None:
+        """`pid` mapped code its walks need at once (the injected sampler, placed beside the loop):
+        its maps are read now, and the rows of new files start building."""
+        p = self._procs.get(pid)
+        if p is None:
+            return
+        p.due, p.read_at = 0.0, time.monotonic()
+        try:
+            self._set_maps(pid, _code_maps(pid))
+        except (ProcessLookupError, PermissionError, FileNotFoundError):
+            self.untrack(pid)
+
     def unknown_code(self, pid: int) -> None:
         """A walk met code in no mapping BPF knows: a library mapped since, or JIT code (which
         stays unknown: hence the rate)."""
@@ -170,11 +182,7 @@ class KernelTables:
         now = time.monotonic()
         for pid, p in list(self._procs.items()):
             if p.due and now >= p.due:
-                p.due, p.read_at = 0.0, now
-                try:
-                    self._set_maps(pid, _code_maps(pid))
-                except (ProcessLookupError, PermissionError, FileNotFoundError):
-                    self.untrack(pid)
+                self.refresh(pid)
         if self._dirty_files:
             pids = {pid for ident in self._dirty_files for pid in self._files[ident].pids}
             self._dirty_files.clear()
