@@ -92,7 +92,7 @@ class Attacher:
         for job, result, error in self.placements.poll():
             t = targets.get(job.pid)
             if t is None or t.image != job.image:
-                if result is not None and hasattr(result, "close"):
+                if isinstance(result, inject.Injection):
                     result.close()          # placed for an image (or a process) no longer recorded
                 continue
             try:
@@ -384,15 +384,14 @@ class Attacher:
             if not m.executable or not m.path.startswith("/") or ident in seen or ident in t.usdt:
                 continue
             seen.add(ident)
-            probes = usdt.memory_probes(open_path(t.pid, m))
-            if probes:
-                found.append((ident, m, probes))
+            if usdt.memory_probes(open_path(t.pid, m)):
+                found.append((ident, m))
         if not found:
             return False
         if t.tier == ATTACH:
             self.leave_attach(t, PRELOAD, f"carries otel_memory USDT probes ({found[0][1].path}): "
                                           "recorded from its own samples, no allocator uprobes")
-        for ident, m, _seen in found:
+        for ident, m in found:
             try:
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
                     probes = usdt.memory_probes(path)
