@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 from sampler.bpf.abi import EvType  # noqa: E402
 from sampler.bpf.events import decode  # noqa: E402
 from sampler.bpf.loader import BpfProbes, ProbeConfig  # noqa: E402
+from sampler.control.weights import weight_table  # noqa: E402
 from sampler.probes.allocators import find_allocators  # noqa: E402
 from sampler.python.targets import PythonTargets  # noqa: E402
 from sampler.stacks.kernel_tables import KernelTables  # noqa: E402
@@ -121,7 +122,7 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def bench(name: str, argv: list[str], env: dict, samples: int, mean: int, unwind: str) -> list[str]:
-    probes = BpfProbes(ProbeConfig(sample_mean=mean))
+    probes = BpfProbes(ProbeConfig(sample_mean=mean, weight_table=tuple(weight_table())))
     sink: list[bytes] = []
     probes.open_events(lambda b: sink.append(bytes(b)) if b[0] == EvType.ALLOC else None)
     rows_cache = Path(tempfile.mkdtemp(prefix="rows-")) if unwind == "bpf" else None

@@ -101,5 +101,5 @@ if [ ! -e "$stamp" ] || ! "$venv/bin/python" -c 'import sampler' 2>/dev/null; th
 fi
 # In-process code (build/): the LD_PRELOAD shim, the injected sampler and its placement helper;
 # rebuilt only when their sources changed.
-"$venv/bin/python" -m sampler.inprocess.build >/dev/null || die "building the in-process samplers failed: see the message above"
+"$venv/bin/python" -m sampler.inprocess >/dev/null || die "building the in-process samplers failed: see the message above"
 log "ready: $venv/bin/allocsampler"

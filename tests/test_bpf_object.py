@@ -16,6 +16,9 @@ import pytest
 
 from sampler.bpf import abi, btf, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
+from sampler.control.weights import weight_table
+
+WEIGHTS = tuple(weight_table())
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,7 @@ def cache(tmp_path_factory, bpf_ready):
     """A private cache, filled by one compile (the suite's other tests use the host's)."""
     d = tmp_path_factory.mktemp("bpf_cache")
     t0 = time.monotonic()
-    p = BpfProbes(ProbeConfig(cache_dir=d))
+    p = BpfProbes(ProbeConfig(cache_dir=d, weight_table=WEIGHTS))
     compile_s = time.monotonic() - t0
     assert p.compiled
     spec = p.bpf.spec
@@ -37,7 +40,7 @@ def test_second_start_loads_the_cached_programs(cache):
     [entry] = d.glob("*.json")
     assert entry.stat().st_mode & 0o777 == 0o600
     t0 = time.monotonic()
-    p = BpfProbes(ProbeConfig(cache_dir=d, live_max=4096, ringbuf_bytes=1 << 20))
+    p = BpfProbes(ProbeConfig(cache_dir=d, live_max=4096, ringbuf_bytes=1 << 20, weight_table=WEIGHTS))
     load_s = time.monotonic() - t0
     try:
         assert not p.compiled
@@ -76,7 +79,7 @@ def test_loaded_programs_run(cache):
     """Programs loaded from the cache run and report through the ring buffer: the sched
     tracepoint sees this process fork a child, the syscall tracepoints its mmap."""
     d, _, _ = cache
-    p = BpfProbes(ProbeConfig(cache_dir=d))
+    p = BpfProbes(ProbeConfig(cache_dir=d, weight_table=WEIGHTS))
     try:
         seen: list[events.Event] = []
         p.open_events(lambda raw: seen.append(events.decode(raw)))
@@ -150,7 +153,7 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
     d = tmp_path / "cache"
     d.mkdir(mode=0o700)
     objcache._store(d / f"{objcache.cache_key(text, flags)}.json", bad.to_json())
-    p = BpfProbes(ProbeConfig(cache_dir=d, mode="session"))
+    p = BpfProbes(ProbeConfig(cache_dir=d, mode="session", weight_table=WEIGHTS))
     try:
         assert p.compiled and p.bpf.spec == spec
     finally:

@@ -26,6 +26,7 @@ from sampler.binary.elf import ElfImage
 from sampler.bpf.abi import EvType, UwKind, UwStop
 from sampler.bpf.events import decode
 from sampler.bpf.loader import BpfProbes, ProbeConfig
+from sampler.control.weights import weight_table
 from sampler.probes.allocators import find_allocators
 from sampler.stacks import cfi, unwind_rows
 from sampler.stacks.kernel_tables import KernelTables
@@ -41,7 +42,8 @@ PY_LEAK = WORKLOADS / "py_leak.py"
 def probes(bpf_ready, tmp_path_factory):
     cache = tmp_path_factory.mktemp("bpf")
     cache.chmod(0o700)
-    p = BpfProbes(ProbeConfig(sample_mean=64 << 10, verify_unwind=True, cache_dir=cache, unwind_procs=16))
+    p = BpfProbes(ProbeConfig(sample_mean=64 << 10, verify_unwind=True, cache_dir=cache, unwind_procs=16,
+                                  weight_table=tuple(weight_table())))
     p.raw = []                      # the ALLOC records of the test running now
     p.rows_cache = tmp_path_factory.mktemp("rows")      # files' rows built once for the module
     p.rows_cache.chmod(0o700)

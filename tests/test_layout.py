@@ -1,7 +1,9 @@
-"""The import rules of the packages: no module imports another's private names, module-level
-imports form no cycle, detectors never import reports, and analysis/ imports at module level only
-(function-level imports once hid a cycle: detect/gpu -> detect/growth -> detect/gpu). sampler/
-may import inside a function, to keep a command's start-up light, but not to hide a cycle."""
+"""The import rules of the packages: the layer order of docs/design.md (imports go down, never up
+or sideways, function-level imports included), no module imports another's private names,
+module-level imports form no cycle, detectors never import reports, and analysis/ imports at
+module level only (function-level imports once hid a cycle: detect/gpu -> detect/growth ->
+detect/gpu). sampler/ may import inside a function, to keep a command's start-up light, but not to
+go against the layer order."""
 
 from __future__ import annotations
 
@@ -33,6 +35,57 @@ def imports(tree: ast.Module, known: set[str]) -> list[tuple[ast.stmt, str, list
 
 
 ALL = {**modules("sampler"), **modules("analysis")}
+
+# sampler/'s sub-packages, lowest first (docs/design.md "Layers"): a module imports only from lower
+# layers and its own sub-package. "base" is the top-level modules (sampler/errors.py, files.py, ...).
+LAYERS = [
+    {"base"},
+    {"binary", "bpf", "dataset"},          # files, kernel objects, the dataset contract
+    {"proc"},                              # /proc of one process
+    {"probes", "python"},                  # where to probe; a CPython's layout
+    {"stacks", "control", "gpu", "inprocess"},
+    {"record"},                            # the recording loop
+    {"service"},                           # the daemon
+    {"cli"},
+]
+# analysis/ reads the dataset contract (and the base helpers), nothing of the recording side; of
+# sampler/, only the service and the CLI run it.
+ANALYSIS_READS = {"base", "dataset"}
+RUNS_ANALYSIS = {"service", "cli"}
+
+
+def stage(mod: str) -> str:
+    parts = mod.split(".")
+    if parts[0] == "analysis":
+        return "analysis"
+    return parts[1] if len(parts) > 1 and (ROOT / "sampler" / parts[1]).is_dir() else "base"
+
+
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def test_every_sub_package_has_a_layer():
+    packages = {p.name for p in (ROOT / "sampler").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(RANK) - {"base"}
+
+
+def test_imports_go_down_the_layers():
+    wrong = []
+    for mod, tree in ALL.items():
+        src = stage(mod)
+        for _, target, _ in imports(tree, set(ALL)):
+            dst = stage(target)
+            if dst == src:
+                continue
+            if src == "analysis":
+                ok = dst in ANALYSIS_READS
+            elif dst == "analysis":
+                ok = src in RUNS_ANALYSIS
+            else:
+                ok = RANK[dst] < RANK[src]
+            if not ok:
+                wrong.append(f"{mod} ({src}) imports {target} ({dst})")
+    assert not wrong, "imports against the layer order (docs/design.md):\n" + "\n".join(sorted(set(wrong)))
 
 
 @pytest.mark.parametrize("package", ["sampler", "analysis"])

@@ -16,18 +16,16 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, libbcc
-from sampler.control import weights
 from sampler.errors import EnvironmentProblem
-from sampler.probes import usdt
-from sampler.probes.allocators import AllocatorLib
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
@@ -59,6 +57,39 @@ class ProbeConfig:
     unwind_procs: int = 512
     verify_unwind: bool = False   # tests: also copy every stack from the sample's registers
     max_frames: int = 127         # native frames kept per stack: a walk this deep is not handed over
+    # `weight_tab`: S/p in units of the mean, Q20 (sampler/control/weights.py weight_table(), the one
+    # weight formula); required to load
+    weight_table: tuple[int, ...] = ()
+
+
+class UprobePoint(Protocol):
+    """One allocator function's probe site, as the layers above plan it (sampler/probes/allocators.py)."""
+
+    name: str
+    fn: Fn
+    file_offset: int        # of the probe site
+    delegates: bool
+
+    @property
+    def cookie(self) -> int: ...
+
+    @property
+    def entry_offset(self) -> int: ...     # file offset of the function's entry: its return probe
+
+
+class UprobeLibrary(Protocol):
+    path: str               # as the process sees it (messages)
+    attach_path: str        # openable from here
+    points: Sequence[UprobePoint]
+
+
+class UsdtSite(NamedTuple):
+    """A USDT probe site to attach: where, its semaphore (0: none) and its packed `usdt_spec`
+    (sampler/probes/usdt.py pack_spec)."""
+
+    file_offset: int
+    semaphore: int
+    spec: bytes
 
 
 @dataclass
@@ -160,6 +191,8 @@ def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
 
 class BpfProbes:
     def __init__(self, cfg: ProbeConfig):
+        if not cfg.weight_table:
+            raise ValueError("ProbeConfig.weight_table is empty: pass sampler.control.weights.weight_table()")
         self.cfg = cfg
         self.session = cfg.mode == "session" or (cfg.mode == "auto" and uprobe_multi.session_supported())
         text, cflags = program_source(cfg)
@@ -207,7 +240,7 @@ class BpfProbes:
         stage = "maps"
         try:
             tab = self.bpf["weight_tab"]
-            for i, v in enumerate(weights.weight_table()):
+            for i, v in enumerate(self.cfg.weight_table):
                 tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
             self._targets = self.bpf["targets"]
             self._live = self.bpf["live"]
@@ -263,7 +296,7 @@ class BpfProbes:
                 v.shift = shift
             tab[key] = vs
 
-    def attach(self, pid: int, lib: AllocatorLib, allocs_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
+    def attach(self, pid: int, lib: UprobeLibrary, allocs_only: bool = False) -> tuple[dict[str, str], dict[str, str]]:
         """Attach the allocator probes of one library for one process (`allocs_only`: only the
         allocation functions, the governor resuming after a pause).
 
@@ -278,8 +311,9 @@ class BpfProbes:
         rest = [p for p in lib.points if not (allocs_only and p.fn.frees)]
         if self.session:
             rest = []
-            for prog_fd, points, session in ((self._alloc_fd, lib.allocs, True),
-                                             (self._free_fd, [] if allocs_only else lib.frees, False)):
+            allocs = [p for p in lib.points if not p.fn.frees]
+            frees = [] if allocs_only else [p for p in lib.points if p.fn.frees]
+            for prog_fd, points, session in ((self._alloc_fd, allocs, True), (self._free_fd, frees, False)):
                 groups = [points, *([p] for p in points)] if len(points) > 1 else [points]
                 for group in groups if points else ():
                     try:
@@ -305,14 +339,14 @@ class BpfProbes:
                 failed[p.name] = _EINVAL_HINT
         return modes, failed
 
-    def _attach_perf(self, att: _Attachment, pid: int, lib: AllocatorLib, p) -> None:
+    def _attach_perf(self, att: _Attachment, pid: int, lib: UprobeLibrary, p: UprobePoint) -> None:
         """Classic uprobe (+ uretprobe for allocation functions) through libbcc, passing
         ref_ctr_offset = 0 explicitly: bcc 0.26's Python binding omits that argument and the
         kernel then sees stack garbage (iovisor/bcc#5236)."""
         name = _PERF_ENTRY[p.fn].replace("_enter", "_d_enter") if p.delegates else _PERF_ENTRY[p.fn]
         probes = [(name, 0, p.file_offset)]
         if not p.fn.frees:
-            probes.append(("alloc_return", 1, p.file_offset - p.site.offset))
+            probes.append(("alloc_return", 1, p.entry_offset))
         for prog, kind, offset in probes:
             prog_fd = self.bpf.load_func(prog, PROG_KPROBE)
             ev = f"{tracefs.EVENT_PREFIX}{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
@@ -334,21 +368,20 @@ class BpfProbes:
         samplers need it at once, before the process they went into allocates."""
         self._multi_prog("usdt_memory")
 
-    def reserve_usdt(self, probes) -> None:
+    def reserve_usdt(self, specs: Sequence[bytes]) -> None:
         """The argument layouts of the project's own samplers' probe sites: never crowded out."""
-        for p in probes:
-            idx = self._spec_table().take(usdt.pack_spec(p.args, usdt.memory_kind(p)))
-            self._spec_table().reserved.add(idx)
+        for spec in specs:
+            self._spec_table().reserved.add(self._spec_table().take(spec))
 
-    def attach_usdt(self, pid: int, attach_path: str, probes) -> None:
-        """Attach the preload tier's program to a file's otel_memory probe sites for one process
-        (sampler/probes/usdt.py UsdtProbe). Raises OSError (the process is gone, the kernel refuses,
-        or the file's or the process's probes have too many distinct argument layouts)."""
+    def attach_usdt(self, pid: int, attach_path: str, sites: Sequence[UsdtSite]) -> None:
+        """Attach the preload tier's program to a file's otel_memory probe sites for one process.
+        Raises OSError (the process is gone, the kernel refuses, or the file's or the process's
+        probes have too many distinct argument layouts)."""
         att = self._attached.setdefault(pid, _Attachment())
-        cookies = self._take_specs(probes, [None] * len(probes), att.specs, attach_path)
-        refs = [p.semaphore for p in probes]
+        cookies = self._take_specs(sites, att.specs, attach_path)
+        refs = [s.semaphore for s in sites]
         try:
-            fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes],
+            fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path, [s.file_offset for s in sites],
                                      cookies, pid, session=False, ref_ctr_offsets=refs if any(refs) else None)
         except OSError:
             self._spec_table().drop(cookies)
@@ -356,11 +389,10 @@ class BpfProbes:
         att.links.append((fd, False))
         att.specs += cookies
 
-    def _take_specs(self, probes, layouts: list, held: list[int], path: str) -> list[int]:
-        """One `usdt_specs` slot per probe (taken: dropped again when its link goes); bounded per
+    def _take_specs(self, sites: Sequence[UsdtSite], held: list[int], path: str) -> list[int]:
+        """One `usdt_specs` slot per site (taken: dropped again when its link goes); bounded per
         file and per process."""
-        values = [usdt.pack_spec(p.args if lay is None else lay[0], usdt.memory_kind(p) if lay is None else lay[1])
-                  for p, lay in zip(probes, layouts, strict=True)]
+        values = [s.spec for s in sites]
         if len(set(values)) > USDT_SPECS_PER_FILE:
             raise OSError(errno.ENOSPC, f"{len(set(values))} distinct argument layouts in the memory probes of "
                                         f"{path}, over {USDT_SPECS_PER_FILE}: not attached")
@@ -394,16 +426,15 @@ class BpfProbes:
             raise
         links.append(entry)
 
-    def attach_torch(self, pid: int, attach_path: str, probes) -> None:
+    def attach_torch(self, pid: int, attach_path: str, sites: Sequence[UsdtSite]) -> None:
         """PyTorch's pytorch:malloc/free USDT sites of one file for one process (their semaphore
         is raised while attached). Raises OSError."""
-        from sampler.gpu.cuda import torch_spec
         held = self._gpu_specs.setdefault(pid, [])
-        cookies = self._take_specs(probes, [torch_spec(p) for p in probes], held, attach_path)
-        refs = [p.semaphore for p in probes]
+        cookies = self._take_specs(sites, held, attach_path)
+        refs = [s.semaphore for s in sites]
         try:
             self._gpu_links.setdefault(pid, []).append(uprobe_multi.attach(
-                self._multi_prog("usdt_memory"), attach_path, [p.file_offset for p in probes], cookies, pid,
+                self._multi_prog("usdt_memory"), attach_path, [s.file_offset for s in sites], cookies, pid,
                 session=False, ref_ctr_offsets=refs if any(refs) else None))
         except OSError:
             self._spec_table().drop(cookies)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from sampler.binary.elf import ElfImage
 from sampler.bpf.abi import CK_CONV_SHIFT, CK_NULL_SKIP, CK_SRC_SHIFT, CK_STACK, CudaConv, Source, UsdtKind
+from sampler.bpf.loader import UsdtSite
 from sampler.dataset.schema import int64
 from sampler.dataset.sources import CUDA, CUDA_DRIVER, CUDA_DRIVER_HOST, CUDA_HOST, DEVICE_SOURCES, HOST_SOURCES, TORCH
 from sampler.probes import usdt
@@ -191,11 +192,13 @@ def torch_probes(path: str) -> list[usdt.UsdtProbe]:
     return found if {p.name for p in found} == {"malloc", "free"} else []
 
 
-def torch_spec(p: usdt.UsdtProbe) -> tuple[tuple[usdt.UsdtArg, ...], int]:
-    """The arguments in the order the BPF program reads them (ptr, size, device), and the kind."""
+def torch_site(p: usdt.UsdtProbe) -> UsdtSite:
+    """A pytorch:malloc/free site with its arguments in the order the BPF program reads them
+    (ptr, size, device)."""
     if p.name == "malloc":
-        return (p.args[0], p.args[2], p.args[1]), UsdtKind.TORCH_ALLOC
-    return (p.args[0],), UsdtKind.TORCH_FREE
+        return UsdtSite(p.file_offset, p.semaphore, usdt.pack_spec((p.args[0], p.args[2], p.args[1]),
+                                                                   UsdtKind.TORCH_ALLOC))
+    return UsdtSite(p.file_offset, p.semaphore, usdt.pack_spec((p.args[0],), UsdtKind.TORCH_FREE))
 
 
 plans: PlanCache[CudaLib] = PlanCache()
@@ -330,7 +333,7 @@ class GpuTracer:
             try:
                 with pinned(pid, m) as path:        # parsed from and attached through one descriptor
                     found = torch_probes(path)
-                    self.probes.attach_torch(pid, path, found)
+                    self.probes.attach_torch(pid, path, [torch_site(p) for p in found])
             except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{pid}"):
                     raise ProcessLookupError(pid) from None

@@ -2,7 +2,7 @@
 sampler and the helper that places it. Each is built into <repo>/build when missing or older than
 its sources, atomically (a concurrent user sees the old file or the whole new one).
 
-    python -m sampler.inprocess.build      # builds all of them (scripts/setup.sh runs this)
+    python -m sampler.inprocess      # builds all of them (scripts/setup.sh runs this)
 """
 
 from __future__ import annotations
@@ -76,15 +76,3 @@ def _compile(a: Artifact, source: Path, out: Path) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
-
-if __name__ == "__main__":
-    import sys
-
-    from sampler.errors import AllocsamplerError
-    from sampler.inprocess import inject, preload
-    try:
-        for path in (preload.shim_path(), *inject.built()):
-            print(path)
-    except AllocsamplerError as e:
-        print(f"allocsampler: error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)

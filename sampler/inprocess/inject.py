@@ -132,20 +132,20 @@ class CodeLayout:
         for name in (*FUNCTIONS, *(f"py_{d}_{f}" for d in PY_DOMAINS for f in ("malloc", "calloc", "realloc", "free"))):
             sym = img.symbol(f"as_{name}")
             if sym is None:
-                raise EnvironmentProblem(f"{path} lacks as_{name}: rebuild it (python -m sampler.inprocess.build)")
+                raise EnvironmentProblem(f"{path} lacks as_{name}: rebuild it (python -m sampler.inprocess)")
             entries[name] = sym.value
         data, table = img.symbol("inj"), img.symbol("inj_table")
         if data is None or table is None or path.stat().st_size > INJ_DATA_OFFSET:
             raise EnvironmentProblem(f"{path} is not a sampler this recorder knows: rebuild it")
         py = elf.section(".inj_py")
         if py is None:
-            raise EnvironmentProblem(f"{path} lacks .inj_py: rebuild it (python -m sampler.inprocess.build)")
+            raise EnvironmentProblem(f"{path} lacks .inj_py: rebuild it (python -m sampler.inprocess)")
         if any(s.type == SHT_RELA and s.file_size for s in elf.sections):
             raise EnvironmentProblem(f"{path} has relocations, which nothing would apply in the target: "
-                                     "rebuild it (python -m sampler.inprocess.build)")
+                                     "rebuild it (python -m sampler.inprocess)")
         run, store, sys3 = (img.symbol(n) for n in ("inj_store_run", "inj_store", "inj_syscall3"))
         if run is None or store is None or sys3 is None:
-            raise EnvironmentProblem(f"{path} lacks inj_store_run: rebuild it (python -m sampler.inprocess.build)")
+            raise EnvironmentProblem(f"{path} lacks inj_store_run: rebuild it (python -m sampler.inprocess)")
         text = path.read_bytes()
         syscall_at = text.find(b"\x0f\x05", sys3.value, sys3.value + 32)
         return cls(path, INJ_DATA_OFFSET, (data_end + 4095) & ~4095, data.value, table.value, entries,

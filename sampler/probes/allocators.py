@@ -23,6 +23,7 @@ from sampler.bpf.abi import FNF_DELEGATES, Fn
 from sampler.probes.plans import PlanCache
 from sampler.probes.sites import ProbeSite, choose_site, forwards_to
 from sampler.proc.maps import Mapping, open_path, read_maps
+from sampler.proc.process import exe_path
 
 # glibc functions that hand some calls to malloc or free (sampler/bpf/alloc.bpf.c: delegated()).
 MAX_BODY = 1 << 20  # bytes of an allocator entry point read (they run to a few KiB)
@@ -111,6 +112,11 @@ class ProbePoint:
     @property
     def cookie(self) -> int:
         return int(self.fn) | (FNF_DELEGATES if self.delegates else 0)
+
+    @property
+    def entry_offset(self) -> int:
+        """File offset of the function's entry (where its return probe goes)."""
+        return self.file_offset - self.site.offset
 
 
 @dataclass
@@ -230,11 +236,3 @@ def find_allocators(pid: int, extra: tuple[Family, ...] = ()) -> tuple[list[Allo
         if plan is not None and plan.points:
             libs.append(replace(plan, attach_path=attach))
     return libs, maps
-
-
-def exe_path(pid: int) -> str | None:
-    """The process's main executable, as it was mapped (' (deleted)' removed); None if gone."""
-    try:
-        return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
-    except OSError:
-        return None

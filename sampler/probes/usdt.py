@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment, format_errors, open_regular
 from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
+from sampler.bpf.loader import UsdtSite
 
 PROVIDER = "otel_memory"
 # The probes recorded as allocations: (provider, name) -> (argument count, what it reports). The
@@ -213,3 +214,8 @@ def memory_probes(path: str) -> list[UsdtProbe]:
 def memory_kind(probe: UsdtProbe) -> int:
     """What a site of memory_probes() reports (`usdt_spec.kind`)."""
     return MEMORY_PROBES[(probe.provider, probe.name)][1]
+
+
+def memory_sites(probes: list[UsdtProbe]) -> list[UsdtSite]:
+    """memory_probes() as the loader attaches them."""
+    return [UsdtSite(p.file_offset, p.semaphore, pack_spec(p.args, memory_kind(p))) for p in probes]

@@ -26,7 +26,6 @@ import numpy as np
 
 from sampler.proc.maps import read_maps
 from sampler.proc.smaps import ARENA, HEAP
-from sampler.record.outstanding import ProcessTable
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _HEAP_INFO = struct.Struct("<4Q")     # ar_ptr, prev, size, mprotect_size
@@ -93,12 +92,13 @@ class _Mem:
             os.close(fd)
 
 
-def arena_rows(pid: int, regions: list[tuple[int, int, str]], table: ProcessTable,
+def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple[int, int, float]],
                budget: int = DEFAULT_BUDGET) -> list[dict]:
     """One row per arena (the main arena when `[heap]` exists, each secondary arena).
 
-    `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `table` gives the
-    sampled live blocks. [] when the process is gone or its memory cannot be read."""
+    `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `blocks` the sampled
+    live blocks as (address, size, inclusion probability). [] when the process is gone or its
+    memory cannot be read."""
     try:
         mem = _Mem(pid)
     except OSError:
@@ -113,7 +113,7 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], table: ProcessTabl
         by_arena: dict[int, list[_Heap]] = {}
         for h in heaps:
             by_arena.setdefault(h.arena, []).append(h)
-        live = _live(table, heaps)
+        live = _live(blocks, heaps)
         left = [budget]
         rows = []
         for arena, hs in by_arena.items():
@@ -157,13 +157,14 @@ def _heaps(mem: _Mem, regions: list[tuple[int, int, str]]) -> list[_Heap]:
     return heaps
 
 
-def _live(table: ProcessTable, heaps: list[_Heap]) -> dict[int, list[float]]:
-    """Per heap: [estimated live chunk bytes, their variance, live samples] (as in recorder.py)."""
+def _live(blocks: list[tuple[int, int, float]], heaps: list[_Heap]) -> dict[int, list[float]]:
+    """Per heap: [estimated live chunk bytes, their variance, live samples] (the weights of
+    sampler/control/weights.py, over glibc chunk sizes)."""
     out = {id(h): [0.0, 0.0, 0] for h in heaps}
-    if not table.blocks:
+    if not blocks:
         return out
-    addrs = np.fromiter(table.blocks.keys(), np.uint64, len(table.blocks))
-    sp = np.array([(b.size, b.p) for b in table.blocks.values()], float).reshape(-1, 2)
+    addrs = np.fromiter((b[0] for b in blocks), np.uint64, len(blocks))
+    sp = np.array([(b[1], b[2]) for b in blocks], float).reshape(-1, 2)
     size, p = sp[:, 0], sp[:, 1]
     chunk = np.maximum(32, (size.astype(np.int64) + 8 + 15) & ~15)
     est, var = chunk / p, chunk * chunk * (1 - p) / (p * p)

@@ -122,6 +122,14 @@ def own_rss(rss: int, pid: int | str = "self") -> int:
     return rss - shared
 
 
+def exe_path(pid: int) -> str | None:
+    """The process's main executable, as it was mapped (' (deleted)' removed); None if gone."""
+    try:
+        return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
+    except OSError:
+        return None
+
+
 def is_process(tid: int) -> bool:
     """A new task from a fork tracepoint: a process (its own thread group) or just a thread?"""
     return _tgid(tid) == tid

@@ -395,7 +395,7 @@ class Attacher:
             try:
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
                     probes = usdt.memory_probes(path)
-                    self.probes.attach_usdt(t.pid, path, probes)
+                    self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes))
             except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{t.pid}"):
                     raise ProcessLookupError(t.pid) from None

@@ -318,6 +318,10 @@ class ProcessTable:
     def live_addresses(self) -> list[int]:
         return list(self.blocks)
 
+    def live_blocks(self) -> list[tuple[int, int, float]]:
+        """(address, size, inclusion probability) of each sampled live block."""
+        return [(a, b.size, b.p) for a, b in self.blocks.items()]
+
     def snapshot(self, now_ns: int) -> list[dict]:
         """Rows for stacks with live samples or activity since the last snapshot; resets the
         interval sums and drops stacks with nothing left."""

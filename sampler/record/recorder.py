@@ -26,7 +26,7 @@ from sampler.bpf import preflight
 from sampler.bpf.abi import EvFlag, EvType, Fn, ProcOp, Source, VmOp
 from sampler.bpf.events import Event, decode
 from sampler.bpf.loader import BpfProbes, ProbeConfig
-from sampler.control import probe_cost
+from sampler.control import probe_cost, weights
 from sampler.control.governor import Governor
 from sampler.control.sample_rate import SampleRate
 from sampler.dataset.schema import (
@@ -200,7 +200,7 @@ class Recorder:
         self.probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
                                             stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
                                             vm_events_per_s=o.vm_events_per_s, cache_dir=cache_dir("bpf"),
-                                            max_frames=o.max_frames))
+                                            max_frames=o.max_frames, weight_table=tuple(weights.weight_table())))
         self.symbolizer = Symbolizer()
         self.python = PythonTargets(self.probes) if o.python else None
         self.unwinder = Unwinder(cache_dir("unwind", o.unwind_cache))
@@ -239,7 +239,7 @@ class Recorder:
             self.probes.load_usdt()
             # the injected sampler's and the shim's argument layouts: no file's probes crowd them out
             own = (inject.built()[0], preload.shim_path())
-            self.probes.reserve_usdt([p for path in own for p in usdt.memory_probes(str(path))])
+            self.probes.reserve_usdt([s.spec for path in own for s in usdt.memory_sites(usdt.memory_probes(str(path)))])
 
     def _record(self, infos: list[ProcessInfo]) -> int:
         o = self.opts
@@ -689,7 +689,7 @@ class Recorder:
         if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
             t.reconciled = t.drops[2]
             t.table.keep_mapped([(r[0], r[1]) for r in regions])
-        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table)]
+        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table.live_blocks())]
         return rows.process_row(
             t, now, s, sample_mean=self.sample_mean(t.pid), stack_collisions=self.stacks.collisions,
             probe_cost_ns=self.governor.cost(t.pid) if self.governor is not None else None,

@@ -18,7 +18,7 @@ from functools import partial
 
 from sampler.bpf.abi import EvFlag, UwStop
 from sampler.bpf.events import Event
-from sampler.probes.allocators import exe_path
+from sampler.proc.process import exe_path
 from sampler.python.codeobj import PyFrame
 from sampler.python.targets import PythonTargets
 from sampler.stacks.symbolize import Frame, Place, Symbolizer
