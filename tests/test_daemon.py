@@ -441,6 +441,15 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
         def note(self, pid, event, detail):
             self.log.append((event, pid, detail))
 
+        def recording(self, pid):
+            return pid in self.targets
+
+        def recorded_count(self):
+            return len(self.targets)
+
+        def failed_on(self, pid):
+            return False
+
     cfg = config.parse({"targets": [{"name": "svc", "tier": "attach"},
                                     {"regex": "marker", "tier": "always-on"}]})
     rec = FakeRecorder()

@@ -15,7 +15,8 @@ import pytest
 from conftest import WORKLOADS, GatedTarget, compile_c
 
 from analysis.dataset import read_table
-from sampler.record.recorder import Recorder, RecorderHooks, RecordOptions
+from sampler.record.options import RecorderHooks, RecordOptions
+from sampler.record.recorder import Recorder
 
 pytestmark = pytest.mark.bpf
 

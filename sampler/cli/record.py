@@ -89,7 +89,7 @@ def options(args: argparse.Namespace):
     """RecordOptions from the arguments; UsageError (one line, exit 2) before anything is loaded."""
     from sampler.probes.allocators import parse_allocator_spec
     from sampler.proc.cgroups import cgroup_id
-    from sampler.record.recorder import RecordOptions
+    from sampler.record.options import RecordOptions
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not args.pid and not cmd and not args.all_processes and not args.cgroup:

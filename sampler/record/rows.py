@@ -7,10 +7,11 @@ the rest of a row, or a list of them, for one table of sampler/dataset/schema.py
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 from sampler.bpf.abi import Counter as C
 from sampler.bpf.abi import VmOp
-from sampler.dataset.schema import int32, int64
+from sampler.dataset.schema import SCHEMA_VERSION, int32, int64
 from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.proc.memory import ProcessSample
 from sampler.record.outstanding import MALLOC, MMAP, PYTHON
@@ -86,6 +87,20 @@ def stack_rows(stacks: list[Stack], now: dt.datetime) -> tuple[list[dict], list[
                               "build_id": f.build_id, "file": f.file, "line": f.line, "kind": f.kind,
                               "inlined": f.inline})
     return stack_out, frame_out
+
+
+def recording_row(recording_id: str, host: str, started: dt.datetime, ended: dt.datetime | None, *,
+                  sampler_version: str, sample_mean: int, interval_s: float, probe_mode: str, argv: str,
+                  cpu_budget: float, probe_cost_ns: float | None, fault_period: int | None,
+                  gpu_status: str) -> dict:
+    """The `recordings` row (written at the start and again at the end, with `ended`)."""
+    return {
+        "recording_id": recording_id, "host": host, "started": started, "ended": ended,
+        "schema_version": SCHEMA_VERSION, "sampler_version": sampler_version, "sample_mean_bytes": sample_mean,
+        "interval_s": interval_s, "probe_mode": probe_mode, "kernel": os.uname().release, "argv": argv,
+        "cpu_budget": cpu_budget, "probe_cost_ns": probe_cost_ns, "fault_period": fault_period,
+        "gpu_status": gpu_status,
+    }
 
 
 def target_row(t: Target, now: dt.datetime, event: str, detail: str, *, gpu_libraries: list[str],

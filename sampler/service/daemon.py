@@ -44,7 +44,7 @@ from sampler.dataset.schema import int64
 from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.errors import EnvironmentProblem
 from sampler.proc.process import own_rss, rss_bytes
-from sampler.record.recorder import RecorderHooks
+from sampler.record.options import RecorderHooks
 from sampler.service.budget import CpuBudget
 from sampler.service.children import CHILD_TIMEOUT_S, Children, Result
 from sampler.service.config import Config, format_size
@@ -94,6 +94,7 @@ class Daemon(RecorderHooks):
         self.config_path = config_path
         self.root = Path(cfg.daemon.data_dir)
         self.rec = None
+        self.dataset: DaemonWriter | None = None    # the recording's writer (made through its hooks)
         self._cap_changed = float("-inf")
         self.sampling_squeezed = 0          # times the sample cap was lowered for the CPU budget
         self.metrics = None
@@ -140,7 +141,8 @@ class Daemon(RecorderHooks):
         pa.set_memory_pool(pa.system_memory_pool())
         from sampler.dataset.retention import DiskState, ensure_private, recover
         from sampler.dataset.writer import PRIVATE_DIR_MODE
-        from sampler.record.recorder import Recorder, RecordOptions
+        from sampler.record.options import RecordOptions
+        from sampler.record.recorder import Recorder
         from sampler.service.metrics import MetricsServer, MetricsState
 
         os.umask(0o027)
@@ -173,14 +175,14 @@ class Daemon(RecorderHooks):
             attach_mode=d.attach_mode, python_objects=d.python_objects,
             max_samples_per_s=d.max_samples_per_s, vm_events_per_s=d.vm_events_per_s,
             daemon=True, quiet=True, argv=" ".join(sys.argv))
-        self.rec = rec = Recorder(opts, hooks=self)
-        self.discovery = Discovery(self.cfg, rec)
         log(f"daemon starting: config {self.config_path}, data in {self.root}, "
             f"{len(self.cfg.targets)} target tables, metrics "
             f"{'on http://' + self.cfg.metrics.listen + '/metrics' if self.server else 'off'}")
         t0 = time.monotonic()
         self._t0 = t0
         try:
+            self.rec = rec = Recorder(opts, hooks=self)     # BPF loaded
+            self.discovery = Discovery(self.cfg, rec)
             code = rec.run()
         finally:
             self.watchdog.stopping()
@@ -193,7 +195,8 @@ class Daemon(RecorderHooks):
 
     # -- the recording's hooks ---------------------------------------------------------------
     def writer(self, root: str, recording_id: str, host: str) -> DaemonWriter:
-        return DaemonWriter(self, root, recording_id, host)
+        self.dataset = DaemonWriter(self, root, recording_id, host)
+        return self.dataset
 
     def started(self) -> None:
         rec = self.rec
@@ -273,8 +276,6 @@ class Daemon(RecorderHooks):
         log(f"target pid {pid} ({printable(comm)}): {printable(why)}; no longer recorded")
 
     def snapshot_done(self) -> None:
-        rec = self.rec
-        rec.finished.clear()                 # the CLI's end-of-recording summary: not kept for months
         limit = self.cfg.daemon.max_rss
         now = time.monotonic()
         if now - self._trimmed_at > 30:
@@ -410,7 +411,7 @@ class Daemon(RecorderHooks):
             if now - self._resume_logged > 600:
                 log("writing resumed")
                 self._resume_logged = now
-            w = self.rec.writer
+            w = self.dataset
             w.flush_held()
             if w.held_dropped:
                 log(f"{w.held_dropped} stack rows first seen while paused were not kept (bounded)")
@@ -544,7 +545,7 @@ class Daemon(RecorderHooks):
                          "window_s": float(self.cfg.analysis.window_s),
                          "details": json.dumps(f, separators=(",", ":"), default=str)})
         if rows:
-            self.rec.writer.write(FINDINGS, rows)
+            self.dataset.write(FINDINGS, rows)
         self.last_findings = [{k: f.get(k) for k in ("kind", "pid", "comm", "severity", "summary")}
                               for f in found[:20]]
         return len(found)
@@ -559,7 +560,7 @@ class Daemon(RecorderHooks):
         """The recorder's caches are sized for a recording of minutes, not for months of process
         churn: pruned every interval (level 0), their memos dropped near max_rss (1), what is
         costly to rebuild dropped above it (2); then gc and malloc_trim give the memory back."""
-        if self.rec is None or self.rec.probes is None:
+        if self.rec is None:
             return
         self.rec.prune(level)
         if level >= 1:
@@ -570,13 +571,13 @@ class Daemon(RecorderHooks):
     def _write_status(self, state: str = "running") -> None:
         rec = self.rec
         targets = []
-        if rec is not None and hasattr(rec, "targets"):
-            for pid, t in rec.targets.items():
+        if rec is not None:
+            for pid, comm, tier in rec.recorded():
                 row = self.last_proc_rows.get(pid, {})
                 k = self.discovery.known.get(pid) if self.discovery else None
                 rule = k.rule if k is not None else None
                 targets.append({
-                    "pid": pid, "comm": t.info.comm, "tier": t.tier,
+                    "pid": pid, "comm": comm, "tier": tier,
                     "rule": (f"targets[{rule}] {self.cfg.targets[rule].describe()}" if rule is not None else None),
                     "configured_tier": self.cfg.targets[rule].tier if rule is not None else None,
                     "since": _iso(k.since) if k is not None and k.since else None,

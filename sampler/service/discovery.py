@@ -39,8 +39,9 @@ class Known:
 class Discovery:
     """Which processes to record: /proc scans matched against the configuration.
 
-    `rec` needs targets (pid -> anything), add_process(info, tier) -> bool and
-    remove_process(pid, event, detail); tests pass a fake recorder and a fake /proc."""
+    `rec` needs recording(pid) -> bool, recorded_count(), failed_on(pid) -> bool,
+    add_process(info, tier) -> bool, remove_process(pid, event, detail) and note(pid, event,
+    detail) (sampler/record/recorder.py); tests pass a fake recorder and a fake /proc."""
 
     def __init__(self, cfg: Config, rec, *, proc: str = "/proc", self_pid: int | None = None,
                  max_targets: int | None = None, read_info=None):
@@ -74,12 +75,12 @@ class Discovery:
                 continue                            # gone, a kernel thread, or our own child
             k = self.known.get(pid)
             if k is not None and k.start != st.start:      # the pid was reused: the old one ended
-                if k.recorded and pid in self.rec.targets:
+                if k.recorded and self.rec.recording(pid):
                     self.rec.remove_process(pid, "exit", "exited (its pid was reused)")
                     lines.append(f"target pid {pid} exited (pid reused)")
                 k = None
             if st.state in "ZX":
-                if k is not None and k.recorded and pid in self.rec.targets:
+                if k is not None and k.recorded and self.rec.recording(pid):
                     self.rec.remove_process(pid, "exit", "exited")
                     k.recorded = False
                 continue
@@ -88,12 +89,12 @@ class Discovery:
                 continue
             sig = (st.comm, cmdline)
             readds = k.readds if k is not None else 0
-            if k is not None and k.recorded and pid not in self.rec.targets:
+            if k is not None and k.recorded and not self.rec.recording(pid):
                 # alive, yet dropped by the recorder: a failed attach, or the exit event of the
                 # pid's previous process read late. Tried again, twice at most; never when
-                # recording it failed on what it supplied (Recorder.failed)
+                # recording it failed on what it supplied (Recorder.failed_on)
                 k.recorded = False
-                if k.readds >= 2 or pid in getattr(self.rec, "failed", ()):
+                if k.readds >= 2 or self.rec.failed_on(pid):
                     k.sig = sig
                     continue
                 readds += 1
@@ -103,7 +104,7 @@ class Discovery:
             if view is None:
                 continue
             rule = next((i for i, t in enumerate(self.cfg.targets) if t.matches(view)), None)
-            was = k.rule if k is not None and k.recorded and pid in self.rec.targets else None
+            was = k.rule if k is not None and k.recorded and self.rec.recording(pid) else None
             if was is not None:
                 if rule == was or (rule is not None and self.cfg.targets[rule].tier == self.cfg.targets[was].tier):
                     k.sig, k.rule = sig, rule
@@ -119,7 +120,7 @@ class Discovery:
             if adds >= MAX_ADDS_PER_SCAN:
                 del self.known[pid]                 # evaluated again at the next scan
                 continue
-            if self.paused or len(self.rec.targets) >= self.max_targets:
+            if self.paused or self.rec.recorded_count() >= self.max_targets:
                 left_out += 1
                 del self.known[pid]
                 continue
@@ -140,7 +141,7 @@ class Discovery:
                              f"({target.describe()}), tier {target.tier}")
         for pid in [p for p in self.known if p not in present]:
             k = self.known.pop(pid)
-            if k.recorded and pid in self.rec.targets:
+            if k.recorded and self.rec.recording(pid):
                 self.rec.remove_process(pid, "exit", "exited")
                 lines.append(f"target pid {pid} exited")
         self.left_out = left_out

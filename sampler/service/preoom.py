@@ -42,15 +42,17 @@ class PreOom:
         for pid, end in list(self.windows.items()):
             if now >= end:
                 del self.windows[pid]
-                if pid in rec.targets:
+                if rec.recording(pid):
                     rec.snapshot_now([pid])
                     rec.note(pid, "pre_oom", "window over: snapshot taken")
                     self.log(f"pre-OOM: pid {pid} window over, snapshot written")
         if not a.pre_oom:
             return
-        for pid in [p for p in self.levels if p not in rec.targets]:
+        recorded = rec.recorded()
+        pids = {r.pid for r in recorded}
+        for pid in [p for p in self.levels if p not in pids]:
             del self.levels[pid]
-        for pid, t in list(rec.targets.items()):
+        for pid, comm, tier in recorded:
             start = known_start(pid)
             cached = self.levels.get(pid)
             if cached is None or cached[0] != start or (now - cached[2] > LEVELS_TTL_S):
@@ -81,10 +83,10 @@ class PreOom:
                       f"threshold {100 * a.pre_oom_fraction:.0f}%): snapshot now and after {a.pre_oom_window_s:g} s"
                       + (f"; sampled at a {mean} byte mean meanwhile" if mean < self.base_mean else "")
                       + ("; allocation probes attached all the time meanwhile"
-                         if raised and t.tier == "attach" and rec.governor is not None else ""))
+                         if raised and tier == "attach" and rec.governed else ""))
             rec.note(pid, "pre_oom", detail)
             rec.snapshot_now([pid])
-            self.log(f"pre-OOM: pid {pid} ({t.info.comm}) {detail}")
+            self.log(f"pre-OOM: pid {pid} ({comm}) {detail}")
 
     def _skipped(self, now: float, rec, pid: int, key: tuple[int, int], cgroup: str, again: float) -> None:
         self.skipped += 1

@@ -1,0 +1,276 @@
+"""Every interval's rows: the snapshotter owns the writer, the recording's clocks and counters,
+and turns the targets' state into rows (rows.py) of every table.
+
+What it learns while measuring a target goes back to the loop through callbacks: `gone(pid)` (it
+exited meanwhile: its teardown's rows are written here) and `fail(pid, what, error)`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+from sampler import __version__
+from sampler.bpf.loader import BpfProbes
+from sampler.control.governor import Governor
+from sampler.dataset.schema import (
+    FRAMES,
+    GPU,
+    GPU_EVENTS,
+    MALLOC_ARENAS,
+    OUTSTANDING,
+    PROCESSES,
+    RECORDER,
+    RECORDINGS,
+    STACKS,
+    TARGETS,
+    VM_EVENTS,
+    Table,
+)
+from sampler.dataset.writer import DatasetWriter, DiskFull
+from sampler.gpu.cuda import GpuTracer
+from sampler.proc.arenas import arena_rows
+from sampler.proc.exe_identity import ExeIdentities
+from sampler.proc.memory import sample_process
+from sampler.python.targets import PythonTargets
+from sampler.record import rows
+from sampler.record.mappings import Mappings
+from sampler.record.options import RecordOptions
+from sampler.record.overhead import Controls
+from sampler.record.target import Target
+from sampler.stacks.kernel_tables import KernelTables
+from sampler.stacks.table import StackTable
+from sampler.stacks.unwind import Unwinder
+
+# Adaptive snapshot interval (no --interval): elapsed / ADAPTIVE_SNAPSHOTS within [MIN, MAX], so a
+# recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
+# long one settles at one per 10 s.
+ADAPTIVE_MIN_S, ADAPTIVE_MAX_S, ADAPTIVE_SNAPSHOTS = 1.0, 10.0, 8
+
+
+def snapshot_interval(elapsed: float, fixed: float | None) -> float:
+    """Seconds to the next snapshot, `elapsed` seconds into the recording."""
+    if fixed:
+        return fixed
+    return min(ADAPTIVE_MAX_S, max(ADAPTIVE_MIN_S, elapsed / ADAPTIVE_SNAPSHOTS))
+
+
+class Clock:
+    """Event times (monotonic ns, as BPF stamps them) on the wall clock of the recording's start."""
+
+    def __init__(self) -> None:
+        self._mono_to_wall_ns = time.time_ns() - time.monotonic_ns()
+
+    def wall(self, mono_ns: int) -> dt.datetime:
+        return dt.datetime.fromtimestamp((mono_ns + self._mono_to_wall_ns) / 1e9, dt.timezone.utc)
+
+    @staticmethod
+    def now() -> dt.datetime:
+        return dt.datetime.now(dt.timezone.utc)
+
+
+@dataclass
+class Recording:
+    """Who this recording is, for its `recordings` row."""
+
+    recording_id: str
+    host: str
+    started: dt.datetime
+    probe_mode: str
+    cpu_budget: float                 # 0: no governor
+    probe_cost_ns: float | None
+
+
+@dataclass
+class Counts:
+    """What the loop counts between two recorder rows."""
+
+    events: int = 0
+    samples: int = 0
+    complete: int = 0               # of them, stacks walked to their end
+
+
+class Snapshots:
+    def __init__(self, opts: RecordOptions, recording: Recording, writer: DatasetWriter, clock: Clock, *,
+                 probes: BpfProbes,
+                 stacks: StackTable, unwinder: Unwinder, tables: KernelTables | None, python: PythonTargets | None,
+                 gpu: GpuTracer | None, governor: Governor | None, controls: Controls, mappings: Mappings,
+                 faults_used: Callable[[], bool]):
+        self.opts, self.recording, self.writer, self.clock = opts, recording, writer, clock
+        self.now = clock.now
+        self.probes, self.stacks, self.unwinder, self.tables = probes, stacks, unwinder, tables
+        self.python, self.gpu, self.governor, self.controls = python, gpu, governor, controls
+        self.mappings, self.faults_used = mappings, faults_used
+        self.counts = Counts()
+        self.exe_ids = ExeIdentities()
+        self.disk_full: DiskFull | None = None     # the write that ended the recording
+        self._proc = psutil.Process()
+        self._snap_at: dict[int, float] = {}       # pid -> its last snapshot (monotonic)
+        self._last_walks: tuple[int, int, float] = (0, 0, 0.0)
+        self._last_snap = self._prev_full = 0.0
+        self._last_counters: list[int] = []
+        self._last_cpu = 0.0
+        self.started = False                       # begin() was called: the loop runs
+
+    # clocks -----------------------------------------------------------------------------------
+    def begin(self, mono: float) -> None:
+        """The loop starts: intervals are counted from `mono`."""
+        self._last_snap = self._prev_full = mono
+        self._last_counters = self.probes.counters()
+        self._last_cpu = sum(self._proc.cpu_times()[:2])
+        self.started = True
+
+    # rows written as things happen ------------------------------------------------------------
+    def write_recording(self, ended: dt.datetime | None) -> None:
+        o, r = self.opts, self.recording
+        row = rows.recording_row(
+            r.recording_id, r.host, r.started, ended, sampler_version=__version__, sample_mean=o.sample_mean,
+            interval_s=o.interval or ADAPTIVE_MAX_S, probe_mode=r.probe_mode, argv=o.argv,
+            cpu_budget=r.cpu_budget, probe_cost_ns=r.probe_cost_ns,
+            fault_period=o.fault_period if self.faults_used() else None,
+            gpu_status=self.gpu.status if self.gpu is not None else "off (--no-gpu)")
+        self.write(RECORDINGS, [row], name=r.recording_id, day=r.started.date())
+
+    def target_row(self, t: Target, event: str, detail: str) -> None:
+        gpu = self.gpu
+        row = rows.target_row(t, self.now(), event, detail,
+                              gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
+                              gpu_labels=gpu.labels(t.pid) if gpu is not None else [])
+        if event in ("attach", "exec"):
+            row.update(self.exe_ids.of(t.pid, t.info.exe).columns())
+        self.write(TARGETS, [row])
+
+    def last_rows(self, t: Target, exiting: bool) -> None:
+        """A target's outstanding rows as it stops being recorded (`exiting`: it exited)."""
+        self.write(OUTSTANDING, self._outstanding_rows(t, exiting=exiting))
+
+    def write(self, table: Table, out: list[dict], **kw) -> None:
+        """A full or read-only disk ends the recording cleanly (said once; files already written
+        stay valid: each is renamed into place whole). The daemon's writer never raises it: it pauses."""
+        if self.disk_full is not None:
+            return
+        try:
+            self.writer.write(table, out, **kw)
+        except DiskFull as e:
+            self.disk_full = e
+            print(f"allocsampler: error: cannot write to {self.opts.out} ({e.strerror}): the recording ends; "
+                  "what was written before stays readable", file=sys.stderr)
+
+    # the interval's snapshot ------------------------------------------------------------------
+    def snapshot(self, targets: dict[int, Target], gone: Callable[[int], None],
+                 fail: Callable[[int, str, Exception], None], only: frozenset[int] | None = None) -> None:
+        """Rows of every target, or of `only` (pre-OOM: one process, not all; the recorder row,
+        which covers all of them, waits for the next full snapshot)."""
+        now = self.now()
+        mono = time.monotonic()
+        interval = mono - self._last_snap
+        if only is None:
+            self._last_snap = mono
+            self._snap_at = {p: v for p, v in self._snap_at.items() if p in targets}
+        since = interval
+        drops = self.probes.drops()
+        out_rows: list[dict] = []
+        proc_rows: list[dict] = []
+        arenas: list[dict] = []
+        hits = self.probes.hits()
+        if self.gpu is not None:
+            self.gpu.sample()
+        for pid, t in list(targets.items()):
+            if only is not None and pid not in only:
+                continue
+            # each target's own interval: a scoped snapshot shortened only its own
+            interval = mono - self._snap_at.get(pid, mono - since)
+            self._snap_at[pid] = mono
+            t.drops = drops.get(pid, t.drops)
+            self.controls.interval(t, mono, hits)
+            h = sum(hits.get(pid, (0, 0)))
+            t.hit_rate, t.hits = (h - t.hits) / interval if interval > 0 else 0.0, h
+            t0 = time.perf_counter()
+            try:
+                if t.injection is not None:
+                    self._note_sampler_mean(t)
+                if self.python is not None:
+                    self.python.refresh(pid, force=True)
+                n_arenas = len(arenas)
+                proc_rows.append(self._process_row(t, now, arenas))
+            except ProcessLookupError:      # it exited meanwhile: what is left is its teardown's
+                out_rows += self._outstanding_rows(t, now, interval, exiting=True)
+                gone(pid)
+                continue
+            except Exception as e:  # noqa: BLE001
+                del arenas[n_arenas:]
+                fail(pid, "measuring it", e)
+                continue
+            out_rows += self._outstanding_rows(t, now, interval)
+            proc_rows[-1]["recorder_cpu_s"] = t.recorder_s + time.perf_counter() - t0
+            t.recorder_s = 0.0
+        self.write(OUTSTANDING, out_rows)
+        self.write(PROCESSES, proc_rows)
+        self.write(MALLOC_ARENAS, arenas)
+        stack_rows, frame_rows = rows.stack_rows(self.stacks.drain_new(), now)
+        self.write(STACKS, stack_rows)
+        self.write(FRAMES, frame_rows)
+        self.write(VM_EVENTS, self.mappings.drain())
+        if only is not None:
+            return
+        if self.gpu is not None:
+            self.write(GPU, [{"ts": now, **r} for r in self.gpu.device_rows()])
+            self.write(GPU_EVENTS, self.gpu.drain_rows())
+        self._recorder_row(now, mono - self._prev_full, targets)
+        self._prev_full = mono
+
+    def _note_sampler_mean(self, t: Target) -> None:
+        """A `sampling` row when the injected sampler's own rate cap changed its mean."""
+        try:
+            c = t.injection.counters()
+        except OSError:
+            return
+        if t.sampler_mean is not None and c["cur_mean"] != t.sampler_mean:
+            why = "over" if c["cur_mean"] > t.sampler_mean else "back under"
+            self.target_row(t, "sampling", f"in-process sample mean {c['cur_mean']} bytes ({why} the cap of "
+                                           f"{c['max_per_s']} samples/s, in the process)")
+        t.sampler_mean = c["cur_mean"]
+
+    def _outstanding_rows(self, t: Target, now: dt.datetime | None = None,
+                          interval: float | None = None, exiting: bool = False) -> list[dict]:
+        if interval is None:
+            interval = time.monotonic() - self._last_snap
+        return rows.outstanding_rows(t, now or self.now(), interval, time.monotonic_ns(), exiting=exiting)
+
+    def _process_row(self, t: Target, now: dt.datetime, arenas: list[dict]) -> dict:
+        s = sample_process(t.pid)
+        regions = s.breakdown.regions
+        t.vm.learn_regions(regions)
+        if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
+            t.reconciled = t.drops[2]
+            t.table.keep_mapped([(r[0], r[1]) for r in regions])
+        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table.live_blocks())]
+        return rows.process_row(
+            t, now, s, sample_mean=self.controls.sample_mean(t.pid), stack_collisions=self.stacks.collisions,
+            probe_cost_ns=self.governor.cost(t.pid) if self.governor is not None else None,
+            gpu=self.gpu.process_columns(t.pid, t.table) if self.gpu is not None else {})
+
+    def _recorder_row(self, now: dt.datetime, interval: float, targets: dict[int, Target]) -> None:
+        c = self.probes.counters()
+        last, self._last_counters = self._last_counters, c
+        cpu = sum(self._proc.cpu_times()[:2])
+        cpu_d, self._last_cpu = cpu - self._last_cpu, cpu
+        st, n = self.stacks, self.counts
+        walks = (st.in_bpf, st.handed_over, self.tables.worker.cpu_seconds() if self.tables is not None else 0.0)
+        in_bpf, handed, worker_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
+        self._last_walks = walks
+        self.write(RECORDER, [rows.recorder_row(
+            now, interval, [a - b for a, b in zip(c, last, strict=True)],
+            targets=len(targets), events=n.events, stacks_unwound=n.samples,
+            stacks_complete=n.complete, live_entries=sum(len(t.table.blocks) for t in targets.values()),
+            cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self.mappings.dropped,
+            stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s,
+            unwind_rows=self.tables.rows_used if self.tables is not None else None)])
+        self.counts = Counts()
+        self.mappings.dropped = 0
+        self.unwinder.save()
