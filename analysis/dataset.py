@@ -146,11 +146,6 @@ class Dataset:
     def frames_of(self, stack_id: int) -> pd.DataFrame:
         return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
 
-    def snapshots_with_frames(self) -> pd.DataFrame:
-        """Tidy long form: one row per snapshot row and frame of its stack."""
-        f = self.frames.drop(columns=["ts", "recording_id", "host", "date"], errors="ignore")
-        return self.outstanding.merge(f, on="stack_id", how="left")
-
 
 def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
     expr = None

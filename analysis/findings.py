@@ -1,6 +1,13 @@
 """Findings: what the detectors conclude, in one shape for JSON, DataFrames and reports.
 
 `{"schema": FINDINGS_SCHEMA, "findings": [...]}` is documented in docs/findings.md.
+
+A finding says itself: each kind is a subclass of `Finding` next to its detector
+(analysis/detect/*.py) that fixes its `kind` and overrides what it shows beyond the common part
+(`facts`, `next_step`, and where needed `stack`, `recommendation`, `numbers`, `to_json`). The
+reports lay out what findings return and never look at `kind`: the terminal report
+(analysis/report/text.py), the HTML report (analysis/report/html.py and its templates) and the
+JSON (`to_document`, `to_dataframe`).
 """
 
 from __future__ import annotations
@@ -12,7 +19,10 @@ from typing import Any
 
 import pandas as pd
 
+from analysis.frames import Frame
+
 FINDINGS_SCHEMA = 1
+SHOWN_APART = ("frames", "recommendation", "recommendations")    # details that stack() and recommendation() show
 
 
 @dataclass
@@ -31,6 +41,33 @@ class Finding:
                "summary": self.summary}
         out.update({k: _jsonable(v) for k, v in self.details.items()})
         return out
+
+    # What the reports show of it, besides the kind, process, severity, confidence and summary.
+    # The defaults read the common details; a kind overrides what it says in its own way.
+
+    def facts(self) -> list[str]:
+        """Its key numbers, one line each, under the summary in the terminal report."""
+        return []
+
+    def stack(self) -> list[Frame] | None:
+        """The stack it blames, innermost first ([]: one without symbols), or None: no stack."""
+        frames = self.details.get("frames")
+        return frames if isinstance(frames, list) else None
+
+    def numbers(self) -> dict[str, Any]:
+        """The details shown as numbers beside the summary (the HTML report's chips; a `*_bytes`
+        value's `*_stderr_bytes` goes beside it): all but those that stack() and recommendation() show."""
+        return {k: v for k, v in self.details.items() if k not in SHOWN_APART}
+
+    def recommendation(self) -> Any:
+        """What to do, in full (the HTML report): a sentence, a list of them (nested lists nest) or
+        dicts of fields; None without."""
+        return self.details.get("recommendation", self.details.get("recommendations"))
+
+    def next_step(self) -> str:
+        """What to do next, true for its situation, in a few sentences for the terminal report;
+        "" without."""
+        return ""
 
 
 def _jsonable(v: Any) -> Any:

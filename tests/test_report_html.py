@@ -13,6 +13,7 @@ import struct
 import subprocess
 import time
 import zlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,12 @@ import pandas as pd
 import pytest
 
 from analysis.dataset import Dataset, load
-from analysis.findings import Finding
+from analysis.findings import Finding, to_document
 from analysis.frames import stack_frames, trim_frames
 from analysis.report import flamegraph
 from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html
+from analysis.report.text import render
 
 CHROMIUM = "/usr/bin/chromium"
 KiB = 1024
@@ -171,6 +173,34 @@ def test_findings_ranked_with_units_and_any_details():
     assert '<ol class="stack"><li>leak_here (svc)  svc.c:42</li><li>main (svc)</li></ol>' in table
     assert "all 4 frames" in table
     assert 'href="#pid-42"' in table and 'href="#pid-7"' not in doc          # pid 7 has no data to link to
+
+
+@dataclass
+class SwapSpill(Finding):
+    """A kind the reports have never heard of."""
+
+    kind: str = field(default="swap_spill", init=False)
+
+    def facts(self) -> list[str]:
+        return [f"swapped {self.details['swapped_bytes'] >> 30} GiB"]
+
+    def next_step(self) -> str:
+        return "Lower vm.swappiness for its cgroup."
+
+
+def test_a_new_kind_of_finding_says_itself_in_every_report():
+    """A kind is its Finding subclass (next to its detector): the text, HTML and JSON reports lay
+    out what a finding returns and know no kinds."""
+    f = SwapSpill(42, "svc", 50, 0.9, "memory spills to swap", {"swapped_bytes": 1 << 30, "recommendation": "add RAM"})
+    text = render(synthetic(), [f])
+    assert "[swap_spill] pid 42 (svc)" in text and "\n   swapped 1 GiB\n" in text
+    assert text.endswith("   next: Lower vm.swappiness for its cgroup.") and "stack (" not in text
+    doc = render_html(synthetic(), [f])
+    assert '<span class="kind">swap_spill</span>' in doc and '<span class="k">swapped</span> 1.0 GiB' in doc
+    assert "<b>What to do:</b> add RAM" in doc and '<ol class="stack">' not in doc
+    assert to_document([f])["findings"] == [{"kind": "swap_spill", "pid": 42, "comm": "svc", "severity": 50,
+                                             "confidence": 0.9, "summary": "memory spills to swap",
+                                             "swapped_bytes": 1 << 30, "recommendation": "add RAM"}]
 
 
 def csp_source(text: str) -> str:

@@ -43,6 +43,7 @@ factor that reaches 1 at twice min_windows snapshots.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -58,6 +59,21 @@ TCACHE_PER_THREAD = 235 << 10         # 64 bins x 7 chunks, 24..1032 B: the most
 COMMIT_EVENTS = ("heap_grow", "brk_grow")
 TRIM_EVENTS = ("heap_trim", "brk_trim")
 HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
+
+
+@dataclass
+class ArenaBloat(Finding):
+    """`arena_bloat`: glibc keeps much more heap memory resident than is live."""
+
+    kind: str = field(default="arena_bloat", init=False)
+
+    def facts(self) -> list[str]:
+        d = self.details
+        return [f"resident {fmt_bytes(d['resident_bytes'])}, live {fmt_bytes(d['live_bytes'])}, "
+                f"bloat {fmt_bytes(d['bloat_bytes'])}, {d.get('arenas')} arenas"]
+
+    def next_step(self) -> str:
+        return self.details.get("recommendation") or ""
 
 
 def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,
@@ -180,7 +196,7 @@ def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm
                f"{fmt_bytes(r)} in [heap] and {arenas} arenas; live {fmt_bytes(lv)}) for {n} snapshots"
                + ("" if established else " (an upper bound: the process allocated before the recording)")
                + f"; {recommendation.split(';')[0]}.")
-    return Finding("arena_bloat", pid, str(last_row["comm"]), severity, min(1.0, confidence), summary, {
+    return ArenaBloat(pid, str(last_row["comm"]), severity, min(1.0, confidence), summary, {
         "resident_bytes": r, "live_bytes": lv, "live_stderr_bytes": float(se[last]),
         "slack_bytes": float(slack[last]), "bloat_bytes": b, "bloat_lower_bytes": float(lower[last]),
         "bloat_ratio": b / r, "bloat_basis": "free lists" if known[last] else "sampled live",

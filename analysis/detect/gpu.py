@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset, read_table
-from analysis.detect.growth import classify_series, time_to_oom_hours
+from analysis.detect.growth import PersistentGrowth, classify_series, time_to_oom_hours
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
 from analysis.frames import frames_json, site
@@ -31,6 +33,37 @@ _WHAT = {**dict.fromkeys(DEVICE_SOURCES, "device memory"), **dict.fromkeys(HOST_
 FRAG_MIN_BYTES = 64 * MiB
 FRAG_MIN_RATIO = 0.25
 UNEXPLAINED_MIN_BYTES = 64 * MiB
+
+
+@dataclass
+class GpuGrowth(PersistentGrowth):
+    """`gpu_growth`: a stack whose GPU allocations keep growing (persistent_growth's fields and facts)."""
+
+    kind: str = field(default="gpu_growth", init=False)
+
+    def next_step(self) -> str:
+        return ("The stack allocates GPU memory that is never freed: look for tensors or buffers kept alive "
+                "(caches, lists of outputs, graphs held by .grad_fn).")
+
+
+@dataclass
+class GpuFragmentation(Finding):
+    """`gpu_fragmentation`: PyTorch's caching allocator reserves much more than its tensors use."""
+
+    kind: str = field(default="gpu_fragmentation", init=False)
+
+    def next_step(self) -> str:
+        return "Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or torch.cuda.empty_cache() after peaks."
+
+
+@dataclass
+class GpuUnexplainedGrowth(Finding):
+    """`gpu_unexplained_growth`: the driver's figure grows beyond the traced allocations."""
+
+    kind: str = field(default="gpu_unexplained_growth", init=False)
+
+    def next_step(self) -> str:
+        return "Memory outside traced CUDA calls: check cudaMallocAsync pools, NCCL, statically linked CUDA runtimes."
 
 
 def detect_gpu(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
@@ -104,8 +137,8 @@ def gpu_growth(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
         if ttoom is not None:
             whose = "the process reaches its" if host else "the GPU fills its"
             text += f"; {whose} {fmt_bytes(limit)} in {fmt_hours(ttoom)}"
-        findings.append(Finding(
-            "gpu_growth", r.pid, r.comm, severity, r.confidence, text + ".",
+        findings.append(GpuGrowth(
+            r.pid, r.comm, severity, r.confidence, text + ".",
             {"source": source, "stack_id": int(r.stack_id), "frames": frames, "growth_bytes_per_hour": rate_h,
              "outstanding_bytes": r.outstanding_bytes, "outstanding_stderr_bytes": r.outstanding_stderr_bytes,
              "first_seen": r.first_seen, "last_seen": r.last_seen, "time_to_oom_hours": ttoom,
@@ -137,8 +170,8 @@ def gpu_fragmentation(ds: Dataset) -> list[Finding]:
         severity = min(100.0, 200.0 * unused / total) if total else 40.0 * ratio
         confidence = 1.0 - normal_sf(unused / se) if se > 0 else 1.0
         peak = float(g["gpu_reserved_bytes"].max())
-        findings.append(Finding(
-            "gpu_fragmentation", int(pid), str(last["comm"]), severity, min(confidence, 0.999),
+        findings.append(GpuFragmentation(
+            int(pid), str(last["comm"]), severity, min(confidence, 0.999),
             f"PyTorch's caching allocator reserves {fmt_bytes(reserved)} of GPU memory but its live tensors use "
             f"{fmt_bytes(allocated)}: {100 * ratio:.0f}% ({fmt_bytes(unused)}) is cached but unused "
             "(free blocks in its segments, or segments it keeps).",
@@ -185,8 +218,8 @@ def gpu_unexplained_growth(ds: Dataset) -> list[Finding]:
         rate_h = slope * 3600
         severity = min(100.0, 100.0 * rate_h * 24 / total) * 0.8 if total else 30.0
         first, last = g.iloc[0], g.iloc[-1]
-        findings.append(Finding(
-            "gpu_unexplained_growth", int(pid), str(last["comm"]), severity,
+        findings.append(GpuUnexplainedGrowth(
+            int(pid), str(last["comm"]), severity,
             1.0 - (mk_p if len(yb) >= 8 else 0.0),
             f"GPU memory of the process (NVML) grew {fmt_bytes(used_growth)} but traced CUDA allocations grew "
             f"{fmt_bytes(explained)}: {fmt_bytes(growth)} ({fmt_bytes(rate_h)}/h) is memory the probes do not see "

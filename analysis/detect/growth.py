@@ -23,7 +23,7 @@ Theil-Sen and Mann-Kendall are O(n^2): long series are binned to at most 200 poi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -363,6 +363,42 @@ def project_oom(trend: dict, rate: float, rate_lo: float, rate_hi: float) -> Oom
                          room / rate_lo if rate_lo > 0 else None, basis)
 
 
+@dataclass
+class PersistentGrowth(Finding):
+    """`persistent_growth`: a stack whose outstanding bytes keep growing to the end of the window."""
+
+    kind: str = field(default="persistent_growth", init=False)
+
+    def facts(self) -> list[str]:
+        d = self.details
+        oom = d.get("time_to_oom_hours")
+        return [f"outstanding {fmt_bytes(d['outstanding_bytes'])} ± {fmt_bytes(d['outstanding_stderr_bytes'])}, "
+                f"growth {fmt_bytes(d['growth_bytes_per_hour'])}/h"
+                + (f", OOM in {fmt_hours(oom)} ({d['time_to_oom_basis']})" if oom is not None else "")]
+
+    def next_step(self) -> str:
+        if self.details.get("attribution") == "first_touch":
+            return ("These stacks first wrote the pages; in the page-fault tier the allocating stack is not seen. "
+                    f"Record the process with `allocsampler record --pid {self.pid}` (a sampler injected at "
+                    "in-process cost) to see what allocates them and from where.")
+        return ("Find who keeps references to these allocations (the innermost frames are the allocation site); "
+                "compare with `allocsampler top` over time.")
+
+
+@dataclass
+class UnexplainedGrowth(Finding):
+    """`unexplained_growth`: RSS grows and the sampled allocations do not explain it."""
+
+    kind: str = field(default="unexplained_growth", init=False)
+
+    def facts(self) -> list[str]:
+        regions = ", ".join(f"{k[:-4]} {fmt_bytes(v)}" for k, v in self.details["region_growth_bytes"].items() if v)
+        return [f"region growth: {regions}"]
+
+    def next_step(self) -> str:
+        return "The summary names the region that grew; the `processes` table has it per snapshot."
+
+
 def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Finding]:
     """persistent_growth findings (leaks), one per cause, and unexplained_growth when RSS grows
     beyond what the sampled allocations account for."""
@@ -394,8 +430,8 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
                        f"measured window (not measured since {until:%H:%M:%S} UTC, "
                        f"when the process left the tier that sees it)"))
         text += (" in a sawtooth" if r.pattern == "sawtooth" else "") + oom.text(limit)
-        findings.append(Finding(
-            "persistent_growth", r.pid, r.comm, severity, r.confidence, text + ".",
+        findings.append(PersistentGrowth(
+            r.pid, r.comm, severity, r.confidence, text + ".",
             {"source": r.source, "stack_id": int(r.stack_id), "frames": frames,
              "growth_bytes_per_hour": rate_h, "growth_stderr_bytes_per_hour": margin / 1.96 * 3600,
              "outstanding_bytes": r.outstanding_bytes,
@@ -496,8 +532,8 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
         # the same rule as persistent_growth: only from RSS still rising over the end of the window
         oom = project_oom(_process_trend(ds, rec, pid), 0.0, 0.0, 0.0)
         rate_h = slope * 3600
-        findings.append(Finding(
-            "unexplained_growth", pid, str(last["comm"]),
+        findings.append(UnexplainedGrowth(
+            pid, str(last["comm"]),
             min(100.0, 100.0 * rate_h * 24 / limit) * 0.8 if limit else 30.0, 1.0 - (mk_p if len(g) >= 8 else 0.0),
             f"RSS grew {fmt_bytes(growth)} ({fmt_bytes(rate_h)}/h) but sampled allocations explain only "
             f"{fmt_bytes(max(0.0, sampled))}: growth is outside sampled allocations, mostly {where[:-4]} - {hint}.",

@@ -41,7 +41,6 @@ DETAIL_LABELS = {"growth_bytes_per_hour": "growth", "outstanding_bytes": "outsta
                  "time_to_oom_hours": "time to OOM", "resident_bytes": "resident", "live_bytes": "live",
                  "bloat_bytes": "bloat", "trimmable_bytes": "trimmable", "first_seen": "first seen",
                  "last_seen": "last seen"}
-HIDDEN_DETAILS = {"frames", "recommendation", "recommendations"}
 FOLD_PROCESSES = 15              # a longer process list is folded: it would push the charts far down
 
 Advice = str | list["Advice"]     # a recommendation: a sentence, or a list of them (nested lists nest)
@@ -267,22 +266,20 @@ def _process_order(ds: Dataset, findings: list[Finding]) -> list[int]:
 # --- findings ----------------------------------------------------------------------------------
 
 def _finding_row(f: Finding, charted: set[int]) -> FindingRow:
-    d = f.details
-    frames = d.get("frames")
-    advice = d.get("recommendation", d.get("recommendations"))
+    frames = f.stack()
+    advice = f.recommendation()
     return FindingRow(
         "high" if f.severity >= 70 else "mid" if f.severity >= 40 else "low", f"{f.severity:.0f}",
         f"{100 * f.confidence:.0f}", f.kind, PidLink(f.pid, f"{f.comm} ({f.pid})", f.pid in charted), f.summary,
-        _numbers(d), _stack_list(frames) if isinstance(frames, list) and frames else None,
-        _advice(advice) if advice else None)
+        _numbers(f.numbers()), _stack_list(frames) if frames else None, _advice(advice) if advice else None)
 
 
 def _numbers(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """The scalar details as (label, value) chips, a value's standard error beside it."""
+    """The numbers as (label, value) chips, a value's standard error beside it."""
     chips = []
     keys = [k for k in DETAIL_LABELS if k in d] + sorted(k for k in d if k not in DETAIL_LABELS)
     for k in keys:
-        if k in HIDDEN_DETAILS or "_stderr_" in k:
+        if "_stderr_" in k:
             continue
         text = format_detail(k, d[k])
         err = d.get(k.replace("_bytes", "_stderr_bytes")) if k.endswith("_bytes") else None

@@ -253,7 +253,7 @@ class Family:
                 yield (ids if key is None else [*ids, key]), float(x)
 
 
-def printable(comm: str) -> str:
+def mask_unprintable(comm: str) -> str:
     """comm as a label value. The target chooses it (prctl PR_SET_NAME, argv[0]); the library
     escapes backslash, quote and newline, the only escapes of the format, so every other character
     that is not printable (control characters, line separators, undecodable bytes arriving as
@@ -279,7 +279,7 @@ FAMILIES: tuple[Family, ...] = (
            attrgetter("start_time")),
     Family("process_info", "1 for each process with per-process series: its name (comm), which a process may "
            "change at will, is here rather than on every series. Join on pid for a name.",
-           lambda p: {printable(p.comm): 1}, "process", "comm"),
+           lambda p: {mask_unprintable(p.comm): 1}, "process", "comm"),
     Family("process_rss_bytes", "Resident set size of a recorded process.",
            lambda p: {p.tier: p.rss_bytes}, "process", "tier"),
     Family("process_memory_limit_bytes",
