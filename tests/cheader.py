@@ -1,5 +1,6 @@
 """Reading C headers that both sides of an ABI include (sampler/bpf/abi.h, sampler/inprocess/
-inject_abi.h): #defines, enums and structs, and their x86-64 layout, without a compiler."""
+sampling.h and inject_abi.h): #defines, enums and structs, and their x86-64 layout, without a
+compiler (tests/test_abi.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ C_TYPES = {"u8": "B", "u16": "H", "u32": "I", "u64": "Q", "s8": "b", "s16": "h",
            "uintptr_t": "Q"}
 
 
+# An object-like macro with a value (not an include guard, not a function-like macro): (name, value).
+DEFINE = re.compile(r"^[ \t]*#define[ \t]+([A-Z_][A-Z0-9_]*)[ \t]+(.+?)[ \t]*$", re.M)
+
+
 def strip_comments(text: str) -> str:
     return re.sub(r"/\*.*?\*/|//[^\n]*", "", text, flags=re.S)
 
 
-def _eval(expr: str, names: dict[str, int]) -> int:
-    expr = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)(?:ULL|UL|U|LL|L)\b", r"\1", expr)
+_CAST = re.compile(r"\(\s*(?:size_t|" + "|".join(C_TYPES) + r")\s*\)")
+
+
+def _eval(expr: str, names: dict[str, int], structs: dict[str, list] | None = None) -> int:
+    """An integer constant expression; `sizeof(struct x)` only once the structs are known."""
+    expr = _CAST.sub("", expr)
+    if structs is not None:
+        expr = re.sub(r"\bsizeof\s*\(\s*struct\s+(\w+)\s*\)", lambda m: str(c_layout(m.group(1), structs)[1]), expr)
+    expr = re.sub(r"\b(0x[0-9a-fA-F]+|\d+)[uUlL]+\b", r"\1", expr)
     expr = re.sub(r"\b[A-Z_][A-Z0-9_]*\b", lambda m: str(names[m.group(0)]), expr)
     assert re.fullmatch(r"[\s\d()+\-*<>x0-9a-fA-F]*", expr), expr
     return int(eval(expr))  # noqa: S307 (digits and operators only, checked above)
@@ -26,11 +38,12 @@ def parse_header(text: str) -> tuple[dict[str, int], dict[str, dict[str, int]], 
     """(#defines, enums {name: {member: value}}, structs {name: [(field, type, count)]})."""
     text = strip_comments(text)
     defines: dict[str, int] = {}
-    for name, expr in re.findall(r"^\s*#define\s+([A-Z_][A-Z0-9_]*)\s+(.+?)\s*$", text, flags=re.M):
+    later = []                      # those that need the structs (sizeof), or are no integer constant
+    for name, expr in re.findall(DEFINE, text):
         try:
             defines.setdefault(name, _eval(expr, defines))
         except (AssertionError, KeyError, SyntaxError):
-            continue                # not an integer constant (sizeof, a cast, a string): not ABI here
+            later.append((name, expr))
     enums: dict[str, dict[str, int]] = {}
     for name, body in re.findall(r"enum\s+(\w+)\s*\{(.*?)\}\s*;", text, flags=re.S):
         members, nxt = {}, 0
@@ -51,6 +64,11 @@ def parse_header(text: str) -> tuple[dict[str, int], dict[str, dict[str, int]], 
             consts = {**defines, **{k: v for members in enums.values() for k, v in members.items()}}
             fields.append((field, ctype, _eval(count, consts) if count else 1))
         structs[name] = fields
+    for name, expr in later:
+        try:
+            defines.setdefault(name, _eval(expr, defines, structs))
+        except (AssertionError, KeyError, SyntaxError):
+            continue                # not an integer constant (a pointer cast, a string): not ABI here
     return defines, enums, structs
 
 

@@ -1,4 +1,4 @@
-"""glibc arena bloat: the reproducer of ../shared/notes/glibc-arenas.md recorded for real, and the
+"""glibc arena bloat: the reproducer (tests/workloads/arena_bloat.c) recorded for real, and the
 detector's decisions on small synthetic datasets."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Compiled BPF programs kept across runs (sampler/objcache.py): a second start loads what the
+"""Compiled BPF programs kept across runs (sampler/bpf/objcache.py): a second start loads what the
 first compiled, with the same instructions, map layouts and working maps; a damaged entry is
 compiled again; map sizes are load-time settings, compile flags part of the key."""
 

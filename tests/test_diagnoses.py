@@ -80,9 +80,9 @@ def test_python_leak_survives_a_graceful_exit(tmp_path, bpf_ready):
 # -- arena bloat in a 20 s recording at the default interval ----------------------------------------
 
 def test_arena_bloat_in_a_20_second_recording(tmp_path, bpf_ready):
-    """The reproducer of ../shared/notes/glibc-arenas.md recorded for 20 s with no --interval: the
-    adaptive interval gives enough snapshots, and the bloat read from the free lists matches the
-    bytes the workload freed."""
+    """The arena-bloat reproducer (tests/workloads/arena_bloat.c) recorded for 20 s with no
+    --interval: the adaptive interval gives enough snapshots, and the bloat read from the free
+    lists matches the bytes the workload freed."""
     exe = compile_c(WORKLOADS / "arena_bloat.c", tmp_path / "arena_bloat", "-pthread")
     target = GatedTarget([str(exe), "page-pin"], ready="waiting", stream="stdout")
     try:

@@ -14,10 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from cheader import c_layout, parse_header
 from conftest import WORKLOADS, compile_c, final_by_site
 
-from sampler.inprocess import build as builder
 from sampler.inprocess import inject, pydomains
 from sampler.probes import usdt
 from sampler.proc.process import read_stat
@@ -29,31 +27,6 @@ MiB = 1 << 20
 
 
 # -- the ABI with the sampler ---------------------------------------------------------------------
-
-def _headers():
-    text = "".join((builder.HERE / h).read_text() for h in ("sampling.h", "inject_abi.h"))
-    return parse_header(text)
-
-
-def test_python_side_matches_inject_abi_h():
-    defines, enums, structs = _headers()
-    for name in ("INJ_MAGIC", "INJ_VERSION", "INJ_DATA_OFFSET", "INJ_SLOTS_LOG2", "INJ_SLOT_SHIFT", "INJ_PY_SMALL"):
-        assert getattr(inject, name) == defines[name], name
-    assert [m.removeprefix("INJ_").lower() for m in enums["inj_fn"] if m != "INJ_NFN"] == list(inject.FUNCTIONS)
-    assert enums["inj_fn"]["INJ_NFN"] == inject.INJ_NFN
-    assert [m.removeprefix("INJ_PY_").lower() for m in enums["inj_py_domain"] if m != "INJ_PY_NDOMAINS"] \
-        == list(inject.PY_DOMAINS)
-    for layout in (inject.SMP_THREAD, inject.SMP_PROCESS, inject.INJ_PY_ALLOCATOR, inject.INJ_DATA):
-        offsets, size, _ = c_layout(layout.name, structs)
-        c_fields = [f for f, _, _ in structs[layout.name]]
-        if layout.tail is not None:
-            assert c_fields[-1] == layout.tail
-            size = offsets.pop(layout.tail)
-            c_fields = c_fields[:-1]
-        assert [f for f, _ in layout.fields if f != layout.tail] == c_fields, layout.name
-        assert {k: v for k, v in layout.offsets.items() if k != layout.tail} == offsets, layout.name
-        assert layout.struct.size == size, layout.name
-
 
 def test_the_sampler_needs_no_relocation_and_has_its_probe_sites():
     code, helper = inject.built()

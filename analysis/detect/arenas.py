@@ -1,6 +1,6 @@
 """glibc arena bloat: heap memory that stays resident although no live allocation holds it.
 
-Per process and snapshot (definitions in ../shared/notes/glibc-arenas.md):
+Per process and snapshot (columns of `processes`, docs/schema.md):
 
     Resident = heap_rss + heap_swap + arena_rss + arena_swap
     Live     = heap_live_bytes + arena_live_bytes      (sampled chunk bytes, standard error s)
@@ -13,7 +13,7 @@ allocated. Either way a finding needs:
 
 - Bloat >= max(min_bloat, min_ratio x Resident) in >= min_windows consecutive snapshots (the last
   such run): a fixed floor keeps small processes quiet, the ratio says most of the heap is waste.
-  The defaults (128 MiB, half) flag the 8-thread, 32 MiB-per-thread reproducer of the notes
+  The defaults (128 MiB, half) flag the 8-thread, 32 MiB-per-thread reproducer (tests/workloads/arena_bloat.c)
   (about 195 MiB of bloat in 260 MiB resident) and leave small heaps alone.
 - Live flat over the run: a Theil-Sen rise of Live larger than 2 standard errors of the
   difference of its end points and 10% of the bloat is a leak (persistent_growth's business).

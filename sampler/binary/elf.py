@@ -11,7 +11,7 @@ import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -559,29 +559,13 @@ class ElfImage:
 
     def _got_slot_names(self, slots: np.ndarray) -> dict[int, str]:
         """GOT slot -> symbol, from JUMP_SLOT (.rela.plt) and GLOB_DAT (.rela.dyn, .plt.got)."""
-        main = self._main
-        out: dict[int, str] = {}
-        for sec in main.sections:
-            if sec.type != SHT_RELA or not (sec.link < len(main.sections) and main.is_symtab(sec.link)):
-                continue
-            dynsym = main.symtab(sec.link)
-            rela = main.array(sec, RELA_DTYPE)
-            rtype = rela["r_info"] & 0xFFFFFFFF
-            sym = rela["r_info"] >> np.uint64(32)
-            keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
-            keep &= sym < len(dynsym.syms)  # else a malformed relocation
-            keep &= np.isin(rela["r_offset"], slots)
-            for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
-                out[off] = dynsym.name(s)
-        return out
+        return dict(_got_bindings(self._main, slots))
 
 
-@format_errors
-def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
-    """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
-    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache)."""
-    f = _File(elf)
-    out: list[tuple[int, str]] = []
+def _got_bindings(f: _File, slots: np.ndarray | None = None) -> Iterator[tuple[int, str]]:
+    """(r_offset, symbol name) of each JUMP_SLOT and GLOB_DAT relocation of the file (the GOT slots
+    the dynamic linker binds to a symbol by name), in table order; with `slots`, of those at them.
+    A file's own definitions count too: glibc calls its malloc through its GOT (strdup, stdio)."""
     for sec in f.sections:
         if sec.type != SHT_RELA or not (sec.link < len(f.sections) and f.is_symtab(sec.link)):
             continue
@@ -589,13 +573,19 @@ def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
         rela = f.array(sec, RELA_DTYPE)
         rtype = rela["r_info"] & 0xFFFFFFFF
         sym = rela["r_info"] >> np.uint64(32)
-        # a file's own definitions count too: glibc calls its malloc through its GOT (strdup, stdio)
-        keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0) & (sym < len(dynsym.syms))
+        keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
+        keep &= sym < len(dynsym.syms)  # else a malformed relocation
+        if slots is not None:
+            keep &= np.isin(rela["r_offset"], slots)
         for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
-            name = dynsym.name(s)
-            if name in names:
-                out.append((off, name))
-    return out
+            yield off, dynsym.name(s)
+
+
+@format_errors
+def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
+    """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
+    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache)."""
+    return [(off, name) for off, name in _got_bindings(_File(elf)) if name in names]
 
 
 @format_errors

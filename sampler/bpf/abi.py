@@ -1,13 +1,15 @@
 """The Python side of sampler/bpf/abi.h: every value and record layout shared with the BPF programs.
 
 Only this module mirrors the header; tests/test_abi.py parses abi.h and checks each enum, constant
-and struct here against it, so a change on one side that the other lacks fails the suite.
+and struct here against it, so a change on one side that the other lacks fails the suite. The
+structs are `sampler.cabi.Layout`s, as are the in-process sampler's (sampler/inprocess/abi.py).
 """
 
 from __future__ import annotations
 
 import enum
-import struct
+
+from sampler.cabi import Layout
 
 # -- constants -----------------------------------------------------------------------------------
 STACK_CHUNK = 1024
@@ -202,46 +204,6 @@ ENUMS: dict[str, tuple[type[enum.Enum], str]] = {
 
 
 # -- record layouts ------------------------------------------------------------------------------
-class Layout:
-    """A C struct as (field, type) pairs, laid out with C's natural alignment (x86-64): `.struct`
-    packs and unpacks it, `.offsets` is what the test compares with the header. A type is a
-    struct format character, `(char, n)` for an array, or `(Layout, n)` for an array of structs.
-    Fields named `pad` become padding bytes in `.struct`."""
-
-    def __init__(self, name: str, fields: list[tuple[str, object]], *, tail: str | None = None):
-        self.name = name
-        self.fields = fields
-        self.tail = tail                # a trailing variable-length array (not in .struct)
-        fmt, off, align = "<", 0, 1
-        self.offsets: dict[str, int] = {}
-        for fname, ftype in fields:
-            size, falign, code = _field(ftype)
-            pad = -off % falign
-            fmt += f"{pad}x" if pad else ""
-            off += pad
-            self.offsets[fname] = off
-            fmt += f"{size}x" if fname == "pad" else code
-            off += size
-            align = max(align, falign)
-        end = off + (-off % align)
-        fmt += f"{end - off}x" if end > off else ""
-        self.align = align
-        self.struct = struct.Struct(fmt)
-        assert self.struct.size == end, (name, fmt)
-
-
-def _field(ftype) -> tuple[int, int, str]:
-    """(size, alignment, format) of a field type."""
-    if isinstance(ftype, str):
-        size = struct.calcsize("<" + ftype)
-        return size, size, ftype
-    inner, n = ftype
-    if isinstance(inner, Layout):
-        return inner.struct.size * n, inner.align, "".join(inner.struct.format[1:] for _ in range(n))
-    size = struct.calcsize("<" + inner)
-    return size * n, size, f"{n}{inner}"
-
-
 EV_HDR = Layout("ev_hdr", [
     ("type", "B"), ("source", "B"), ("op", "H"), ("pid", "I"), ("tid", "I"), ("pad", "H"), ("flags", "H"),
     ("ts", "Q"), ("addr", "Q"), ("size", "Q"), ("weight", "Q"), ("arg", "Q"), ("ret", "Q"),

@@ -112,21 +112,6 @@ def root_lock(root: Path, *, exclusive: bool = False) -> Iterator[None]:
         os.close(fd)
 
 
-def make_dirs(path: Path, mode: int) -> None:
-    """mkdir -p; the directories it creates get exactly `mode` (chmod: the umask does not apply).
-    Existing directories are left as they are."""
-    missing = []
-    while not path.is_dir():
-        missing.append(path)
-        path = path.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:         # created meanwhile by someone else: theirs
-            continue
-        os.chmod(d, mode)
-
-
 def remove_temporaries(root: Path) -> int:
     """Delete temporary files left by a writer that was killed; returns how many."""
     return len(remove_temporary_files(root))

@@ -94,8 +94,9 @@ def _fns(layer: str, rows: str) -> list[CudaFn]:
     return out
 
 
-# The probe table (../shared/notes/gpu-probes.md). Function ids are positions in it (+1): they
-# travel in the cookie and the record, and mean nothing outside one recorder.
+# The probe table: per function, its operation, argument convention and kind of memory
+# (docs/design.md, "GPU memory"). Function ids are positions in it (+1): they travel in the
+# cookie and the record, and mean nothing outside one recorder.
 FUNCTIONS: tuple[CudaFn, ...] = tuple(_fns(CUDA, """
 cudaMalloc,cudaMallocAsync,cudaMallocAsync_ptsz,cudaMallocFromPoolAsync,cudaMallocFromPoolAsync_ptsz alloc out device
 cudaMallocManaged alloc out managed

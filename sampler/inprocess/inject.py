@@ -6,8 +6,9 @@
    read+exec (uprobes can sit in it), its data anonymous right after; the thread gets its
    registers back and runs on. No code of ours runs in the target, no thread, no file in its
    namespace, no dlopen.
-2. Configuration: the data (`inj`, inject_abi.h) is written through /proc/PID/mem: the functions
-   to forward to, the sampling mean and cap, the vDSO's clock. Its magic is written last.
+2. Configuration: the data (`inj`, inject_abi.h; its Python side: abi.py) is written through
+   /proc/PID/mem: the functions to forward to, the sampling mean and cap, the vDSO's clock. Its
+   magic is written last.
 3. The recorder attaches its otel_memory USDT program to the sampler's probe sites (the preload
    tier's path: same events, same stacks, same Parquet), then
 4. Redirection: each GOT slot of the process's objects that binds to the allocator's malloc family
@@ -48,10 +49,21 @@ from pathlib import Path
 from sampler import files
 from sampler.binary.elf import SHT_RELA, ElfImage, dynsym_entry, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
-from sampler.bpf.abi import Layout
 from sampler.errors import EnvironmentProblem
 from sampler.inprocess import build as builder
 from sampler.inprocess import pydomains
+from sampler.inprocess.abi import (
+    FUNCTIONS,
+    INJ_DATA,
+    INJ_DATA_OFFSET,
+    INJ_MAGIC,
+    INJ_PY_ALLOCATOR,
+    INJ_STORE_AFTER_OK,
+    INJ_STORE_OPS,
+    INJ_VERSION,
+    PY_DOMAINS,
+    SMP_PROCESS,
+)
 from sampler.probes.allocators import FAMILIES
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.proc.process import read_stat
@@ -61,27 +73,6 @@ MEMFD_NAME = "/memfd:allocsampler"
 # back); past this the recorder stops waiting for the answer, never kills it.
 PLACE_WAIT_S = 30.0
 
-# inject_abi.h (tests/test_inject.py checks these against the header) --------------------------
-INJ_MAGIC = 0x31504D53434F4C41
-INJ_VERSION = 1
-INJ_DATA_OFFSET = 0x20000
-INJ_SLOTS_LOG2 = 14
-INJ_SLOT_SHIFT = 16
-INJ_PY_SMALL = 512
-FUNCTIONS = ("malloc", "free", "calloc", "realloc", "posix_memalign", "aligned_alloc", "memalign", "valloc",
-             "pvalloc")                    # enum inj_fn, in order
-INJ_NFN = len(FUNCTIONS)
-PY_DOMAINS = ("mem", "obj")                # enum inj_py_domain
-SMP_THREAD = Layout("smp_thread", [("remaining", "Q"), ("mean", "Q"), ("rng", "Q"), ("seeded", "Q")])
-SMP_PROCESS = Layout("smp_process", [(n, "Q") for n in (
-    "base_mean", "cur_mean", "max_per_s", "win_start", "win_count", "mean_changes", "sampled", "freed", "dropped",
-    "weight_bits", "var_bits", "seed_counter")])
-INJ_PY_ALLOCATOR = Layout("inj_py_allocator", [(n, "Q") for n in ("ctx", "malloc", "calloc", "realloc", "free")])
-INJ_DATA = Layout("inj_data", [
-    ("magic", "Q"), ("version", "I"), ("pad", "I"), ("owner", "Q"), ("clock", "Q"), ("real", ("Q", INJ_NFN)),
-    ("py", (INJ_PY_ALLOCATOR, len(PY_DOMAINS))), ("reserved", ("Q", 8)), ("proc", (SMP_PROCESS, 1)),
-], tail="slots")                           # then one SMP_THREAD per slot
-
 CFLAGS = ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidden", "-fno-stack-protector",
           "-fno-builtin", "-fasynchronous-unwind-tables", "-fcf-protection=none", "-Wall", "-Wextra",
           "-nostdlib", "-shared", f"-Wl,-T,{builder.HERE / 'inject.ld'}", "-Wl,--build-id",
@@ -90,8 +81,6 @@ SAMPLER = builder.Artifact("the injected sampler", "allocsampler-inject.so", "in
                            ("sampling.h", "inject_abi.h", "inject.ld"))
 PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c",
                          ("-O2", "-Wall", "-Wextra", "-Wno-unused-function"), ("inject_abi.h", "sampling.h"))
-INJ_STORE_OPS = 256
-INJ_STORE_AFTER_OK = 1
 
 
 class Refused(Exception):
@@ -673,7 +662,7 @@ def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: l
         raise Refused(f"the sampler's code is not at {inj.base:#x} (the process changed it or exec'd)")
     try:
         if inj.adopted:             # its saved fields are checked like fresh ones: forwards only to the allocator
-            real = struct.unpack(f"<{INJ_NFN}Q", mem.read(data + o["real"], 8 * INJ_NFN))
+            real = struct.unpack(f"<{len(FUNCTIONS)}Q", mem.read(data + o["real"], 8 * len(FUNCTIONS)))
             if any(v and v != inj.originals.get(n, 0) for v, n in zip(real, FUNCTIONS, strict=True)):
                 raise Refused("the adopted sampler forwards to functions that are not the allocator's: not adopted")
         mem.write_u64(data + o["owner"], os.getpid())

@@ -18,16 +18,17 @@ from pathlib import Path
 
 from sampler.errors import EnvironmentProblem, UsageError
 from sampler.inprocess import build as builder
+from sampler.inprocess.abi import SMP_DEFAULT_MAX_PER_S, SMP_DEFAULT_MEAN, SMP_MAX_MAX_PER_S, SMP_MAX_MEAN
 
 SOURCE = builder.HERE / "preload.c"
 BUILD_DIR = builder.BUILD_DIR
 LIB_NAME = "liballocsampler_preload.so"
 ENV_SAMPLE_MEAN = "ALLOCSAMPLER_SAMPLE_MEAN"
-DEFAULT_SAMPLE_MEAN = 512 * 1024
-MAX_SAMPLE_MEAN = 1 << 40          # the shim treats larger values as invalid (default)
+DEFAULT_SAMPLE_MEAN = SMP_DEFAULT_MEAN
+MAX_SAMPLE_MEAN = SMP_MAX_MEAN                      # the shim treats larger values as invalid (default)
 ENV_MAX_SAMPLES_PER_S = "ALLOCSAMPLER_MAX_SAMPLES_PER_S"
-DEFAULT_MAX_SAMPLES_PER_S = 2000   # 0: no cap
-MAX_MAX_SAMPLES_PER_S = 10 ** 9    # the shim treats larger values as invalid (default)
+DEFAULT_MAX_SAMPLES_PER_S = SMP_DEFAULT_MAX_PER_S   # 0: no cap
+MAX_MAX_SAMPLES_PER_S = SMP_MAX_MAX_PER_S           # the shim treats larger values as invalid (default)
 
 # Exported: the interposed functions and the allocsampler_preload_* symbols (-fvisibility=hidden).
 # Default -fasynchronous-unwind-tables stays: the recorder unwinds through the shim with CFI.

@@ -3,7 +3,8 @@
  * (inject.c): which allocations are sampled, what each sample weighs, the sample-rate cap, and the
  * set of sampled live addresses. Freestanding: no libc, no TLS, no locks, atomics only; the
  * includer owns the state (where a thread's countdown lives, the process-wide counters), the
- * clock and the probes.
+ * clock and the probes. Its constants and structs are mirrored in sampler/inprocess/abi.py
+ * (checked by tests/test_abi.py).
  *
  * Sampling: requested bytes are sampled as a Poisson process with mean T. Each thread keeps a
  * countdown of bytes to the next sample point (0 = not drawn yet); an allocation of S bytes is

@@ -158,7 +158,3 @@ class Discovery:
         """The start time of a known process (0: not known)."""
         k = self.known.get(pid)
         return k.start if k is not None else 0
-
-    def rule_of(self, pid: int) -> int | None:
-        k = self.known.get(pid)
-        return k.rule if k is not None and k.recorded else None

@@ -1,4 +1,4 @@
-/* glibc arena bloat reproducer (../shared/notes/glibc-arenas.md).
+/* glibc arena bloat reproducer (the `arena_bloat` finding: docs/findings.md).
  *
  * usage: arena_bloat top-pin|page-pin [THREADS [MIB]]   (defaults: 8 threads, 32 MiB)
  *
