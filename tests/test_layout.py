@@ -115,3 +115,32 @@ def test_imports_follow_the_layout(package):
 
     for mod in sorted(m for m in edges if m.startswith(package)):
         visit([mod])
+
+
+def readme_rows() -> dict[str, str]:
+    """The README's Layout table: path -> what."""
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Layout"):]
+    rows = {}
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            path, what = line[2:].split("|", 1)
+            rows[path.strip().strip("`")] = what
+    return rows
+
+
+def test_the_readme_layout_names_every_module():
+    rows = readme_rows()
+    missing = []
+    for mod in ALL:
+        parts = mod.split(".")
+        name = parts[-1]
+        if name in ("__main__",) or (ROOT / Path(*parts)).is_dir():
+            continue                                     # a package's __init__, a command's entry
+        if parts[0] == "analysis":
+            row = rows["analysis/"]
+        else:
+            row = rows["sampler/" + (parts[1] + "/" if len(parts) > 2 else "")]
+        if f"`{name}`" not in row and f"`{name}.py`" not in row:
+            missing.append(mod)
+    assert not missing, "modules the README's Layout table does not name: " + ", ".join(sorted(missing))

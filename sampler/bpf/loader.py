@@ -167,11 +167,11 @@ def _quiet_stderr():
 
 
 def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
-    """The C text and compile flags of the BPF object (what bpf_object caches by)."""
+    """The C text and compile flags of the BPF object (what objcache caches by)."""
     # One translation unit: bcc rewrites map operations only in the main file, not in
     # included headers, so common.h is pasted in rather than #included.
     text = "\n".join(bpf_sources.source(s) for s in ("abi.h", "common.h", *SOURCES))
-    # map sizes are given at load (bpf_object), so they are not compile flags
+    # map sizes are given at load (objcache.BpfObject), so they are not compile flags
     cflags = [
         f"-DSAMPLE_MEAN={cfg.sample_mean}ULL",
         f"-DSTACK_BYTES={cfg.stack_bytes}",
@@ -554,7 +554,7 @@ class BpfProbes:
 
     # CPython targets ------------------------------------------------------------------------
     def set_python(self, pid: int, layout: bytes | None) -> None:
-        """The frame-chain layout of a CPython process (sampler/pyruntime.PyLayout), or None."""
+        """The frame-chain layout of a CPython process (sampler/python/runtime.PyLayout), or None."""
         tab = self.bpf["pyprocs"]
         tab.put(tab.Key(pid), None if layout is None else tab.Leaf.from_buffer_copy(layout))
 

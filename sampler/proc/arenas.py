@@ -9,8 +9,8 @@ arena whose walk fails or runs over the budget gets nulls rather than a guess. R
 from /proc/PID/pagemap, and chunk headers are read only from resident pages: the walk never
 faults heap memory in or swaps it back.
 
-Layout (x86-64 glibc since 2.27, checked on 2.36; see ../shared/notes/glibc-arenas.md): `struct malloc_state` is
-mutex, flags, have_fastchunks (4 bytes each, padded to 16), fastbinsY[10], top, last_remainder,
+Layout (x86-64 glibc since 2.27, checked on 2.36 by tests/workloads/arena_bloat.c's tests):
+`struct malloc_state` is mutex, flags, have_fastchunks (4 bytes each, padded to 16), fastbinsY[10], top, last_remainder,
 bins[254] (fd/bk pairs of 127 circular lists whose head is `&bins[2i-2] - 16`), ... 2200 bytes.
 The bins are checked before anything is trusted: an empty list's fd and bk point at its own
 head, which no other layout or stray data reproduces (another layout gets nulls).

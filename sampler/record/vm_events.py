@@ -3,7 +3,7 @@
 glibc builds each secondary-arena heap as: mmap(NULL, 128 MiB, PROT_NONE, MAP_NORESERVE), munmap
 of the unaligned head and tail (a 64 MiB-aligned heap remains), mprotect(RW) as the heap grows,
 madvise(MADV_DONTNEED) or mmap(MAP_FIXED, PROT_NONE) as it shrinks, munmap of a whole heap when
-freed. The main arena grows and trims with brk. See ../shared/notes/glibc-arenas.md.
+freed. The main arena grows and trims with brk (glibc malloc/arena.c, new_heap and shrink_heap).
 """
 
 from __future__ import annotations
