@@ -4,11 +4,14 @@ compiled again; map sizes are load-time settings, compile flags part of the key.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import mmap
 import os
+import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -227,3 +230,41 @@ def test_uretprobe_offsets_come_from_the_kernels_btf(tmp_path):
     _, cflags = program_source(ProbeConfig(512 << 10))
     assert f"-DRI_TASK_STRUCT_UTASK={off['task_struct', 'utask']}" in cflags
     assert btf.struct_offsets(want, tmp_path / "absent") == {}
+
+
+LOAD_UNDER_SIGNALS = """
+import signal, sys
+from pathlib import Path
+from sampler.bpf.loader import BpfProbes, ProbeConfig
+from sampler.control.weights import weight_table
+got = []
+signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
+print("ready", flush=True)
+p = BpfProbes(ProbeConfig(cache_dir=Path(sys.argv[1]), weight_table=tuple(weight_table())))
+p.load_usdt()
+p.close()
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+print("loaded", len(got), flush=True)
+"""
+
+
+@pytest.mark.bpf
+def test_signals_during_a_load_do_not_abort_it(cache):
+    """The verifier gives up with EAGAIN when the loading thread has a signal pending (a child's
+    SIGCHLD once aborted a recording): a process loading under a stream of signals it handles
+    loads every program, and gets its signals afterwards."""
+    child = subprocess.Popen([sys.executable, "-c", LOAD_UNDER_SIGNALS, str(cache[0])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        sent = 0
+        while child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGUSR1)
+                sent += 1
+            time.sleep(0.002)
+        out, err = child.communicate()
+    finally:
+        child.kill()
+    assert child.returncode == 0, err
+    assert sent > 100 and int(out.split()[-1]) > 0, (sent, out)

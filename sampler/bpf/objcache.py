@@ -18,12 +18,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import errno
 import fcntl
 import hashlib
 import json
 import mmap
 import os
 import resource
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -269,13 +271,13 @@ class BpfObject:
                                license=ctypes.addressof(lic), kern_version=self.spec.kern_version,
                                prog_name=short.encode()[:sc.OBJ_NAME_LEN - 1], expected_attach_type=attach_type)
         try:
-            fd = sc.bpf(sc.PROG_LOAD, attr)
+            fd = _prog_load(attr)
         except OSError as e:
             # again with the verifier's log, for its last words (a transient failure may pass now)
             log = ctypes.create_string_buffer(1 << 20)
             attr.log_level, attr.log_size, attr.log_buf = 1, len(log), ctypes.addressof(log)
             try:
-                fd = sc.bpf(sc.PROG_LOAD, attr)
+                fd = _prog_load(attr)
             except OSError:
                 last = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-3:])
                 raise OSError(e.errno, f"loading {name}: {e.strerror}{': ' + last if last else ''}") from None
@@ -502,3 +504,24 @@ def libbcc():
             f.restype, f.argtypes = res, args
         _libbcc = lib
     return _libbcc
+
+
+PROG_LOAD_TRIES = 5
+
+
+def _prog_load(attr: sc.ProgLoadAttr) -> int:
+    """BPF_PROG_LOAD with this thread's signals blocked: the verifier gives up with EAGAIN when a
+    signal is pending (a child's SIGCHLD, a Ctrl-C: it aborted a recording once), and a blocked
+    signal is not pending for this thread; it is delivered once the load is done. Those that cannot
+    be blocked (SIGKILL, SIGSTOP) are retried."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        for attempt in range(PROG_LOAD_TRIES):
+            try:
+                return sc.bpf(sc.PROG_LOAD, attr)
+            except OSError as e:
+                if e.errno != errno.EAGAIN or attempt == PROG_LOAD_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
