@@ -6,11 +6,9 @@ may import inside a function, to keep a command's start-up light, but not to hid
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
 
 
 def modules(package: str) -> dict[str, ast.Module]:

@@ -6,11 +6,11 @@ import math
 import struct
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from conftest import ROOT
 
 from sampler.bpf import abi
 from sampler.bpf.abi import EvType, UwStop
@@ -185,9 +185,8 @@ def test_sizes_on_the_command_line():
 
 
 def test_schema_doc_is_generated_from_the_schema():
-    root = Path(__file__).resolve().parent.parent
-    doc = (root / "docs" / "schema.md").read_text()
-    fresh = subprocess.run([sys.executable, str(root / "scripts" / "gen_schema_doc.py"), "--stdout"],
+    doc = (ROOT / "docs" / "schema.md").read_text()
+    fresh = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_schema_doc.py"), "--stdout"],
                            capture_output=True, text=True, check=True).stdout
     assert doc == fresh, "docs/schema.md is stale: run scripts/gen_schema_doc.py"
     for t in TABLES.values():
