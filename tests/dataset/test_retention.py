@@ -17,6 +17,7 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -383,6 +384,21 @@ while True:
     w.write(OUTSTANDING, table)
     print("written", flush=True)
 """
+
+
+def test_writer_is_atomic_and_partitioned(tmp_path):
+    w = DatasetWriter(tmp_path, "rec1")
+    row = {c.name: None for c in OUTSTANDING.columns}
+    row.update(pid=1, source="malloc", stack_id=5, outstanding_bytes=1.0, recording_id="rec1", host="h")
+    path = w.write(OUTSTANDING, [row])
+    assert path.parent.name.startswith("date=") and path.parent.parent.name == "host=unknown"
+    assert path.parent.parent.parent.name == "outstanding"
+    (path.parent / ".junk.parquet.tmp").write_bytes(b"partial")       # a killed writer's leftover
+    assert len(pd.read_parquet(tmp_path / "outstanding")) == 1        # readers skip dot-files
+    DatasetWriter(tmp_path, "rec2")
+    assert not (path.parent / ".junk.parquet.tmp").exists()
+    assert pq.read_schema(path).metadata[b"allocsampler.table"] == b"outstanding"
+    assert w.write(OUTSTANDING, []) is None
 
 
 def test_kill_9_of_a_writer_mid_write_leaves_only_whole_files(tmp_path):
