@@ -1,6 +1,6 @@
 /*
  * The ABI between the injected sampler (inject.c) and the recorder that places it
- * (sampler/inprocess/inject.py mirrors it in Python; tests/test_inject.py checks them field by
+ * (sampler/inprocess/inject.py mirrors it in Python; tests/inprocess/test_inject.py checks them field by
  * field). The recorder writes everything here through /proc/PID/mem before it redirects a single
  * call; the sampler only reads the configuration and updates the counters, slots and set.
  */

@@ -1,6 +1,6 @@
 """Argument validation of the command line, in-process: each bad value is one line naming the
 cause and the fix, exit 2, no traceback, and nothing is loaded before the arguments are checked.
-(tests/test_cli_errors.py runs the CLI in bad environments.)"""
+(tests/cli/test_cli_errors.py runs the CLI in bad environments.)"""
 
 from __future__ import annotations
 
