@@ -10,7 +10,7 @@ through the recorder's own DatasetWriter (one file per table per simulated hour)
 reported.
 
 Every column is converted to its Arrow type in sampler/dataset/schema.py, so a schema change
-breaks this bench loudly (or not at all), and tests/test_benchmarks.py runs its --quick mode
+breaks this bench loudly (or not at all), and tests/project/test_benchmarks.py runs its --quick mode
 (2 processes x 2 h x 4 stacks: every kind of stack, two files per table; seconds).
 
 --fleet: a fleet of hosts x days in the schema-6 layout (<table>/host=<h>/date=<d>/, one

@@ -35,7 +35,7 @@ apt_install() {
 apt_install python3-bpfcc bpfcc-tools python3-venv gcc libc6-dev binutils
 # <sys/sdt.h>: the preload shim's USDT probes (sampler/inprocess/preload.c); g++ for its C++ test.
 apt_install systemtap-sdt-dev g++
-# jemalloc: the C server of tests/test_diagnoses.py runs on it (extents and their allocations)
+# jemalloc: the C server of tests/analysis/test_diagnoses.py runs on it (extents and their allocations)
 apt_install libjemalloc2
 # Python headers: the readable-stacks tests build a C extension (tests/workloads/leakext.c).
 apt_install python3-dev
@@ -43,9 +43,9 @@ apt_install python3-dev
 apt_install libc6-dbg
 # Other allocators the tests record (jemalloc, tcmalloc), as users preload them.
 apt_install libjemalloc2 libtcmalloc-minimal4
-# Headless browser and a font for the HTML report's rendering test (tests/test_report_html.py).
+# Headless browser and a font for the HTML report's rendering test (tests/analysis/test_report_html.py).
 apt_install chromium fonts-dejavu-core
-# A Java runtime for pyspark in local mode: docs/querying.md's Spark fleet recipes (tests/test_querying.py).
+# A Java runtime for pyspark in local mode: docs/querying.md's Spark fleet recipes (tests/dataset/test_querying.py).
 apt_install default-jre-headless
 
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.

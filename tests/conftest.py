@@ -13,13 +13,16 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent                      # the repository
 WORKLOADS = HERE / "workloads"
+PROTO = HERE / "proto"                  # upstream's profile.proto, the pprof reader's schema
 
 
 def compile_c(src: Path, out: Path, *flags: str) -> Path:
@@ -236,6 +239,41 @@ def final_by_site(out: Path, pid: int, source: str = "malloc") -> pd.DataFrame:
 # test_diff share these two, recorded once per session. Tests must not write into them (exports go
 # to the test's own tmp_path); teardown checks that nothing there changed.
 
+@dataclass
+class Recorded:
+    out: Path
+    pid: int
+    truth: dict[str, int]        # workload function -> bytes it left allocated (or churned)
+    boundaries: list[float]      # wall time after each phase's events reached a snapshot
+
+
+def record_leaky(out: Path, lib: Path, phases: list[list[tuple]]) -> Recorded:
+    """Record the leaky driver running `phases` of calls ((function, *args) tuples). After each
+    phase two snapshots pass, so that every event of the phase is in a snapshot taken before the
+    boundary time noted, and nothing of the next phase is."""
+    w = Workload(lib)
+    rec = Recording(out, "--pid", str(w.pid), "-i", "1")
+    truth: dict[str, int] = {}
+    boundaries: list[float] = []
+    try:
+        rec.wait_attached()
+        for calls in phases:
+            for name, *args in calls:
+                truth[name] = truth.get(name, 0) + w.call(name, *args)
+            done = time.time()
+            rec.wait_snapshot(done)
+            rec.wait_snapshot(time.time())
+            boundaries.append(time.time())
+        code, _, err = rec.stop()
+        assert code == 0, err
+    finally:
+        if rec.proc.poll() is None:
+            rec.proc.kill()
+            rec.proc.wait()
+        w.close()
+    return Recorded(out, w.pid, truth, boundaries)
+
+
 def _tree(root: Path) -> list[tuple[str, int, int]]:
     return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
 
@@ -244,7 +282,6 @@ def _tree(root: Path) -> list[tuple[str, int, int]]:
 def leaky(tmp_path_factory, leaky_lib, bpf_ready):
     """Phase 1: leak_malloc leaks 32 MiB, churn churns 32 MiB; phase 2 (after boundaries[0]):
     leak_calloc leaks 16 MiB. The baseline of test_diff."""
-    from test_pprof import record_leaky
     r = record_leaky(tmp_path_factory.mktemp("leaky_rec") / "rec", leaky_lib, [
         [("leak_malloc", 8192, 4096), ("churn", 8192, 4096)],
         [("leak_calloc", 256, 65536)],
@@ -259,7 +296,6 @@ def leaky(tmp_path_factory, leaky_lib, bpf_ready):
 def leaky_grown(tmp_path_factory, leaky_lib, bpf_ready):
     """`leaky` grown, test_diff's new run and test_querying's second host: leak_malloc leaks
     128 MiB (4x), leak_posix_memalign 16 MiB (new), leak_calloc nothing (gone), the same churn."""
-    from test_pprof import record_leaky
     r = record_leaky(tmp_path_factory.mktemp("leaky_grown") / "rec", leaky_lib, [[
         ("leak_malloc", 32768, 4096),
         ("leak_posix_memalign", 1024, 64, 16384),

@@ -5,7 +5,7 @@ range lists, line program headers). Its public API keeps every CU it parses, eve
 every abbreviation table for the life of the DWARFInfo, and debug info of big binaries runs to
 gigabytes, so dwarf_lines parses CUs of its own and lets them go. That takes four internals, used by
 DwarfInfo below and nowhere else; pyproject.toml bounds pyelftools to the releases checked to have them,
-and tests/test_dwarf_lines.py::test_pyelftools_internals fails on one that lacks them:
+and tests/binary/test_dwarf_lines.py::test_pyelftools_internals fails on one that lacks them:
 
 - DWARFInfo._parse_CU_at_offset(offset): a CU that is not added to the DWARFInfo's CU cache;
 - CompileUnit._dielist: the DIEs a CU has parsed so far, counted against a memory budget;

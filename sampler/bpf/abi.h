@@ -1,6 +1,6 @@
 /* The ABI between the BPF programs and user space: every value and layout that both sides use.
  *
- * sampler/bpf/abi.py is its Python side; tests/test_abi.py parses this file and checks every
+ * sampler/bpf/abi.py is its Python side; tests/bpf/test_abi.py parses this file and checks every
  * enum, constant and struct there against it (names, values, field offsets). No maps, no code:
  * the loader pastes this file first, then common.h, then the programs (bcc rewrites map
  * operations only in one translation unit, so nothing is #included).

@@ -1,6 +1,6 @@
 """The Python side of sampler/bpf/abi.h: every value and record layout shared with the BPF programs.
 
-Only this module mirrors the header; tests/test_abi.py parses abi.h and checks each enum, constant
+Only this module mirrors the header; tests/bpf/test_abi.py parses abi.h and checks each enum, constant
 and struct here against it, so a change on one side that the other lacks fails the suite. The
 structs are `sampler.cabi.Layout`s, as are the in-process sampler's (sampler/inprocess/abi.py).
 """

@@ -15,7 +15,7 @@
    gets the sampler's function, by one aligned 8-byte compare-and-exchange that a thread of the
    process executes (the helper stops it and runs the sampler's inj_store_run: place.c `store`), so
    a concurrent call sees the old or the new function, never a mix (a copy through /proc/PID/mem is
-   a string move and tears on some CPUs; tests/test_inject.py measures both). Objects loaded later
+   a string move and tears on some CPUs; tests/inprocess/test_inject.py measures both). Objects loaded later
    are redirected when they appear.
 Detaching restores every slot that still holds our function. The code stays mapped (a thread may be
 between loading a slot and returning from it, and copies of slots taken as function pointers keep

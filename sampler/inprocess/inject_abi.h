@@ -1,7 +1,7 @@
 /*
  * The ABI between the injected sampler (inject.c) and the recorder that places it
  * (sampler/inprocess/inject.py). sampler/inprocess/abi.py mirrors it and sampling.h in Python;
- * tests/test_abi.py checks them constant by constant and field by field. The recorder writes
+ * tests/bpf/test_abi.py checks them constant by constant and field by field. The recorder writes
  * everything here through /proc/PID/mem before it redirects a single call; the sampler only reads
  * the configuration and updates the counters, slots and set.
  */

@@ -1,5 +1,5 @@
 /*
- * A process that lies to the placement helper (tests/test_inject_hostile.py runs it as nobody).
+ * A process that lies to the placement helper (tests/inprocess/test_inject_hostile.py runs it as nobody).
  *
  *   hostile MODE [ARG]
  *     notify-fd FILE    memfd_create is answered by a seccomp supervisor with an O_PATH fd of FILE

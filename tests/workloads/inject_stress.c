@@ -1,5 +1,5 @@
 /* A workload that checks its own allocations while a recorder injects, redirects and restores its
- * allocator calls (tests/test_inject.py): 8 threads mix malloc, calloc, realloc, posix_memalign,
+ * allocator calls (tests/inprocess/test_inject.py): 8 threads mix malloc, calloc, realloc, posix_memalign,
  * aligned_alloc, memalign, valloc and free over blocks they fill with a pattern and verify before
  * freeing; signal handlers (on an alternate stack) allocate and verify too; a thread forks children
  * that allocate and verify; midway a library is dlopen'ed and used. Each thread's work is fixed by

@@ -1,4 +1,4 @@
-/* Inlined frames for tests/test_dwarf_lines.py: leaf() is inlined into middle(), which is inlined
+/* Inlined frames for tests/binary/test_dwarf_lines.py: leaf() is inlined into middle(), which is inlined
  * into outer(), which main() calls. The one call of touch() in outer's code is leaf's: the tests
  * find it and expect the chain leaf -> middle -> outer, at the lines of the marker comments.
  * nested() is a GNU C nested function: a function of its own, defined inside with_nested(). */

@@ -1,4 +1,4 @@
-/* A small key-value server over TCP (scenario of tests/test_diagnoses.py): its keyspace grows
+/* A small key-value server over TCP (scenario of tests/analysis/test_diagnoses.py): its keyspace grows
  * while clients add keys and plateaus while they overwrite them.
  *
  * usage: kv_server PORT      prints "ready" on stdout once listening; one thread, poll().

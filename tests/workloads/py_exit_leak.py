@@ -1,5 +1,5 @@
 """A pure-Python service whose per-token statistics grow without bound, then exits gracefully
-(CPython's finalization frees them all). Scenario of tests/test_diagnoses.py.
+(CPython's finalization frees them all). Scenario of tests/analysis/test_diagnoses.py.
 
 usage: py_exit_leak.py SECONDS MB_PER_S TRUTH_FILE
 Grows for SECONDS at about MB_PER_S of small objects (pymalloc arenas), writes its own truth to

@@ -1,4 +1,4 @@
-"""Two threads blocked in os.read (GIL released) at known Python stacks, for tests/test_pyruntime.py.
+"""Two threads blocked in os.read (GIL released) at known Python stacks, for tests/python/test_runtime.py.
 
 Each thread prints one JSON line, then blocks; the stack it prints comes from the same line as the
 read, so it is exactly the stack an outside reader sees while the thread waits. A byte on stdin

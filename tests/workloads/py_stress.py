@@ -1,5 +1,5 @@
 """A Python (or torch) workload that checks its own work while a recorder injects, redirects and
-restores its allocator calls, CPython's object allocator included (tests/test_inject.py).
+restores its allocator calls, CPython's object allocator included (tests/inprocess/test_inject.py).
 
     py_stress.py python|torch ITERATIONS   -> prints "ready", waits for a line, then
                                               "ok CHECKSUM SIGNALS FORKS" (exit 0)

@@ -1,4 +1,4 @@
-/* Workload of tests/test_tiers.py. Modes (argv[1]):
+/* Workload of tests/record/test_tiers.py. Modes (argv[1]):
  *   faults STEPS   per 100 ms step: leak_pages touches 1 MiB it keeps, churn_pages touches 4 MiB
  *                  it unmaps, madv_pages touches 4 MiB it gives back with MADV_DONTNEED;
  *   rate SECONDS PAIRS_PER_S

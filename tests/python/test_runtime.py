@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import WORKLOADS
 
 from sampler.python.codeobj import CodeReader, decode_linetable_310, decode_linetable_311
 from sampler.python.runtime import NO_FIELD, PyUnsupported, detect
 
-WORKLOAD = Path(__file__).resolve().parent / "workloads" / "py_nested.py"
+WORKLOAD = WORKLOADS / "py_nested.py"
 DEBIAN_PYTHON = "/usr/bin/python3.11"
 PYENV = Path("/root/.pyenv/versions")
 INTERPRETERS = [DEBIAN_PYTHON, *(str(PYENV / v / "bin/python3") for v in ("3.10.13", "3.11.7", "3.12.1", "3.13.0"))]

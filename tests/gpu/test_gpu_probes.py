@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import final_by_site
+from conftest import WORKLOADS, final_by_site
 
 from analysis import analyze
 from analysis.dataset import read_table
 
-WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20
 pytestmark = pytest.mark.bpf
 

@@ -11,8 +11,7 @@ import ast
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import ROOT
 
 
 def modules(package: str) -> dict[str, ast.Module]:

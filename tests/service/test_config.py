@@ -9,13 +9,14 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from sampler.errors import UsageError
 from sampler.proc.process import ProcView
 from sampler.service import config
 from sampler.service.config import ALWAYS_ON, ATTACH, PRELOAD_AWARE, Config, Target
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "packaging" / "config.example.toml"
+EXAMPLE = ROOT / "packaging" / "config.example.toml"
 ONE_TARGET = '[[targets]]\nname = "postgres"\n'
 
 

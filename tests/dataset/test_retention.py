@@ -17,18 +17,18 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from conftest import tmpfs_at
+from conftest import ROOT, tmpfs_at
 
 from analysis.dataset import latest_outstanding, load, read_table
 from sampler.dataset import retention as R
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, RECORDINGS, STACKS, TABLES
 from sampler.dataset.writer import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, DatasetWriter, DiskFull
 
-REPO = Path(__file__).resolve().parent.parent
 UTC = dt.timezone.utc
 T0 = dt.datetime(2024, 3, 1, tzinfo=UTC)
 REC_A = "20240301T000000Z-4242"
@@ -293,7 +293,7 @@ R.compact(root, older, now=now)
 def start_compaction(root: Path, point: str = "", nth: int = 1, older: float = 0.0, now: float | None = None,
                      row_group: int = 1 << 18) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", CHILD_COMPACT, str(root), point, str(nth), str(older),
-                          str(now or time.time()), str(row_group)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                          str(now or time.time()), str(row_group)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "go\n"
     return p
 
@@ -386,9 +386,24 @@ while True:
 """
 
 
+def test_writer_is_atomic_and_partitioned(tmp_path):
+    w = DatasetWriter(tmp_path, "rec1")
+    row = {c.name: None for c in OUTSTANDING.columns}
+    row.update(pid=1, source="malloc", stack_id=5, outstanding_bytes=1.0, recording_id="rec1", host="h")
+    path = w.write(OUTSTANDING, [row])
+    assert path.parent.name.startswith("date=") and path.parent.parent.name == "host=unknown"
+    assert path.parent.parent.parent.name == "outstanding"
+    (path.parent / ".junk.parquet.tmp").write_bytes(b"partial")       # a killed writer's leftover
+    assert len(pd.read_parquet(tmp_path / "outstanding")) == 1        # readers skip dot-files
+    DatasetWriter(tmp_path, "rec2")
+    assert not (path.parent / ".junk.parquet.tmp").exists()
+    assert pq.read_schema(path).metadata[b"allocsampler.table"] == b"outstanding"
+    assert w.write(OUTSTANDING, []) is None
+
+
 def test_kill_9_of_a_writer_mid_write_leaves_only_whole_files(tmp_path):
     for _ in range(5):          # the kill must land while a file is being written
-        p = subprocess.Popen([sys.executable, "-c", CHILD_WRITE, str(tmp_path)], cwd=REPO,
+        p = subprocess.Popen([sys.executable, "-c", CHILD_WRITE, str(tmp_path)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline() == "written\n"
         deadline = time.time() + 30

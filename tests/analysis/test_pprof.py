@@ -8,26 +8,23 @@ import gzip
 import importlib
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import Recording, Workload, allocsampler_cmd
+from conftest import PROTO, allocsampler_cmd
 
 MiB = 1 << 20
-
-# The reader's schema: upstream's profile.proto (tests/proto/profile.proto), compiled by protoc.
-PROTO_DIR = Path(__file__).parent / "proto"
 
 
 @pytest.fixture(scope="session")
 def profile_pb2(tmp_path_factory):
     from grpc_tools import protoc
     d = tmp_path_factory.mktemp("proto")
-    assert protoc.main(["protoc", f"-I{PROTO_DIR}", f"--python_out={d}", str(PROTO_DIR / "profile.proto")]) == 0
+    # the reader's schema: upstream's profile.proto (tests/proto/profile.proto), compiled by protoc
+    assert protoc.main(["protoc", f"-I{PROTO}", f"--python_out={d}", str(PROTO / "profile.proto")]) == 0
     sys.path.insert(0, str(d))
     try:
         return importlib.import_module("profile_pb2")
@@ -68,43 +65,6 @@ def decode(pb2, path: Path) -> tuple[object, list[Sample]]:
         labels = {s[lb.key]: (s[lb.str] if lb.str else lb.num) for lb in smp.label}
         samples.append(Sample(frames, dict(zip(types, smp.value, strict=True)), labels))
     return p, samples
-
-
-# --- a real recording ------------------------------------------------------------------------------
-
-@dataclass
-class Recorded:
-    out: Path
-    pid: int
-    truth: dict[str, int]        # workload function -> bytes it left allocated (or churned)
-    boundaries: list[float]      # wall time after each phase's events reached a snapshot
-
-
-def record_leaky(out: Path, lib: Path, phases: list[list[tuple]]) -> Recorded:
-    """Record the leaky driver running `phases` of calls ((function, *args) tuples). After each
-    phase two snapshots pass, so that every event of the phase is in a snapshot taken before the
-    boundary time noted, and nothing of the next phase is."""
-    w = Workload(lib)
-    rec = Recording(out, "--pid", str(w.pid), "-i", "1")
-    truth: dict[str, int] = {}
-    boundaries: list[float] = []
-    try:
-        rec.wait_attached()
-        for calls in phases:
-            for name, *args in calls:
-                truth[name] = truth.get(name, 0) + w.call(name, *args)
-            done = time.time()
-            rec.wait_snapshot(done)
-            rec.wait_snapshot(time.time())
-            boundaries.append(time.time())
-        code, _, err = rec.stop()
-        assert code == 0, err
-    finally:
-        if rec.proc.poll() is None:
-            rec.proc.kill()
-            rec.proc.wait()
-        w.close()
-    return Recorded(out, w.pid, truth, boundaries)
 
 
 # The tests below read the session's `leaky` recording (conftest.py, shared with test_querying and

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 from sampler.binary import debuginfod, elf
 from sampler.binary.elf import ElfImage
 from sampler.stacks.symbolize import Symbolizer, demangle, function_name
 
-ROOT = Path(__file__).resolve().parent.parent
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
 # Definition order kept (-fno-toplevel-reorder): the static function lies between the two exports.

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import WORKLOADS
 
 from analysis import analyze
 from analysis.dataset import read_table
@@ -27,7 +28,6 @@ from sampler.gpu import cuda
 from sampler.gpu.nvml import Nvml
 from sampler.record.outstanding import ProcessTable
 
-WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20
 
 

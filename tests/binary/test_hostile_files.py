@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import final_by_site
+from conftest import ROOT, final_by_site
 
 from analysis.dataset import read_table
 from sampler.binary import reader
@@ -31,7 +31,6 @@ from sampler.probes import usdt
 from sampler.stacks import cfi
 from sampler.stacks.cfi import CfiStore, CfiTable
 
-REPO = Path(__file__).resolve().parent.parent
 SHDR = struct.Struct("<IIQQQQIIQQ")
 SHF_COMPRESSED = 0x800
 SHT_NOBITS = 8
@@ -234,7 +233,7 @@ PARSE_ALL = textwrap.dedent("""
 
 
 def parse_in_child(paths: list[Path], victim: int, timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-c", PARSE_ALL, str(victim), *map(str, paths)],
                        capture_output=True, text=True, timeout=timeout, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -342,7 +341,7 @@ def test_fifo_at_a_library_path_never_blocks(tmp_path):
         print("done")
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0 and p.stdout.strip() == "done", p.stderr
 
 
@@ -383,7 +382,7 @@ def test_file_truncated_while_parsed_is_no_sigbus(base, tmp_path):
         print(outcomes)
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONPATH": str(REPO)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])   # -7 was SIGBUS
     assert "ElfFormatError" in p.stdout
 

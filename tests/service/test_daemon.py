@@ -29,7 +29,7 @@ from analysis.dataset import read_table
 MiB = 1 << 20
 
 WORK_C = r"""
-/* Targets of tests/test_daemon.py. argv[1] selects the mode; "ready" on stdout, then a line on
+/* Targets of tests/service/test_daemon.py. argv[1] selects the mode; "ready" on stdout, then a line on
  * stdin starts the work:
  *   hold MB         touch MB of malloc'd memory, then wait for another line (or end of input)
  *   leak KBPS SECS  keep 64 KiB blocks at KBPS KiB/s for SECS seconds, then wait

@@ -9,13 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import WORKLOADS
 
 from analysis.dataset import read_table
 
-WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20
 
 

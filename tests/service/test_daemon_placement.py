@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import shutil
 import socket
 import subprocess
@@ -18,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import WORKLOADS, compile_c
 from test_daemon import WORK_C, DaemonProc, free_port, wait_for, write_config
-from test_inject_hostile import NOBODY
 
+NOBODY = pwd.getpwnam("nobody").pw_uid
 STUBBORN = 64
 WATCHDOG_S = 20.0          # synchronous placement: 64 attempts of 2 s each in one scan, 128 s
 

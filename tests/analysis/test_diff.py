@@ -9,8 +9,7 @@ import subprocess
 
 import pandas as pd
 import pytest
-from conftest import allocsampler_cmd
-from test_pprof import Recorded
+from conftest import Recorded, allocsampler_cmd
 
 MiB = 1 << 20
 

@@ -2,7 +2,7 @@
 leaks and exits gracefully, a 20 s recording of arena bloat, a governor tier change in the middle
 of a leak, and a C key-value server on jemalloc whose keyspace grows under load and plateaus.
 Estimates within +-35% of the workload's truth; no false finding on the controls. (A process
-that leaks until the kernel OOM-kills it: tests/test_daemon.py, with the daemon's pre-OOM capture.)"""
+that leaks until the kernel OOM-kills it: tests/service/test_daemon.py, with the daemon's pre-OOM capture.)"""
 
 from __future__ import annotations
 

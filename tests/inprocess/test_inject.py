@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS, compile_c, final_by_site
+from conftest import ROOT, WORKLOADS, compile_c, final_by_site
 
 from sampler.inprocess import inject, pydomains
 from sampler.probes import usdt
 from sampler.proc.process import read_stat
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"     # scripts/setup.sh installs libjemalloc2
 MiB = 1 << 20
 
@@ -212,7 +210,7 @@ def _cycle_through(argv: list[str], expected: str) -> None:
     second adopts the sampler and cycles up to 200 times; checks the workload's own verdict."""
     s = Stress(argv)
     s.go()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     first = subprocess.Popen([sys.executable, "-c", CYCLER, str(s.pid), "100000"], stdout=subprocess.PIPE,
                              text=True, env=env)
     assert first.stdout.readline().strip() == "placed"
@@ -251,7 +249,7 @@ def test_an_allocator_mapped_at_a_text_offset_is_forwarded_to_its_own_functions(
     expected = _reference(argv, env)
     s = Stress(argv, env)
     setter = subprocess.Popen([sys.executable, "-c", REDIRECTOR, str(s.pid)], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         assert setter.stdout.readline().strip() == f"jemalloc:{JEMALLOC}"
         s.go()
@@ -278,7 +276,7 @@ def test_python_objects_are_opt_in_and_a_default_recorder_gives_their_allocator_
     domains an earlier recorder redirected (then was SIGKILLed) writes CPython's functions back."""
     s = Stress([sys.executable, str(WORKLOADS / "py_stress.py"), "python", "1500"])
     s.go()
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     first = subprocess.Popen([sys.executable, "-c", PY_SETTER, str(s.pid)], stdout=subprocess.PIPE, text=True,
                              env=env)
     assert first.stdout.readline().strip() == "8"    # malloc, calloc, realloc, free of two domains
@@ -573,7 +571,7 @@ first = min(s.vaddr for s in ElfReader.open(exe).segments if s.type == PT_LOAD) 
 got = ctypes.c_uint64.from_address(m.start - first + doms.obj + 8).value
 print(got == a.malloc, flush=True)
 """
-    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=60)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.stdout.strip() == "True", r.stdout + r.stderr
 
 

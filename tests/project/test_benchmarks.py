@@ -11,16 +11,15 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pandas as pd
 import pyarrow as pa
 import pytest
+from conftest import ROOT
 
 from sampler.dataset.schema import PROCESSES, STR, TABLES
 
-ROOT = Path(__file__).resolve().parent.parent
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 

@@ -130,7 +130,7 @@ def test_estimates_are_unbiased_within_their_stderr(workload, record):
     w = workload()
     # at a given mean (NO_CAP): under the default cap the in-process sampler raises it during each
     # site's burst, leaving some sites a few dozen samples of up to 256 KiB, too few for z-scores to
-    # be normal; capped means have their own tests (below, and tests/test_preload_shim.py)
+    # be normal; capped means have their own tests (below, and tests/inprocess/test_preload_shim.py)
     rec = record("--pid", str(w.pid), "-i", "1", "--sample-bytes", "64K", *NO_CAP)
     rec.wait_attached()
     truth = {}
@@ -170,7 +170,7 @@ def test_a_capped_sample_rate_stays_unbiased(workload, record):
     mean (a power of two, in BPF) and each pause lowers it again. Every sample carries the mean it
     was drawn with, so the 16 sites' estimates must still match their truth within their errors."""
     w = workload()
-    # the BPF cap of the uprobe tier (the in-process one is the shim's: tests/test_preload_shim.py)
+    # the BPF cap of the uprobe tier (the in-process one is the shim's: tests/inprocess/test_preload_shim.py)
     rec = record("--pid", str(w.pid), "-i", "1", "--attach-mode", "uprobe", "--sample-bytes", "16K",
                  "--max-samples-per-s", "400")
     rec.wait_attached()

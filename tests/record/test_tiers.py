@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import allocsampler_cmd, compile_c, final_by_site
+from conftest import WORKLOADS, allocsampler_cmd, compile_c, final_by_site
 
 from analysis.dataset import read_table
 
-WORKLOADS = Path(__file__).parent / "workloads"
 MiB = 1 << 20
 pytestmark = pytest.mark.bpf
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from conftest import ROOT, Recorded
 from fleet_data import copy_recording, recording_day
-from test_pprof import Recorded
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "querying.md"
+DOC = ROOT / "docs" / "querying.md"
 FUNCTION = "leak_malloc"
 
 

@@ -1,12 +1,13 @@
 """Argument validation of the command line, in-process: each bad value is one line naming the
 cause and the fix, exit 2, no traceback, and nothing is loaded before the arguments are checked.
-(tests/test_cli_errors.py runs the CLI in bad environments.)"""
+(tests/cli/test_cli_errors.py runs the CLI in bad environments.)"""
 
 from __future__ import annotations
 
 import pytest
 
 from sampler.cli import main
+from sampler.cli.args import size as _size
 
 
 @pytest.mark.parametrize("args,words", [
@@ -37,3 +38,7 @@ def test_bad_arguments(args, words, capsys):
     assert len(lines) == 1, err
     for w in words:
         assert w in lines[0], lines[0]
+
+
+def test_sizes_on_the_command_line():
+    assert [_size(s) for s in ("512K", "2M", "1g", "4096", "64KiB")] == [512 << 10, 2 << 20, 1 << 30, 4096, 64 << 10]
