@@ -4,7 +4,7 @@
 Each ABI the project shares with C code has one module that mirrors its header with these:
 sampler/bpf/abi.py (sampler/bpf/abi.h, the BPF programs) and sampler/inprocess/abi.py
 (sampler/inprocess/inject_abi.h and sampling.h, the injected sampler and the preload shim).
-tests/test_abi.py parses each header and checks its mirror against it, by one set of rules.
+tests/bpf/test_abi.py parses each header and checks its mirror against it, by one set of rules.
 This module imports nothing of the project, so that any layer may use it.
 """
 

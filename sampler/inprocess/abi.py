@@ -3,7 +3,7 @@ writes into and reads from the injected sampler (inject.c, place.c), and samplin
 includes: the sampling state, defaults and limits that the injected sampler and the preload shim
 (preload.c) share.
 
-Only this module mirrors those headers; tests/test_abi.py parses them and checks each enum,
+Only this module mirrors those headers; tests/bpf/test_abi.py parses them and checks each enum,
 constant and struct here against them, by the rules it applies to the BPF ABI (sampler/bpf/abi.py),
 so a change on one side that the other lacks fails the suite.
 """

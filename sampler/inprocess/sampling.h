@@ -4,7 +4,7 @@
  * set of sampled live addresses. Freestanding: no libc, no TLS, no locks, atomics only; the
  * includer owns the state (where a thread's countdown lives, the process-wide counters), the
  * clock and the probes. Its constants and structs are mirrored in sampler/inprocess/abi.py
- * (checked by tests/test_abi.py).
+ * (checked by tests/bpf/test_abi.py).
  *
  * Sampling: requested bytes are sampled as a Poisson process with mean T. Each thread keeps a
  * countdown of bytes to the next sample point (0 = not drawn yet); an allocation of S bytes is
