@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Probe cost per target when several attach-tier processes share one libc.
 
-Session 4 measured 70-230 us of CPU per malloc/free pair in a target recorded together with
-three others (against ~2 us alone), on a machine busy with the test suite. This benchmark
-repeats the measurement on purpose: a paced malloc/free loop reports its own CPU time per pair
-each second, recorded by one `allocsampler record` either alone, with 3 idle attach-tier
-targets on the same libc, or with 3 more busy loops; the governor is off (--cpu-budget 0) so that
-the probes stay attached and the cost is the probes' own.
+Commit 3a604cc (2026-11-22) measured 70-230 us of CPU per malloc/free pair in a target
+recorded together with three others (against ~2 us alone), on a machine busy with the test
+suite. This benchmark repeats the measurement on purpose: a paced malloc/free loop reports its
+own CPU time per pair each second, recorded by one `allocsampler record` either alone, with 3
+idle attach-tier targets on the same libc, or with 3 more busy loops; the governor is off
+(--cpu-budget 0) so that the probes stay attached and the cost is the probes' own.
 
     sudo .venv/bin/python scripts/bench_targets.py [--rounds 2] [--rate 20000] [--seconds 6] [--quick]
 
