@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Start-up of `allocsampler record -p PID`: time until the target is attached, the recorder's
-CPU time and RSS at that moment, with the compiled BPF programs cached (warm) and not (cold),
-interleaved in rounds.
+"""Start-up of `allocsampler record -p PID`: from launch until the target is attached (sampling
+from then on), the recorder's wall time, CPU time (user and system) and peak RSS, with the
+compiled BPF programs cached (warm) and not (cold), on idle targets (a Python process and a torch
+one), interleaved in rounds.
 
 Both modes share warm unwind tables and probe cost: only sampler/bpf/objcache.py's cache differs.
 
-    sudo .venv/bin/python scripts/bench_startup.py --rounds 5
+    sudo .venv/bin/python scripts/bench_startup.py --rounds 5 [--targets python,torch,sleep]
 
 --quick: one round (the priming start, one cold and one warm start: two BPF compiles), a smoke
 test whose numbers mean nothing.
@@ -29,6 +30,21 @@ TICK = os.sysconf("SC_CLK_TCK")
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 
+TARGETS = {
+    "python": [sys.executable, "-c", "import time; time.sleep(1e6)"],
+    "torch": [sys.executable, "-c", "import time, torch; print('ready', flush=True); time.sleep(1e6)"],
+    "sleep": ["sleep", "1000000"],
+}
+
+
+def launch(name: str) -> subprocess.Popen:
+    proc = subprocess.Popen(TARGETS[name], stdout=subprocess.PIPE, text=True)
+    if name == "torch":
+        proc.stdout.readline()          # torch imported
+    time.sleep(0.5)
+    return proc
+
+
 def start(target: int, cache: Path, out: Path) -> dict[str, float]:
     env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache)}
     t0 = time.monotonic()
@@ -44,52 +60,58 @@ def start(target: int, cache: Path, out: Path) -> dict[str, float]:
             time.sleep(0.02)
         wall = time.monotonic() - t0
         stat = Path(f"/proc/{rec.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        cpu = (int(stat[11]) + int(stat[12])) / TICK
+        user, system = int(stat[11]) / TICK, int(stat[12]) / TICK
         rss = next(int(ln.split()[1]) for ln in Path(f"/proc/{rec.pid}/status").read_text().splitlines()
-                   if ln.startswith("VmRSS:")) / 1024
+                   if ln.startswith("VmHWM:")) / 1024
     finally:
         rec.send_signal(signal.SIGINT)
         rec.wait(60)
-    return {"wall": wall, "cpu": cpu, "rss": rss}
+    return {"wall": wall, "cpu": user + system, "user": user, "sys": system, "rss": rss}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="default 5, --quick 1")
+    ap.add_argument("--targets", default="python,torch", help="of " + ", ".join(TARGETS))
     ap.add_argument("--quick", action="store_true", help="one round: a smoke test")
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
-    target = subprocess.Popen(["sleep", "100000"])
+    names = [n for n in args.targets.split(",") if n]
+    if args.quick:
+        names = names[:1]
+    targets = {n: launch(n) for n in names}
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     try:
         warm = work / "warm"
-        start(target.pid, warm, work / "prime")          # fills every cache once
-        results: dict[str, list[dict[str, float]]] = {"cold": [], "warm": []}
+        start(targets[names[0]].pid, warm, work / "prime")          # fills every cache once
+        results: dict[tuple[str, str], list[dict[str, float]]] = {}
         for r in range(args.rounds):
-            for mode in ("cold", "warm"):
-                cache = warm
-                if mode == "cold":
-                    cache = work / f"cold{r}"
-                    shutil.copytree(warm, cache, ignore=shutil.ignore_patterns("bpf"))
-                results[mode].append(start(target.pid, cache, work / f"{mode}{r}"))
-        print(f"| BPF programs | attached after (s) | recorder CPU (s) | recorder RSS (MiB) |  "
-              f"(median of {args.rounds}, min-max)")
-        print("|---|--:|--:|--:|")
-        for mode, runs in results.items():
+            for name, target in targets.items():
+                for mode in ("cold", "warm"):
+                    cache = warm
+                    if mode == "cold":
+                        cache = work / f"cold{r}{name}"
+                        shutil.copytree(warm, cache, ignore=shutil.ignore_patterns("bpf"))
+                    results.setdefault((name, mode), []).append(
+                        start(target.pid, cache, work / f"{mode}{r}{name}"))
+        print(f"| target | BPF programs | attached after (s) | recorder CPU (s) | of it user | of it system | "
+              f"recorder peak RSS (MiB) |  (median of {args.rounds}, min-max)")
+        print("|---|---|--:|--:|--:|--:|--:|")
+        for (name, mode), runs in results.items():
             cells = []
-            for k in ("wall", "cpu", "rss"):
+            for k in ("wall", "cpu", "user", "sys", "rss"):
                 v = [x[k] for x in runs]
                 fmt = "{:.0f}" if k == "rss" else "{:.2f}"
                 cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
-            print(f"| {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | " + " | ".join(cells)
-                  + " |")
+            print(f"| {name} | {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | "
+                  + " | ".join(cells) + " |")
         if args.quick:
             print(QUICK_NOTE)
     finally:
-        target.kill()
+        for t in targets.values():
+            t.kill()
         shutil.rmtree(work, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()

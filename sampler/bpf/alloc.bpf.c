@@ -157,7 +157,8 @@ static __always_inline void publish_live(u32 pid, u32 tid, u32 fn, u64 addr, u64
 
 /* A sampled allocation: its record (with the user stack when the scratch record is free on this
  * CPU), then its address in `live`. Sent before the address is published: a free on another CPU
- * then always lands after this record in the ring buffer, never before it. */
+ * then always lands after this record in the ring buffer, never before it. With a stack, the
+ * walker of `walker`'s program type sends it and publishes the address (walk.bpf.c). */
 struct alloc_rec {
     u64 addr;
     u64 size;
@@ -173,7 +174,7 @@ struct alloc_rec {
     u8 pad;
 };
 
-static __always_inline void emit_alloc(u32 pid, u32 tid, struct alloc_rec *r)
+static __always_inline void emit_alloc(void *ctx, u32 pid, u32 tid, struct alloc_rec *r, const int walker)
 {
     struct ev_stack *e = scratch_acquire();
     struct ev_hdr *h = e ? &e->h : events.ringbuf_reserve(sizeof(struct ev_hdr));
@@ -191,8 +192,11 @@ static __always_inline void emit_alloc(u32 pid, u32 tid, struct alloc_rec *r)
     u64 born = h->ts;
     if (e) {
         e->ra_slot = e->ra = 0;
-        u32 len = capture_user(e, r->ip, r->sp, r->bp);
-        long err = events.ringbuf_output(e, len, 0);
+        walk_user(ctx, e, r->ip, r->sp, r->bp, walker);
+        /* the walker could not run: the record goes without its stack */
+        h->flags |= EVF_STACK_ERR;
+        count(C_STACK_ERR, 1);
+        long err = events.ringbuf_output(h, sizeof(*h), 0);
         scratch_release();
         if (err) {
             count_drop(pid, C_LOST_EVENTS);
@@ -208,7 +212,7 @@ static __always_inline void emit_alloc(u32 pid, u32 tid, struct alloc_rec *r)
         publish_live(pid, tid, r->fn, r->addr, born);
 }
 
-static __always_inline int on_alloc_return(struct pt_regs *ctx)
+static __always_inline int on_alloc_return(struct pt_regs *ctx, const int walker)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 tid = id, pid = id >> 32;
@@ -240,7 +244,7 @@ static __always_inline int on_alloc_return(struct pt_regs *ctx)
     struct alloc_rec r = {.addr = addr, .size = p.size, .weight = p.weight, .old = p.old, .ret = ret,
                           .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
                           .fn = p.fn, .source = SRC_MALLOC};
-    emit_alloc(pid, tid, &r);
+    emit_alloc(ctx, pid, tid, &r, walker);
     return 0;
 }
 
@@ -249,7 +253,7 @@ static __always_inline int on_alloc_return(struct pt_regs *ctx)
 int alloc_session(struct pt_regs *ctx)
 {
     if (PT_REGS_IP(ctx) != bpf_get_func_ip(ctx))
-        return on_alloc_return(ctx);
+        return on_alloc_return(ctx, WALKER_SESSION);
     return on_alloc_entry(ctx, bpf_get_attach_cookie(ctx));
 }
 
@@ -284,7 +288,7 @@ ENTER(new, FN_NEW)
 
 int alloc_return(struct pt_regs *ctx)
 {
-    return on_alloc_return(ctx);
+    return on_alloc_return(ctx, WALKER_KPROBE);
 }
 
 #define FREE_ENTER(name, fn)                                          \

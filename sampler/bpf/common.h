@@ -419,28 +419,125 @@ static __always_inline int read_u64(u64 *v, u64 addr)
     return bpf_probe_read_user(v, sizeof(*v), (void *)addr);
 }
 
-/* Walks the native stack from (ip, sp, bp) into e->data + off (npc u64); sets e->npc, e->stop and,
- * when handing over, e->sp/e->bp and the CONT flags. Returns the stack pointer to copy from, or 0
- * when nothing is to be copied. */
-static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 sp, u64 bp)
+/* The walk runs in its own program (walk.bpf.c), reached by tail call from every attach point that
+ * samples stacks; a tail call needs the caller's program type and attach type, so there is one
+ * walker per kind of caller, each verified once, not once per attach point. Each run walks
+ * UW_STEP frames and tail-calls itself for the next ones, so that the verifier checks UW_STEP
+ * frames' worth of code, not UW_FRAMES'. Between runs the walk's registers are kept here. */
+#define UW_STEP 16
+struct walk_state {
+    u64 pc;          /* the next frame's pc (not yet written) */
+    u64 sp;
+    u64 bp;
+    u32 n;           /* native pcs written */
+    u32 off;         /* where they start in e->data: after the Python frames */
+    u8 started;      /* 0: the caller just handed over (set up by the first run) */
+    u8 mode;         /* WALK_* */
+    u8 stop;         /* uw_stop */
+    u8 bp_ok;
+    u8 precise;
+    u8 pad[3];
+};
+#define WALK_ON 0        /* walking (or done walking) the process's tables */
+#define WALK_COPY 1      /* no tables for this process: the stack is copied from sp */
+#define WALK_NONE 2      /* nothing to walk or copy */
+BPF_PERCPU_ARRAY(walk_states, struct walk_state, 1);
+BPF_PROG_ARRAY(walk_kprobe, 1);         /* uprobes through perf events (perf mode) */
+BPF_PROG_ARRAY(walk_multi, 1);          /* uprobe_multi links */
+BPF_PROG_ARRAY(walk_session, 1);        /* uprobe session links */
+BPF_PROG_ARRAY(walk_tracepoint, 1);
+BPF_PROG_ARRAY(walk_perf, 1);           /* sampled page faults */
+#define WALKER_KPROBE 0
+#define WALKER_MULTI 1
+#define WALKER_SESSION 2
+#define WALKER_TRACEPOINT 3
+#define WALKER_PERF 4
+
+/* A count read back from the record (map memory): the verifier sees an unknown in a range rather
+ * than the constant each path computed it as, so that the states of the code after it merge
+ * across paths (one per Python depth would multiply the walk's states by PY_MAX). */
+static __always_inline u32 reread(u16 *field)
 {
-    u32 pid = e->h.pid;
-    struct uw_proc *proc = uw_procs.lookup(&pid);
+    asm volatile("" ::: "memory");
+    return *(volatile u16 *)field;
+}
+
+/* The scratch record `e` (acquired, header set) gets its stack from (ip, sp, bp) and is sent by
+ * the walker of the caller's program type (`walker`: a constant), which also releases it.
+ * Returns only when the walker could not run: the caller then sends the record without a stack. */
+static __always_inline void walk_user(void *ctx, struct ev_stack *e, u64 ip, u64 sp, u64 bp, const int walker)
+{
+    u32 zero = 0;
+    struct walk_state *w = walk_states.lookup(&zero);
+    if (!w)
+        return;
+    e->ip = ip;
+    e->sp = sp;
+    e->bp = bp;
+    w->started = 0;
+    if (walker == WALKER_MULTI)
+        walk_multi.call(ctx, 0);
+    else if (walker == WALKER_SESSION)
+        walk_session.call(ctx, 0);
+    else if (walker == WALKER_TRACEPOINT)
+        walk_tracepoint.call(ctx, 0);
+    else if (walker == WALKER_PERF)
+        walk_perf.call(ctx, 0);
+    else
+        walk_kprobe.call(ctx, 0);
+}
+
+/* First run: the Python frames, then the walk's starting registers. */
+static __always_inline void walk_begin(struct ev_stack *e, struct walk_state *w)
+{
+    w->started = 1;
+    uretprobe_slot(e, e->sp);
+    e->npy = capture_python(e, e->h.pid, e->h.tid);
+    u32 npy = reread(&e->npy);
+    if (npy > PY_MAX)
+        npy = PY_MAX;
+    w->off = npy * 16;
+    w->pc = e->ip;
+    w->sp = e->sp;
+    w->bp = e->bp;
+    w->n = 0;
+    w->bp_ok = 1;
+    w->precise = 1;
+    w->stop = UWS_NONE;
     e->npc = 0;
     e->stop = UWS_NONE;
-    if (!proc)
-        return sp;
-    if (off > PY_MAX * 16)
-        return 0;
-    u64 pc = ip;
-    u8 bp_ok = 1, precise = 1, stop = UWS_DEEP;
-    u32 n = 0;
+    u32 pid = e->h.pid;
+    w->mode = uw_procs.lookup(&pid) ? WALK_ON : WALK_COPY;
     e->pad = 1;
-    for (u32 i = 0; i < UW_FRAMES; i++) {
+}
+
+/* Walks up to UW_STEP native frames from the state into e->data + off (sampler/stacks/unwind.py
+ * rule for rule). Returns whether frames are left to walk (the state then holds the next one). */
+static __always_inline int walk_frames(struct ev_stack *e, struct walk_state *w)
+{
+    if (w->mode != WALK_ON)
+        return 0;
+    u32 pid = e->h.pid;
+    struct uw_proc *proc = uw_procs.lookup(&pid);
+    u32 off = w->off;
+    u32 n = w->n;
+    if (!proc || off > PY_MAX * 16 || n >= UW_FRAMES) {
+        w->stop = UWS_NO_MAP;                  /* untracked meanwhile: hand over from here */
+        return 0;
+    }
+    u64 pc = w->pc, sp = w->sp, bp = w->bp;
+    u8 bp_ok = w->bp_ok, precise = w->precise, stop = UWS_DEEP;
+    int more = 1;
+    for (u32 j = 0; j < UW_STEP; j++) {
+        u32 i = n;
+        if (i >= UW_FRAMES)
+            break;
         *(u64 *)(e->data + off + i * 8) = pc;
         n = i + 1;
-        if (i == UW_FRAMES - 1)
-            break;                          /* UWS_DEEP: user space goes on from this frame */
+        if (i == UW_FRAMES - 1) {
+            more = 0;                       /* UWS_DEEP: user space goes on from this frame */
+            break;
+        }
         /* the flags as unknowns (anded with a 1 read back from the record): one verifier state
          * per frame, not one per combination of their values */
         asm volatile("" ::: "memory");
@@ -451,10 +548,12 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
         struct uw_map *m = uw_find_map(proc, addr);
         if (!m) {
             stop = UWS_NO_MAP;
+            more = 0;
             break;
         }
         if (m->row_lo == UW_PENDING) {
             stop = UWS_NO_TABLE;
+            more = 0;
             break;
         }
         u8 kind = UWK_NO_CFI, bpk = UWB_UNKNOWN;
@@ -465,6 +564,7 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
             struct uw_row *r = uw_find_row(m, vaddr, &over);
             if (over) {
                 stop = UWS_UNSUPPORTED;
+                more = 0;
                 break;
             }
             if (r) {
@@ -477,18 +577,21 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
         u64 cfa, ra = 0;
         if (kind == UWK_ENTRY) {
             stop = UWS_ENTRY;
+            more = 0;
             break;
         } else if (kind == UWK_NO_CFI) {
             /* frame pointers, if rbp points at or above sp */
             u64 saved = 0;
             if (!bp_ok || bp < sp || read_u64(&saved, bp) || read_u64(&ra, bp + 8)) {
                 stop = UWS_NO_CFI;
+                more = 0;
                 break;
             }
             if (bp + 8 == e->ra_slot)
                 ra = e->ra;
             if (ra == 0) {
                 stop = UWS_ENTRY;
+                more = 0;
                 break;
             }
             cfa = bp + 16;
@@ -502,20 +605,24 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
             } else {
                 if (!bp_ok) {
                     stop = UWS_BAD_FRAME;
+                    more = 0;
                     break;
                 }
                 cfa = bp + cfa_off;
                 if (kind == UWK_CFA_DEREF_RBP && read_u64(&cfa, cfa)) {
                     stop = UWS_READ;
+                    more = 0;
                     break;
                 }
             }
             if (cfa <= sp) {
                 stop = UWS_BAD_FRAME;
+                more = 0;
                 break;
             }
             if (read_u64(&ra, cfa - 8)) {
                 stop = UWS_READ;
+                more = 0;
                 break;
             }
             if (cfa - 8 == e->ra_slot)
@@ -529,17 +636,50 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
             }
             if (ra == 0) {
                 stop = UWS_ENTRY;
+                more = 0;
                 break;
             }
         } else {
             stop = kind == UWK_SIGNAL ? UWS_SIGNAL : UWS_UNSUPPORTED;
+            more = 0;
             break;
         }
         pc = ra;
         sp = cfa;
         precise = 0;
     }
-    e->npc = n;
+    w->pc = pc;
+    w->sp = sp;
+    w->bp = bp;
+    w->n = n;
+    w->bp_ok = bp_ok;
+    w->precise = precise;
+    w->stop = stop;
+    return more;
+}
+
+/* The next run could not be reached: the frame in the state is written and user space goes on
+ * from it. */
+static __always_inline void walk_cut(struct ev_stack *e, struct walk_state *w)
+{
+    u32 off = w->off, n = w->n;
+    if (off <= PY_MAX * 16 && n < UW_FRAMES) {
+        *(u64 *)(e->data + off + n * 8) = w->pc;
+        w->n = n + 1;
+    }
+    w->stop = UWS_UNSUPPORTED;
+}
+
+/* After the walk: e->npc and e->stop set and, when handing over, e->sp/e->bp and the CONT flags.
+ * Returns the stack pointer to copy from, or 0 when nothing is to be copied. */
+static __always_inline u64 walk_end(struct ev_stack *e, struct walk_state *w)
+{
+    if (w->mode == WALK_COPY)
+        return e->sp;
+    if (w->mode != WALK_ON)
+        return 0;
+    u8 stop = w->stop;
+    e->npc = w->n;
     e->stop = stop;
 #ifdef UW_VERIFY
     /* tests compare the walk with user space's over a copy from the sample's own registers */
@@ -552,36 +692,21 @@ static __always_inline u64 walk_native(struct ev_stack *e, u32 off, u64 ip, u64 
     if (stop < UWS_NO_TABLE)
         return 0;
     /* hand over: user space goes on from the last pc with these registers and a copy from sp */
-    e->sp = sp;
-    e->bp = bp;
-    if (!bp_ok)
+    e->sp = w->sp;
+    e->bp = w->bp;
+    if (!w->bp_ok)
         e->h.flags |= EVF_CONT_BP_UNKNOWN;
-    if (!precise)
+    if (!w->precise)
         e->h.flags |= EVF_CONT_IMPRECISE;
-    return sp;
+    return w->sp;
 }
 
-/* Fill the stack part of a scratch record; returns the record's length. The header is set. */
-/* A count read back from the record (map memory): the verifier sees an unknown in a range rather
- * than the constant each path computed it as, so that the states of the code after it merge
- * across paths (one per Python depth would multiply the walk's states by PY_MAX). */
-static __always_inline u32 reread(u16 *field)
+/* The record's length once its stack part is complete (the header is set). */
+static __always_inline u32 walk_length(struct ev_stack *e, u64 from)
 {
-    asm volatile("" ::: "memory");
-    return *(volatile u16 *)field;
-}
-
-static __always_inline u32 capture_user(struct ev_stack *e, u64 ip, u64 sp, u64 bp)
-{
-    uretprobe_slot(e, sp);
-    e->ip = ip;
-    e->sp = sp;
-    e->bp = bp;
-    e->npy = capture_python(e, e->h.pid, e->h.tid);
     u32 npy = reread(&e->npy);
     if (npy > PY_MAX)
         npy = PY_MAX;
-    u64 from = walk_native(e, npy * 16, ip, sp, bp);
     u32 npc = reread(&e->npc);
     if (npc > UW_FRAMES)
         npc = UW_FRAMES;

@@ -130,8 +130,11 @@ int cuda_call(struct pt_regs *ctx)
     }
     e->ra_slot = ra_slot;
     e->ra = ra;
-    u32 len = capture_user(e, ip, sp, bp);
-    if (events.ringbuf_output(e, len, 0))
+    walk_user(ctx, e, ip, sp, bp, WALKER_MULTI);
+    /* the walker could not run: the record goes without its stack */
+    h->flags |= EVF_STACK_ERR;
+    count(C_STACK_ERR, 1);
+    if (events.ringbuf_output(h, sizeof(*h), 0))
         count_drop(pid, C_LOST_EVENTS);
     scratch_release();
     return 0;

@@ -58,6 +58,6 @@ int on_page_fault(struct fault_sample_ctx *ctx)
     user_regs(&ip, &sp, &bp);
     struct alloc_rec r = {.addr = addr & ~4095ULL, .size = 4096, .weight = (period ? period : 1) * 4096,
                           .ip = ip, .sp = sp, .bp = bp, .flags = EVF_FIRST_IS_IP, .source = SRC_FAULT};
-    emit_alloc(pid, tid, &r);
+    emit_alloc(ctx, pid, tid, &r, WALKER_PERF);
     return 0;
 }

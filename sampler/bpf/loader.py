@@ -24,10 +24,10 @@ from typing import NamedTuple, Protocol
 import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
-from sampler.bpf.objcache import PROG_KPROBE, libbcc
+from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, libbcc
 from sampler.errors import EnvironmentProblem
 
-SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c")
+SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c", "walk.bpf.c")
 PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS = 1, 2
 
 _PERF_ENTRY = {fn: f"{fn.name.lower()}_enter" for fn in Fn if fn <= Fn.DELETE}
@@ -98,6 +98,11 @@ class _Attachment:
     perf: list[tuple[int, bytes, bool]] = field(default_factory=list)  # perf fd, event name, allocation
     specs: list[int] = field(default_factory=list)                     # usdt_specs slots its links use
 
+
+# The stack walk's program for each kind of caller (program type, attach type): walk.bpf.c.
+_WALKERS = {(PROG_KPROBE, 0): "kprobe", (PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI): "multi",
+            (PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION): "session", (PROG_TRACEPOINT, 0): "tracepoint",
+            (PROG_PERF_EVENT, 0): "perf"}
 
 USDT_SPECS_PER_FILE = 16        # distinct argument layouts of one file's memory probes
 USDT_SPECS_PER_TARGET = 64
@@ -245,18 +250,18 @@ class BpfProbes:
             self._targets = self.bpf["targets"]
             self._live = self.bpf["live"]
             stage = "tracepoints"
+            self._walker(PROG_TRACEPOINT)
             self.bpf.attach_tracepoints()
             stage = "programs"
             if self.session:
-                self._alloc_fd = self.bpf.load_func("alloc_session", PROG_KPROBE,
-                                                    uprobe_multi.BPF_TRACE_UPROBE_SESSION)
-                self._free_fd = self.bpf.load_func("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+                self._alloc_fd = self._load_prog("alloc_session", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION)
+                self._free_fd = self._load_prog("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
             # perf mode's return program walks stacks (the verifier's longest work): in session mode
             # it is loaded when a fallback first needs it
             for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
                                                   if not n.startswith(("free", "delete"))),
                          *(() if self.session else ("alloc_return",))}:
-                self.bpf.load_func(name, PROG_KPROBE)
+                self._load_prog(name, PROG_KPROBE)
         except OSError as e:
             self.bpf.close()
             if not self.compiled:
@@ -265,6 +270,17 @@ class BpfProbes:
         except BaseException:
             self.bpf.close()
             raise
+
+    def _walker(self, prog_type: int, attach_type: int = 0) -> None:
+        """The stack walk's program for callers of this kind (walk.bpf.c), loaded once: a tail call
+        needs its caller's program type and attach type."""
+        kind = _WALKERS[(prog_type, attach_type)]
+        self.bpf.tail_call(f"walk_{kind}", 0, f"walker_{kind}", prog_type, attach_type)
+
+    def _load_prog(self, name: str, prog_type: int, attach_type: int = 0) -> int:
+        """Load a program (once), after the stack walk's program of its kind."""
+        self._walker(prog_type, attach_type)
+        return self.bpf.load_func(name, prog_type, attach_type)
 
     # targets -------------------------------------------------------------------------------
     def add_target(self, pid: int, flags: int = TargetFlag.SYSCALLS) -> None:
@@ -348,7 +364,7 @@ class BpfProbes:
         if not p.fn.frees:
             probes.append(("alloc_return", 1, p.entry_offset))
         for prog, kind, offset in probes:
-            prog_fd = self.bpf.load_func(prog, PROG_KPROBE)
+            prog_fd = self._load_prog(prog, PROG_KPROBE)
             ev = f"{tracefs.EVENT_PREFIX}{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
             self._seq += 1
             with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
@@ -361,7 +377,7 @@ class BpfProbes:
     def _multi_prog(self, name: str) -> int:
         """usdt_memory (the otel_memory and pytorch probes, told apart by usdt_spec.kind) or
         cuda_call, loaded for uprobe_multi links."""
-        return self.bpf.load_func(name, PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
+        return self._load_prog(name, PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
 
     def load_usdt(self) -> None:
         """Load the USDT program now (the verifier takes ~0.5 s), not at the first attach: injected
@@ -545,6 +561,7 @@ class BpfProbes:
         if self._faults_on:
             return
         try:
+            self._walker(PROG_PERF_EVENT)
             self.bpf.attach_perf_event("on_page_fault", PERF_TYPE_SOFTWARE, PERF_COUNT_SW_PAGE_FAULTS, period)
         except Exception as e:
             raise EnvironmentProblem(f"could not open the page-fault perf event ({e}): check "

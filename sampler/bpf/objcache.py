@@ -232,6 +232,7 @@ class BpfObject:
         self._ncpus = len(get_possible_cpus())
         self._maps: dict[str, Map] = {}
         self._progs: dict[tuple[str, int, int], int] = {}
+        self._slots: set[tuple[str, int]] = set()      # program array slots filled
         self._perf_fds: list[int] = []
         self._ringbuf = None
         self._ringbuf_cbs: list = []
@@ -284,6 +285,13 @@ class BpfObject:
         self._fds.append(fd)
         self._progs[(name, prog_type, attach_type)] = fd
         return fd
+
+    def tail_call(self, table: str, index: int, name: str, prog_type: int, attach_type: int = 0) -> None:
+        """Program `name`, loaded once, in slot `index` of the program array `table` (once)."""
+        if (table, index) in self._slots:
+            return
+        self._maps[table][ctypes.c_uint32(index)] = ctypes.c_uint32(self.load_func(name, prog_type, attach_type))
+        self._slots.add((table, index))
 
     def attach_tracepoints(self) -> None:
         """Load and attach every `TRACEPOINT_PROBE(category, event)` program (named

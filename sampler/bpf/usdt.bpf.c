@@ -123,6 +123,6 @@ int usdt_memory(struct pt_regs *ctx)
                           .old = torch ? arg2 : 0,                   /* the device (h->arg) */
                           .ip = PT_REGS_IP(ctx), .sp = PT_REGS_SP(ctx), .bp = PT_REGS_FP(ctx),
                           .fn = fn, .flags = EVF_FIRST_IS_IP | EVF_SITE_MODULE, .source = spec->source};
-    emit_alloc(pid, tid, &r);
+    emit_alloc(ctx, pid, tid, &r, WALKER_MULTI);
     return 0;
 }

@@ -158,8 +158,11 @@ static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
                                                            * mmap of a large block) */
         e->ra_slot = outer ? outer->ra_slot : 0;
         e->ra = outer ? outer->ra : 0;
-        u32 len = capture_user(e, ip, sp, bp);
-        if (events.ringbuf_output(e, len, 0))
+        walk_user(ctx, e, ip, sp, bp, WALKER_TRACEPOINT);
+        /* the walker could not run: the record goes without its stack */
+        h->flags |= EVF_STACK_ERR;
+        count(C_STACK_ERR, 1);
+        if (events.ringbuf_output(h, sizeof(*h), 0))
             count_drop(pid, C_LOST_EVENTS);
         scratch_release();
     } else {
