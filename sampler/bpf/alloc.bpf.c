@@ -129,7 +129,7 @@ static __always_inline void submit_free(u32 pid, u32 tid, u32 fn, u64 addr, u64 
     init_hdr(e, EV_FREE, SRC_MALLOC, fn, pid, tid);
     e->addr = addr;
     e->arg = born;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, rb_flags(sizeof(*e)));
 }
 
 static __always_inline void emit_free(u32 pid, u32 tid, u32 fn, u64 addr)
@@ -196,7 +196,7 @@ static __always_inline void emit_alloc(void *ctx, u32 pid, u32 tid, struct alloc
         /* the walker could not run: the record goes without its stack */
         h->flags |= EVF_STACK_ERR;
         count(C_STACK_ERR, 1);
-        long err = events.ringbuf_output(h, sizeof(*h), 0);
+        long err = events.ringbuf_output(h, sizeof(*h), rb_flags(sizeof(*h)));
         scratch_release();
         if (err) {
             count_drop(pid, C_LOST_EVENTS);
@@ -205,7 +205,7 @@ static __always_inline void emit_alloc(void *ctx, u32 pid, u32 tid, struct alloc
     } else {
         h->flags |= EVF_STACK_ERR;
         count(C_STACK_ERR, 1);
-        events.ringbuf_submit(h, 0);
+        events.ringbuf_submit(h, rb_flags(sizeof(*h)));
     }
     /* tracked blocks: their frees are reported (torch: a tagged address); not mmap or faults */
     if (r->source == SRC_MALLOC || r->source == SRC_TORCH || r->source == SRC_PYTHON)

@@ -196,6 +196,24 @@ static __always_inline u64 sample_bytes(u32 pid, u64 size, s32 shift)
     return (mean * h) >> WTAB_SHIFT;
 }
 
+/* Wake-ups: the reader is woken once rb_wake[1] bytes (an eighth of the ring buffer, set at load)
+ * wait to be read, not at every record; its poll's timeout bounds how long a record waits
+ * otherwise. A wake-up (and a pass of the recorder's loop) per record cost the recorder more than
+ * reading the records. rb_wake[0]: bytes written since the last wake-up. */
+BPF_ARRAY(rb_wake, u64, 2);
+
+static __always_inline u64 rb_flags(u64 len)
+{
+    u32 k_unread = 0, k_limit = 1;
+    u64 *n = rb_wake.lookup(&k_unread), *limit = rb_wake.lookup(&k_limit);
+    if (!n || !limit)
+        return 0;
+    if (__sync_fetch_and_add(n, len) + len < *limit)
+        return BPF_RB_NO_WAKEUP;
+    *n = 0;                 /* racing CPUs: a wake-up more or less */
+    return BPF_RB_FORCE_WAKEUP;
+}
+
 /* Every header field is written (ring buffer memory is not zeroed; no padding exists). */
 static __always_inline void init_hdr(struct ev_hdr *e, u8 type, u8 source, u16 op, u32 pid, u32 tid)
 {

@@ -125,7 +125,7 @@ int cuda_call(struct pt_regs *ctx)
             h->flags |= EVF_STACK_ERR;
             count(C_STACK_ERR, 1);
         }
-        events.ringbuf_submit(h, 0);
+        events.ringbuf_submit(h, rb_flags(sizeof(*h)));
         return 0;
     }
     e->ra_slot = ra_slot;
@@ -134,7 +134,7 @@ int cuda_call(struct pt_regs *ctx)
     /* the walker could not run: the record goes without its stack */
     h->flags |= EVF_STACK_ERR;
     count(C_STACK_ERR, 1);
-    if (events.ringbuf_output(h, sizeof(*h), 0))
+    if (events.ringbuf_output(h, sizeof(*h), rb_flags(sizeof(*h))))
         count_drop(pid, C_LOST_EVENTS);
     scratch_release();
     return 0;

@@ -249,6 +249,7 @@ class BpfProbes:
                 tab[ctypes.c_int(i)] = ctypes.c_uint64(v)
             self._targets = self.bpf["targets"]
             self._live = self.bpf["live"]
+            self.bpf["rb_wake"][ctypes.c_int(1)] = ctypes.c_uint64(max(4096, sizes["events"] // 8))
             stage = "tracepoints"
             self._walker(PROG_TRACEPOINT)
             self.bpf.attach_tracepoints()
@@ -616,11 +617,15 @@ class BpfProbes:
             # libbpf keeps consuming while records arrive: under a burst faster than Python
             # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
             # this record is consumed, the rest waits for the next poll.
-            return -1 if time.monotonic() > self._poll_deadline else 0
+            if time.monotonic() > self._poll_deadline:
+                self._cut = True
+                return -1
+            return 0
         self._cb = _cb
         self._cb_error: BaseException | None = None
         self._poll_deadline = float("inf")
         self._read = 0
+        self._cut = False
         self.bpf.open_ring_buffer("events", _cb)
 
     def _raise_callback_error(self) -> None:
@@ -629,14 +634,16 @@ class BpfProbes:
             raise e
 
     def poll(self, timeout_ms: int) -> None:
-        """Read records, waiting up to `timeout_ms` when there are none. What is there is read
-        first without waiting: the kernel wakes a reader only when a record is committed while
-        the reader has caught up, so records left behind by a bail-out would never wake epoll."""
+        """Read what is there, then wait up to `timeout_ms` for the programs to wake the reader
+        (they do once an eighth of the ring buffer waits: common.h rb_flags) and read again: one
+        pass per batch of records, not per record. Records left behind by a bail-out (the time
+        budget) are read at the next call, which then does not wait."""
         self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
         self._read = 0
+        self._cut = False
         self.bpf.ring_buffer_consume()
         self._raise_callback_error()
-        if not self._read:
+        if not self._cut:
             self.bpf.ring_buffer_poll(timeout_ms)
             self._raise_callback_error()
 

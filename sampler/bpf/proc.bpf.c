@@ -10,7 +10,7 @@ static __always_inline void emit_proc(u32 op, u32 pid, u32 tid, u64 other)
     }
     init_hdr(e, EV_PROC, 0, op, pid, tid);
     e->addr = other;
-    events.ringbuf_submit(e, 0);
+    events.ringbuf_submit(e, rb_flags(sizeof(*e)));
 }
 
 TRACEPOINT_PROBE(sched, sched_process_fork)

@@ -95,7 +95,7 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
         h->flags = EVF_FIRST_IS_IP;
         h->addr = addr;
         h->size = len;
-        events.ringbuf_submit(h, 0);
+        events.ringbuf_submit(h, rb_flags(sizeof(*h)));
         return 0;
     }
     struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op, .shift = tg->shift};
@@ -162,7 +162,7 @@ static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
         /* the walker could not run: the record goes without its stack */
         h->flags |= EVF_STACK_ERR;
         count(C_STACK_ERR, 1);
-        if (events.ringbuf_output(h, sizeof(*h), 0))
+        if (events.ringbuf_output(h, sizeof(*h), rb_flags(sizeof(*h))))
             count_drop(pid, C_LOST_EVENTS);
         scratch_release();
     } else {
@@ -170,7 +170,7 @@ static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
             h->flags |= EVF_STACK_ERR;
             count(C_STACK_ERR, 1);
         }
-        events.ringbuf_submit(h, 0);
+        events.ringbuf_submit(h, rb_flags(sizeof(*h)));
     }
     return 0;
 }

@@ -16,7 +16,7 @@ static __always_inline void walk_send(void)
     u32 pid = e->h.pid, tid = e->h.tid, fn = e->h.op;
     u8 type = e->h.type, source = e->h.source;
     u64 addr = e->h.addr, born = e->h.ts;
-    long err = events.ringbuf_output(e, len, 0);
+    long err = events.ringbuf_output(e, len, rb_flags(len));
     scratch_release();
     if (err) {
         count_drop(pid, C_LOST_EVENTS);

@@ -38,6 +38,10 @@ from sampler.record.target import ATTACH, RSS, SYSCALLS, Target
 from sampler.stacks.table import COMPLETE
 from sampler.text import printable
 
+# Records are read in batches: the programs wake the reader once an eighth of the ring buffer
+# waits, else every POLL_MS; the loop's own work (placements, rescans, hooks, controls) runs at most
+# every TICK_S.
+POLL_MS, TICK_S = 100, 0.05
 # A target's rescans (maps, new libraries, Python): at most one per RESCAN_MIN_S, and spaced by ten
 # times what the last one cost, so that a process that keeps mapping code cannot take the loop.
 RESCAN_MIN_S, RESCAN_COST_FACTOR = 0.1, 10.0
@@ -132,16 +136,19 @@ class Recorder:
         self.snapshots.begin(start)
         tables = self.parts.tables
         host_wide = o.all_processes or bool(o.cgroups)
+        next_tick = start
         while not self._stopping() and (self.targets or host_wide or o.daemon):
-            self.probes.poll(100)
-            if tables is not None:
-                tables.poll()
+            self.probes.poll(POLL_MS)
             now = time.monotonic()
-            self.attacher.poll(self.targets, self._fail)
-            self._rescan(now)
-            self._reap_launched()
-            self.hooks.tick(now)
-            self.controls.tick(now, self.targets)
+            if now >= next_tick:            # on the loop's own clock, not per batch of records
+                next_tick = now + TICK_S
+                if tables is not None:
+                    tables.poll()
+                self.attacher.poll(self.targets, self._fail)
+                self._rescan(now)
+                self._reap_launched()
+                self.hooks.tick(now)
+                self.controls.tick(now, self.targets)
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
