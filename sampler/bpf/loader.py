@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
-from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, libbcc
+from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, runtime
 from sampler.errors import EnvironmentProblem
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c", "walk.bpf.c")
@@ -46,7 +46,7 @@ class ProbeConfig:
     stack_bytes: int = 16 << 10   # user stack copied per sampled event (multiple of 1 KiB)
     py_max: int = 96              # Python frames captured per sampled event
     live_max: int = 262144
-    ringbuf_bytes: int = 32 << 20   # a burst of sampled stacks (1-16 KiB each) must fit
+    ringbuf_bytes: int = 8 << 20    # a burst of sampled stacks (1-16 KiB each) must fit
     mode: str = "auto"            # auto | session | perf
     vm_events_per_s: int = 2000   # unsampled syscall records per process and ~1 s window (0: all)
     cache_dir: Path | None = None  # compiled programs kept across runs (sampler/bpf/objcache.py)
@@ -369,7 +369,7 @@ class BpfProbes:
             ev = f"{tracefs.EVENT_PREFIX}{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
             self._seq += 1
             with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
-                fd = libbcc().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
+                fd = runtime().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
             if fd < 0:
                 err = ctypes.get_errno() or errno.EINVAL
                 raise OSError(err, f"uprobe at {lib.path}:{offset:#x}: {os.strerror(err)}")
@@ -477,8 +477,8 @@ class BpfProbes:
                 keep_links.append((fd, is_alloc))
         for fd, ev, is_alloc in att.perf:
             if is_alloc:
-                libbcc().bpf_close_perf_event_fd(fd)
-                libbcc().bpf_detach_uprobe(ev)
+                runtime().bpf_close_perf_event_fd(fd)
+                runtime().bpf_detach_uprobe(ev)
             else:
                 keep_perf.append((fd, ev, is_alloc))
         att.links, att.perf = keep_links, keep_perf
@@ -497,8 +497,8 @@ class BpfProbes:
                     self._close_later(fd)
             self._spec_table().drop(att.specs)
             for fd, ev, _ in att.perf:
-                libbcc().bpf_close_perf_event_fd(fd)
-                libbcc().bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
+                runtime().bpf_close_perf_event_fd(fd)
+                runtime().bpf_detach_uprobe(ev)      # a tracefs event exists only without the PMU
 
     def _close_later(self, fd: int) -> None:
         # Several closers: concurrent closes share grace periods (60 links: 2.4 s by one thread,

@@ -21,6 +21,7 @@ import ctypes
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import json
 import mmap
 import os
@@ -89,8 +90,6 @@ class ObjectSpec:
 def cache_key(text: str, cflags: list[str]) -> str:
     """What the compiled result depends on: source, flags, the kernel build and its headers
     (structures, tracepoint formats), bcc."""
-    import bcc
-
     rel = os.uname().release
     build = Path(f"/lib/modules/{rel}/build")
     with contextlib.suppress(OSError):
@@ -105,9 +104,19 @@ def cache_key(text: str, cflags: list[str]) -> str:
         notes = ""
     h = hashlib.sha256()
     for part in (str(FORMAT), text, "\0".join(cflags), rel, os.uname().version, os.uname().machine, notes,
-                 headers, getattr(bcc, "__version__", "?"), Path(__file__).read_text()):
+                 headers, _bcc_version(), Path(__file__).read_text()):
         h.update(part.encode() + b"\0\1")
     return h.hexdigest()[:32]
+
+
+def _bcc_version() -> str:
+    """bcc's version, read without importing bcc: its import loads libbcc and with it LLVM (~40 MiB
+    of pages its static initializers touch), which a start from the cache never needs."""
+    spec = importlib.util.find_spec("bcc")
+    for where in (spec.submodule_search_locations or []) if spec is not None else []:
+        with contextlib.suppress(OSError):
+            return (Path(where) / "version.py").read_text()
+    return "?"
 
 
 def compile_spec(text: str, cflags: list[str]) -> ObjectSpec:
@@ -224,12 +233,10 @@ class BpfObject:
     """Maps created and programs loaded from a spec. `sizes`: map name -> max_entries."""
 
     def __init__(self, spec: ObjectSpec, sizes: dict[str, int] | None = None):
-        from bcc.utils import get_possible_cpus
-
         with contextlib.suppress(ValueError, OSError):     # kernels before memcg accounting
             resource.setrlimit(resource.RLIMIT_MEMLOCK, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         self.spec = spec
-        self._ncpus = len(get_possible_cpus())
+        self._ncpus = len(cpus("possible"))
         self._maps: dict[str, Map] = {}
         self._progs: dict[tuple[str, int, int], int] = {}
         self._slots: set[tuple[str, int]] = set()      # program array slots filled
@@ -296,7 +303,7 @@ class BpfObject:
     def attach_tracepoints(self) -> None:
         """Load and attach every `TRACEPOINT_PROBE(category, event)` program (named
         tracepoint__category__event), as bcc does when it loads a module."""
-        lib = libbcc()
+        lib = runtime()
         for p in self.spec.progs:
             if p.name.startswith(_TRACEPOINT_PREFIX):
                 category, event = p.name[len(_TRACEPOINT_PREFIX):].split("__", 1)
@@ -309,11 +316,9 @@ class BpfObject:
 
     def attach_perf_event(self, name: str, ev_type: int, ev_config: int, sample_period: int) -> None:
         """Run a PERF_EVENT program on a software/hardware event on every online CPU."""
-        from bcc.utils import get_online_cpus
-
-        lib, prog = libbcc(), self.load_func(name, PROG_PERF_EVENT)
+        lib, prog = runtime(), self.load_func(name, PROG_PERF_EVENT)
         fds = []
-        for cpu in get_online_cpus():
+        for cpu in cpus("online"):
             fd = lib.bpf_attach_perf_event(prog, ev_type, ev_config, sample_period, 0, -1, cpu, -1)
             if fd < 0:
                 err = ctypes.get_errno() or 22
@@ -325,7 +330,7 @@ class BpfObject:
 
     def open_ring_buffer(self, name: str, callback: Callable[[int, int], int]) -> None:
         """callback(data address, size) -> 0 to go on, < 0 to stop consuming for now."""
-        lib = libbcc()
+        lib = runtime()
         cb = _RINGBUF_CB(lambda _ctx, data, size: callback(data, size))
         self._ringbuf_cbs.append(cb)         # referenced while libbpf may call it
         fd = self._maps[name].fd
@@ -339,15 +344,15 @@ class BpfObject:
     def ring_buffer_poll(self, timeout_ms: int) -> None:
         if self._ringbuf is None:
             raise RuntimeError("no ring buffer is open")      # libbpf would dereference NULL
-        libbcc().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
+        runtime().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
 
     def ring_buffer_consume(self) -> None:
         if self._ringbuf is None:
             raise RuntimeError("no ring buffer is open")
-        libbcc().bpf_consume_ringbuf(self._ringbuf)
+        runtime().bpf_consume_ringbuf(self._ringbuf)
 
     def close(self) -> None:
-        lib = libbcc()
+        lib = runtime()
         if self._ringbuf is not None:
             lib.bpf_free_ringbuf(self._ringbuf)
             self._ringbuf = None
@@ -366,12 +371,10 @@ class Map:
     when absent), iteration over keys, items()."""
 
     def __init__(self, spec: MapSpec, fd: int, ncpus: int, max_entries: int):
-        from bcc import BPF
-
         self.name, self.fd = spec.name, fd
         self.max_entries = max_entries
-        self.Key = BPF._decode_table_type(json.loads(spec.key_desc))
-        leaf = BPF._decode_table_type(json.loads(spec.leaf_desc))
+        self.Key = ctype(json.loads(spec.key_desc))
+        leaf = ctype(json.loads(spec.leaf_desc))
         self.percpu = spec.type in (MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_PERCPU_HASH)
         if self.percpu:
             # the kernel's layout when a value is a multiple of 8 bytes; others are refused by _op
@@ -461,58 +464,118 @@ class Map:
 
 
 _libbcc = None
+_runtime = None
 _RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 
 
+def runtime():
+    """libbcc's runtime half (libbcc_bpf: attach, perf events, libbpf's ring buffer), without the
+    compiler: a start from the cache never maps LLVM. A private handle, so that our argtypes do not
+    change bcc's own."""
+    global _runtime
+    if _runtime is None:
+        lib = ctypes.CDLL("libbcc_bpf.so.0", use_errno=True)
+        _declare(lib, _RUNTIME)
+        _runtime = lib
+    return _runtime
+
+
 def libbcc():
-    """A private handle on libbcc, so that our argtypes do not change bcc's own."""
+    """libbcc with its compiler (bcc_common.h): for cache misses only."""
     global _libbcc
     if _libbcc is None:
         lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
-        lib.bpf_attach_uprobe.restype = ctypes.c_int
-        lib.bpf_attach_uprobe.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p,
-                                          ctypes.c_uint64, ctypes.c_int, ctypes.c_uint32]
-        lib.bpf_detach_uprobe.argtypes = [ctypes.c_char_p]
-        lib.bpf_close_perf_event_fd.argtypes = [ctypes.c_int]
-        lib.bpf_attach_tracepoint.restype = ctypes.c_int
-        lib.bpf_attach_tracepoint.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p]
-        lib.bpf_attach_perf_event.restype = ctypes.c_int
-        lib.bpf_attach_perf_event.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64,
-                                              ctypes.c_uint64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        # the compiled module (bcc_common.h)
-        c_p, c_s, c_id, c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
-        for fn, res, args in (
-                ("bpf_module_create_c_from_string", c_p,
-                 [c_s, ctypes.c_uint, ctypes.POINTER(c_s), c_int, ctypes.c_bool, c_s]),
-                ("bpf_module_destroy", None, [c_p]),
-                ("bpf_module_license", c_s, [c_p]),
-                ("bpf_module_kern_version", ctypes.c_uint, [c_p]),
-                ("bpf_num_functions", c_id, [c_p]),
-                ("bpf_function_name", c_s, [c_p, c_id]),
-                ("bpf_function_start", c_p, [c_p, c_s]),
-                ("bpf_function_size", c_id, [c_p, c_s]),
-                ("bpf_num_tables", c_id, [c_p]),
-                ("bpf_table_name", c_s, [c_p, c_id]),
-                ("bpf_table_id", c_id, [c_p, c_s]),
-                ("bpf_table_fd", c_int, [c_p, c_s]),
-                ("bpf_table_type_id", c_int, [c_p, c_id]),
-                ("bpf_table_max_entries_id", c_id, [c_p, c_id]),
-                ("bpf_table_flags_id", c_int, [c_p, c_id]),
-                ("bpf_table_key_size_id", c_id, [c_p, c_id]),
-                ("bpf_table_leaf_size_id", c_id, [c_p, c_id]),
-                ("bpf_table_key_desc", c_s, [c_p, c_s]),
-                ("bpf_table_leaf_desc", c_s, [c_p, c_s]),
-                # libbpf's ring buffer, as bcc builds it in
-                ("bpf_new_ringbuf", c_p, [c_int, _RINGBUF_CB, c_p]),
-                ("bpf_add_ringbuf", c_int, [c_p, c_int, _RINGBUF_CB, c_p]),
-                ("bpf_poll_ringbuf", c_int, [c_p, c_int]),
-                ("bpf_consume_ringbuf", c_int, [c_p]),
-                ("bpf_free_ringbuf", None, [c_p])):
-            f = getattr(lib, fn)
-            f.restype, f.argtypes = res, args
+        _declare(lib, _COMPILER)
         _libbcc = lib
     return _libbcc
 
+
+def _declare(lib, functions) -> None:
+    for fn, res, args in functions:
+        f = getattr(lib, fn)
+        f.restype, f.argtypes = res, args
+
+
+_c_p, _c_s, _c_id, _c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int
+_RUNTIME = (
+    ("bpf_attach_uprobe", _c_int, [_c_int, _c_int, _c_s, _c_s, ctypes.c_uint64, _c_int, ctypes.c_uint32]),
+    ("bpf_detach_uprobe", _c_int, [_c_s]),
+    ("bpf_close_perf_event_fd", _c_int, [_c_int]),
+    ("bpf_attach_tracepoint", _c_int, [_c_int, _c_s, _c_s]),
+    ("bpf_attach_perf_event", _c_int, [_c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
+                                       _c_int, _c_int, _c_int]),
+    # libbpf's ring buffer, as bcc builds it in
+    ("bpf_new_ringbuf", _c_p, [_c_int, _RINGBUF_CB, _c_p]),
+    ("bpf_add_ringbuf", _c_int, [_c_p, _c_int, _RINGBUF_CB, _c_p]),
+    ("bpf_poll_ringbuf", _c_int, [_c_p, _c_int]),
+    ("bpf_consume_ringbuf", _c_int, [_c_p]),
+    ("bpf_free_ringbuf", None, [_c_p]),
+)
+_COMPILER = (           # the compiled module
+    ("bpf_module_create_c_from_string", _c_p, [_c_s, ctypes.c_uint, ctypes.POINTER(_c_s), _c_int, ctypes.c_bool, _c_s]),
+    ("bpf_module_destroy", None, [_c_p]),
+    ("bpf_module_license", _c_s, [_c_p]),
+    ("bpf_module_kern_version", ctypes.c_uint, [_c_p]),
+    ("bpf_num_functions", _c_id, [_c_p]),
+    ("bpf_function_name", _c_s, [_c_p, _c_id]),
+    ("bpf_function_start", _c_p, [_c_p, _c_s]),
+    ("bpf_function_size", _c_id, [_c_p, _c_s]),
+    ("bpf_num_tables", _c_id, [_c_p]),
+    ("bpf_table_name", _c_s, [_c_p, _c_id]),
+    ("bpf_table_id", _c_id, [_c_p, _c_s]),
+    ("bpf_table_fd", _c_int, [_c_p, _c_s]),
+    ("bpf_table_type_id", _c_int, [_c_p, _c_id]),
+    ("bpf_table_max_entries_id", _c_id, [_c_p, _c_id]),
+    ("bpf_table_flags_id", _c_int, [_c_p, _c_id]),
+    ("bpf_table_key_size_id", _c_id, [_c_p, _c_id]),
+    ("bpf_table_leaf_size_id", _c_id, [_c_p, _c_id]),
+    ("bpf_table_key_desc", _c_s, [_c_p, _c_s]),
+    ("bpf_table_leaf_desc", _c_s, [_c_p, _c_s]),
+)
+
+# bcc's type descriptors (JSON, kept in the spec) as ctypes, the way bcc's Python decodes them
+_SCALARS = {
+    "_Bool": ctypes.c_bool, "char": ctypes.c_char, "wchar_t": ctypes.c_wchar, "unsigned char": ctypes.c_ubyte,
+    "short": ctypes.c_short, "unsigned short": ctypes.c_ushort, "int": ctypes.c_int, "unsigned int": ctypes.c_uint,
+    "long": ctypes.c_long, "unsigned long": ctypes.c_ulong, "long long": ctypes.c_longlong,
+    "unsigned long long": ctypes.c_ulonglong, "float": ctypes.c_float, "double": ctypes.c_double,
+    "long double": ctypes.c_longdouble, "__int128": ctypes.c_int64 * 2, "unsigned __int128": ctypes.c_uint64 * 2,
+}
+
+
+def ctype(desc):
+    """A ctypes type from a bcc type descriptor: a scalar's name, or [name, fields, kind] where a
+    field is [name, type], [name, type, [n]] (array), [name, type, bits] or a nested [name, fields,
+    kind] (kind: struct, struct_packed, union; an unnamed one is anonymous)."""
+    if isinstance(desc, str):
+        return _SCALARS[desc]
+    fields, anon = [], []
+    for f in desc[1]:
+        if len(f) == 2:
+            fields.append((f[0], ctype(f[1])))
+        elif len(f) == 3 and isinstance(f[2], list):
+            fields.append((f[0], ctype(f[1]) * f[2][0]))
+        elif len(f) == 3 and isinstance(f[2], int):
+            fields.append((f[0], ctype(f[1]), f[2]))
+        elif len(f) == 3 and f[2] in ("struct", "struct_packed", "union"):
+            name = f[0] or f"__anon{len(anon)}"
+            if not f[0]:
+                anon.append(name)
+            fields.append((name, ctype(f)))
+        else:
+            raise ValueError(f"cannot decode bcc type {f!r}")
+    kind = desc[2] if len(desc) > 2 else "struct"
+    body = {"_anonymous_": anon, "_fields_": fields, **({"_pack_": 1} if kind == "struct_packed" else {})}
+    return type(str(desc[0]), (ctypes.Union if kind == "union" else ctypes.Structure,), body)
+
+
+def cpus(kind: str) -> list[int]:
+    """The CPUs in /sys/devices/system/cpu/{possible,online} ("0-3,5")."""
+    out: list[int] = []
+    for part in Path(f"/sys/devices/system/cpu/{kind}").read_text().strip().split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 PROG_LOAD_TRIES = 5
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.util
 import os
 import platform
 from pathlib import Path
@@ -21,12 +22,11 @@ def check_root() -> None:
 
 
 def check_bcc() -> None:
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
+    # found, not imported: importing bcc loads libbcc and LLVM, which only a compile needs
+    if importlib.util.find_spec("bcc") is None:
         raise EnvironmentProblem(
             "bcc is not importable from this Python: install python3-bpfcc and use the venv made by "
-            "scripts/setup.sh (it sees the system's bcc through --system-site-packages)") from None
+            "scripts/setup.sh (it sees the system's bcc through --system-site-packages)")
 
 
 def check_headers() -> None:

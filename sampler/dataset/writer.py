@@ -43,6 +43,12 @@ MARKER_FILE = ".allocsampler-dataset"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
+
+def use_system_allocator() -> None:
+    """pyarrow's buffers from the system allocator: what it frees goes back with malloc_trim
+    (its default jemalloc/mimalloc pools keep tens of MiB of a long recording's writes)."""
+    pa.set_memory_pool(pa.system_memory_pool())
+
 class DiskFull(OSError):
     """A write failed for lack of space (ENOSPC/EDQUOT) or a read-only filesystem (EROFS); no
     partial file was left visible."""

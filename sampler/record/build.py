@@ -16,6 +16,7 @@ from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control import probe_cost, weights
 from sampler.control.governor import Governor
 from sampler.control.sample_rate import SampleRate
+from sampler.dataset.writer import use_system_allocator
 from sampler.gpu.cuda import GpuTracer
 from sampler.inprocess import inject, preload
 from sampler.probes import usdt
@@ -65,6 +66,7 @@ def build(opts: RecordOptions, hooks: RecorderHooks, recording_id: str, host: st
           intern: Callable[[Event], int]) -> Parts:
     """Load BPF and build every collaborator; on failure what was built is closed again."""
     o = opts
+    use_system_allocator()
     probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
                                    stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
                                    vm_events_per_s=o.vm_events_per_s, cache_dir=files.cache_dir("bpf"),

@@ -42,6 +42,7 @@ from pathlib import Path
 from sampler import files
 from sampler.dataset.schema import int64
 from sampler.dataset.sources import ALLOCATION_TIERS
+from sampler.dataset.writer import use_system_allocator
 from sampler.errors import EnvironmentProblem
 from sampler.proc.process import own_rss, rss_bytes
 from sampler.record.options import RecorderHooks
@@ -56,7 +57,7 @@ from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
 from sampler.text import printable
 
-RINGBUF_BYTES = 16 << 20        # half the recorder's default: it is mapped twice, so it counts 2x in RSS
+RINGBUF_BYTES = 8 << 20         # the recorder's default: mapped twice, it counts 2x in RSS
 LIVE_MAX = 65536                # sampled live blocks (32 GiB of sampled heap at 512K): ~25 MB of Python at most
 STATUS_FILE = ".status.json"
 STATUS_VERSION = 1
@@ -135,10 +136,7 @@ class Daemon(RecorderHooks):
     # -- start and stop ----------------------------------------------------------------------
     def run(self) -> int:
         _keep_pandas_out()
-        import pyarrow as pa
-
-        # the system allocator: memory that pyarrow frees goes back with malloc_trim (mimalloc keeps it)
-        pa.set_memory_pool(pa.system_memory_pool())
+        use_system_allocator()
         from sampler.dataset.retention import DiskState, ensure_private, recover
         from sampler.dataset.writer import PRIVATE_DIR_MODE
         from sampler.record.options import RecordOptions
