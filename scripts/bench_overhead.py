@@ -101,6 +101,10 @@ bytes at the site through /proc/PID/mem and the same bytes of the mapped file
   runtime detection, first files) must not compete with the loop for this machine's 2 CPUs.
   A tool that fails to attach with EINVAL (another uprobe user on the host holds the same
   function with another ref_ctr_offset, iovisor/bcc#5236) is retried (--attach-retries).
+  --from-launch S: what users pay from launch instead. The loop starts S seconds after the tool
+  was started, without waiting for it to attach or settle: its start-up (BPF load, attaching,
+  placement) competes with the loop, and a tool that attaches late records less of it. The
+  report gives, per run, whether the tool had attached when the loop ended.
 
 Reported per workload and variant: the median loop time; the ratio of medians to unprobed and,
 as its spread, the median and interquartile range of the per-round ratios (each round's variant
@@ -643,6 +647,7 @@ class Run:
     tiers: list[str] = field(default_factory=list)     # DIR/processes tier, in order of appearance
     alloc_coverage: float | None = None      # mean DIR/processes alloc_coverage (governor duty)
     ready_s: float | None = None             # from starting the tool to its probes (and redirection) in place
+    attached_in_loop: bool | None = None     # --from-launch: attached before the loop ended
     stop_us: float | None = None             # inject: how long the placement stopped the target's thread
 
 
@@ -826,7 +831,13 @@ class Bench:
                 raise BenchError(f"{variant}: the shim {self.shim} is not mapped in the {workload} workload")
             sites = ready = None
             retries = 0
-            while variant in RECORDER_VARIANTS or variant == "memleak":
+            launched = time.monotonic()
+            while (variant in RECORDER_VARIANTS or variant == "memleak") and self.args.from_launch:
+                logf = open(log, "wb")   # noqa: SIM115 - closed in finally
+                tool = self.start_tool(variant, work.pid, rundir, logf)
+                time.sleep(self.args.from_launch)
+                break
+            while (variant in RECORDER_VARIANTS or variant == "memleak") and not self.args.from_launch:
                 logf = open(log, "wb")   # noqa: SIM115 - closed in finally
                 launched = time.monotonic()
                 tool = self.start_tool(variant, work.pid, rundir, logf)
@@ -846,7 +857,7 @@ class Bench:
                     logf.close()
                     shutil.rmtree(rundir / "out", ignore_errors=True)
                     time.sleep(self.args.retry_wait)
-            settle = self.settle(tool) if tool else None
+            settle = self.settle(tool) if tool and not self.args.from_launch else None
             cpu0 = _cpu_s(tool.pid) if tool else None
             work.stdin.write(b"g")
             work.stdin.close()
@@ -860,6 +871,10 @@ class Bench:
                     break
                 except subprocess.TimeoutExpired:
                     continue
+            attached = None
+            if tool is not None and self.args.from_launch and variant != "memleak":
+                # attached by the loop's end: its `targets` row is written
+                attached = bool(glob.glob(str(rundir / "out" / "targets" / "host=*" / "date=*" / "*.parquet")))
             out = work.stdout.read().decode()
             if work.returncode != 0:
                 raise BenchError(f"workload {workload} exited {work.returncode}: {out!r}")
@@ -867,7 +882,8 @@ class Bench:
             if not m:
                 raise BenchError(f"workload {workload}: no timing in {out!r}")
             r = Run(workload, variant, rnd, float(m.group(1)), int(m.group(2)), tool_hwm=hwm,
-                    probe_sites=sites, attach_retries=retries, settle_s=settle, ready_s=ready)
+                    probe_sites=sites, attach_retries=retries, settle_s=settle, ready_s=ready,
+                    attached_in_loop=attached)
             if cpu0 is not None and cpu1 is not None:
                 r.tool_cpu_s = cpu1 - cpu0
             if tool is not None:
@@ -1178,6 +1194,7 @@ def summarize(runs: list[Run], workloads: list[str], variants: list[str], na: di
                 "ready": _median([r.ready_s for r in rs]),
                 "ready_iqr": _quartiles([r.ready_s for r in rs if r.ready_s is not None]),
                 "stops_us": [r.stop_us for r in rs if r.stop_us is not None],
+                "attached_in_loop": [r.attached_in_loop for r in rs if r.attached_in_loop is not None],
             })
             rows.append(row)
     return rows
@@ -1328,6 +1345,9 @@ def markdown(rows: list[dict], verdict_lines: list[str], meta: dict, svg_ref: st
                 extra.append(f"alloc_coverage {r['coverage']:.2f} (mean over the recorder's intervals)")
             if r.get("settle") is not None:
                 extra.append(f"tool settled {r['settle']:.1f} s after attaching (median)")
+            if r.get("attached_in_loop"):
+                a = r["attached_in_loop"]
+                extra.append(f"attached before the loop ended in {sum(a)} of {len(a)} rounds (from launch)")
             if r.get("faults_per_s"):
                 extra.append(f"{r['faults_per_s']:,.1f} sampled faults/s")
             out.append(f"- {r['workload']} / {r['variant']} ({r['ops']:,} ops): "
@@ -1517,6 +1537,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-timeout", type=float, default=15.0,
                    help="... but at most this many seconds (default: %(default)s; 0: do not wait)")
     p.add_argument("--stop-timeout", type=float, default=30.0)
+    p.add_argument("--from-launch", type=float, default=0.0, metavar="S",
+                   help="start the loop S seconds after the tool, without waiting for it to attach or settle "
+                   "(default: wait)")
     p.add_argument("--attach-retries", type=int, default=10,
                    help="retries when a tool's uprobe is refused with EINVAL (default: %(default)s)")
     p.add_argument("--retry-wait", type=float, default=3.0)
