@@ -6,7 +6,10 @@ one), interleaved in rounds.
 
 Both modes share warm unwind tables and probe cost: only sampler/bpf/objcache.py's cache differs.
 
-    sudo .venv/bin/python scripts/bench_startup.py --rounds 5 [--targets python,torch,sleep]
+    sudo .venv/bin/python scripts/bench_startup.py --rounds 5 [--targets python,torch,sleep] [--code DIR ...]
+
+--code: also start the recorder of these checkouts (e.g. a `git worktree` of an older commit) in
+the same rounds, for a before/after comparison on one machine.
 
 --quick: one round (the priming start, one cold and one warm start: two BPF compiles), a smoke
 test whose numbers mean nothing.
@@ -45,11 +48,11 @@ def launch(name: str) -> subprocess.Popen:
     return proc
 
 
-def start(target: int, cache: Path, out: Path) -> dict[str, float]:
-    env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache)}
+def start(target: int, cache: Path, out: Path, code: Path = ROOT) -> dict[str, float]:
+    env = {**os.environ, "ALLOCSAMPLER_CACHE_DIR": str(cache), "PYTHONPATH": str(code)}
     t0 = time.monotonic()
     rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "-p", str(target), "-o", str(out),
-                            "-q", "-i", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            "-q", "-i", "1"], cwd=code, env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
         while not any((out / "targets").glob("host=*/date=*/*.parquet")):
@@ -73,38 +76,43 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="default 5, --quick 1")
     ap.add_argument("--targets", default="python,torch", help="of " + ", ".join(TARGETS))
+    ap.add_argument("--code", type=Path, action="append", default=[], help="another checkout's recorder too")
     ap.add_argument("--quick", action="store_true", help="one round: a smoke test")
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
+    codes = [ROOT, *args.code]
     names = [n for n in args.targets.split(",") if n]
     if args.quick:
         names = names[:1]
     targets = {n: launch(n) for n in names}
     work = Path(tempfile.mkdtemp(prefix="bench-startup-"))
     try:
-        warm = work / "warm"
-        start(targets[names[0]].pid, warm, work / "prime")          # fills every cache once
-        results: dict[tuple[str, str], list[dict[str, float]]] = {}
+        warm = {c: work / f"warm{i}" for i, c in enumerate(codes)}
+        for c in codes:
+            start(targets[names[0]].pid, warm[c], work / f"prime{codes.index(c)}", c)      # fills every cache once
+        results: dict[tuple[Path, str, str], list[dict[str, float]]] = {}
         for r in range(args.rounds):
-            for name, target in targets.items():
-                for mode in ("cold", "warm"):
-                    cache = warm
-                    if mode == "cold":
-                        cache = work / f"cold{r}{name}"
-                        shutil.copytree(warm, cache, ignore=shutil.ignore_patterns("bpf"))
-                    results.setdefault((name, mode), []).append(
-                        start(target.pid, cache, work / f"{mode}{r}{name}"))
+            for c in codes[r % len(codes):] + codes[:r % len(codes)]:       # rotated: none always first
+                for name, target in targets.items():
+                    for mode in ("cold", "warm"):
+                        cache = warm[c]
+                        if mode == "cold":
+                            cache = work / f"cold{r}{name}{codes.index(c)}"
+                            shutil.copytree(warm[c], cache, ignore=shutil.ignore_patterns("bpf"))
+                        results.setdefault((c, name, mode), []).append(
+                            start(target.pid, cache, work / f"{mode}{r}{name}{codes.index(c)}", c))
         print(f"| target | BPF programs | attached after (s) | recorder CPU (s) | of it user | of it system | "
               f"recorder peak RSS (MiB) |  (median of {args.rounds}, min-max)")
         print("|---|---|--:|--:|--:|--:|--:|")
-        for (name, mode), runs in results.items():
+        for (c, name, mode), runs in sorted(results.items(), key=lambda kv: (codes.index(kv[0][0]), kv[0][1:])):
             cells = []
             for k in ("wall", "cpu", "user", "sys", "rss"):
                 v = [x[k] for x in runs]
                 fmt = "{:.0f}" if k == "rss" else "{:.2f}"
                 cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
-            print(f"| {name} | {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | "
+            label = name if c == ROOT else f"{name} ({c})"
+            print(f"| {label} | {'compiled (cold cache)' if mode == 'cold' else 'loaded from the cache'} | "
                   + " | ".join(cells) + " |")
         if args.quick:
             print(QUICK_NOTE)

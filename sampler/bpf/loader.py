@@ -239,9 +239,9 @@ class BpfProbes:
             self.bpf = objcache.BpfObject(spec, sizes)
         except OSError as e:
             raise EnvironmentProblem(f"could not create the BPF maps ({e})") from None
-        # The allocator programs (and the perf-mode ones, session mode's fallback) are loaded now,
-        # so that a kernel refusing them fails here with advice; USDT and CUDA when first attached
-        # (the verifier takes ~0.2-0.5 s for each, and most processes need neither).
+        # The allocator programs of the probe mode are loaded now, so that a kernel refusing them
+        # fails here with advice; session mode's perf-mode fallback, USDT and CUDA when first
+        # needed (most processes need none of them).
         stage = "maps"
         try:
             tab = self.bpf["weight_tab"]
@@ -257,12 +257,12 @@ class BpfProbes:
             if self.session:
                 self._alloc_fd = self._load_prog("alloc_session", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION)
                 self._free_fd = self._load_prog("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
-            # perf mode's return program walks stacks (the verifier's longest work): in session mode
-            # it is loaded when a fallback first needs it
-            for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
-                                                  if not n.startswith(("free", "delete"))),
-                         *(() if self.session else ("alloc_return",))}:
-                self._load_prog(name, PROG_KPROBE)
+            else:
+                # perf mode's programs; in session mode, a fallback loads those it needs (with the
+                # walker of their kind)
+                for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
+                                                      if not n.startswith(("free", "delete"))), "alloc_return"}:
+                    self._load_prog(name, PROG_KPROBE)
         except OSError as e:
             self.bpf.close()
             if not self.compiled:

@@ -173,3 +173,13 @@ def test_bench_targets_quick(bpf_ready: None) -> None:
     assert [r[header[0]] for r in rows] == ["alone", "with 3 idle targets", "with 3 busy targets"]
     for r in rows:
         assert 0 < num(r["median us CPU/pair"]) <= num(r["max"]) and num(r["seconds"]) == 1
+
+
+@pytest.mark.bpf
+def test_bench_recorder_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_recorder.py"), "recorder")
+    assert header == ["recorder", "snapshots every (s)", "samples/s", "recorder CPU (% of a core)",
+                      "us of recorder CPU per sample", "peak RSS (MiB)"]
+    assert [(r["recorder"], r["snapshots every (s)"]) for r in rows] == [("this checkout", "1")]
+    for col in header[2:]:
+        assert num(rows[0][col]) > 0, rows[0]
