@@ -117,6 +117,11 @@ class Attacher:
                 except Exception as e:  # noqa: BLE001
                     fail(pid, "placing the sampler", e)
 
+    @property
+    def busy(self) -> bool:
+        """Placements in flight or waiting for the rate."""
+        return bool(self.placements.jobs or self.waiting)
+
     def settle(self, targets: dict[int, Target], fail: Callable[[int, str, Exception], None]) -> None:
         """A recording's first targets: their placements are waited for (they are attached when the
         recording says so)."""

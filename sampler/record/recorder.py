@@ -39,9 +39,9 @@ from sampler.stacks.table import COMPLETE
 from sampler.text import printable
 
 # Records are read in batches: the programs wake the reader once an eighth of the ring buffer
-# waits, else every POLL_MS; the loop's own work (placements, rescans, hooks, controls) runs at most
-# every TICK_S.
-POLL_MS, TICK_S = 100, 0.05
+# waits, else every POLL_MS (BUSY_POLL_MS while placements or unwind rows are on their way); the
+# loop's own work (placements, rescans, hooks, controls) runs at most every TICK_S otherwise.
+POLL_MS, BUSY_POLL_MS, TICK_S = 100, 5, 0.05
 # A target's rescans (maps, new libraries, Python): at most one per RESCAN_MIN_S, and spaced by ten
 # times what the last one cost, so that a process that keeps mapping code cannot take the loop.
 RESCAN_MIN_S, RESCAN_COST_FACTOR = 0.1, 10.0
@@ -138,9 +138,12 @@ class Recorder:
         host_wide = o.all_processes or bool(o.cgroups)
         next_tick = start
         while not self._stopping() and (self.targets or host_wide or o.daemon):
-            self.probes.poll(POLL_MS)
+            # while a placement or unwind rows are on their way, the loop comes back for them soon:
+            # walks and redirection start as soon as they arrive
+            busy = self.attacher.busy or (tables is not None and tables.busy)
+            self.probes.poll(BUSY_POLL_MS if busy else POLL_MS)
             now = time.monotonic()
-            if now >= next_tick:            # on the loop's own clock, not per batch of records
+            if now >= next_tick or busy:    # on the loop's own clock, not per batch of records
                 next_tick = now + TICK_S
                 if tables is not None:
                     tables.poll()

@@ -159,6 +159,11 @@ class KernelTables:
         self._release(pid, p.maps)
 
     # work ------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Files' rows are being built (poll() loads them as they come)."""
+        return self.worker.pending > 0
+
     def poll(self) -> None:
         """Load the builds that finished and re-read the maps of processes that mapped code."""
         for ident, result in self.worker.done():
