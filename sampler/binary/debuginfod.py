@@ -11,19 +11,19 @@ anything for BACKOFF_S, so a hanging server stalls the symbolizer once, not once
 from __future__ import annotations
 
 import contextlib
-import http.client
 import os
 import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from enum import Enum
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from sampler import files
+
+if TYPE_CHECKING:
+    import http.client
 from sampler.binary.reader import ElfFormatError, ElfReader
 
 URLS_ENV = "DEBUGINFOD_URLS"
@@ -127,6 +127,11 @@ def recent(path: Path, ttl_s: float) -> bool:
 
 def fetch(url: str, build_id: str, dest: Path) -> Outcome:
     """Download `url`'s debuginfo of `build_id` to `dest` (atomically), unless `url` is backed off."""
+    # here, not at import: http and ssl cost the recorder ~6 MiB, and debuginfod is opt-in
+    import http.client
+    import urllib.error
+    import urllib.request
+
     now = time.monotonic()
     with _lock:
         if _down_until.get(url, 0.0) > now:
