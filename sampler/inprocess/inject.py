@@ -782,6 +782,9 @@ class _Memory:
 
     def read(self, addr: int, n: int) -> bytes:
         data = os.pread(self.fd, n, addr)
+        if not data and n:
+            # nothing at all: the image this file was bound to is gone (exit or exec)
+            raise ProcessLookupError(f"the process image is gone (reading {addr:#x})")
         if len(data) != n:
             raise OSError(f"short read at {addr:#x}")
         return data
