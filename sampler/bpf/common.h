@@ -480,6 +480,22 @@ static __always_inline u32 reread(u16 *field)
     return *(volatile u16 *)field;
 }
 
+/* A tail call into the walker of `walker`'s kind (a constant: the other branches compile away, and
+ * a program must not refer to another kind's program array). Returns only when it failed. */
+static __always_inline void walk_next(void *ctx, const int walker)
+{
+    if (walker == WALKER_MULTI)
+        walk_multi.call(ctx, 0);
+    else if (walker == WALKER_SESSION)
+        walk_session.call(ctx, 0);
+    else if (walker == WALKER_TRACEPOINT)
+        walk_tracepoint.call(ctx, 0);
+    else if (walker == WALKER_PERF)
+        walk_perf.call(ctx, 0);
+    else
+        walk_kprobe.call(ctx, 0);
+}
+
 /* The scratch record `e` (acquired, header set) gets its stack from (ip, sp, bp) and is sent by
  * the walker of the caller's program type (`walker`: a constant), which also releases it.
  * Returns only when the walker could not run: the caller then sends the record without a stack. */
@@ -493,16 +509,7 @@ static __always_inline void walk_user(void *ctx, struct ev_stack *e, u64 ip, u64
     e->sp = sp;
     e->bp = bp;
     w->started = 0;
-    if (walker == WALKER_MULTI)
-        walk_multi.call(ctx, 0);
-    else if (walker == WALKER_SESSION)
-        walk_session.call(ctx, 0);
-    else if (walker == WALKER_TRACEPOINT)
-        walk_tracepoint.call(ctx, 0);
-    else if (walker == WALKER_PERF)
-        walk_perf.call(ctx, 0);
-    else
-        walk_kprobe.call(ctx, 0);
+    walk_next(ctx, walker);
 }
 
 /* First run: the Python frames, then the walk's starting registers. */

@@ -474,9 +474,7 @@ def runtime():
     change bcc's own."""
     global _runtime
     if _runtime is None:
-        lib = ctypes.CDLL("libbcc_bpf.so.0", use_errno=True)
-        _declare(lib, _RUNTIME)
-        _runtime = lib
+        _runtime = _declare(ctypes.CDLL("libbcc_bpf.so.0", use_errno=True), _RUNTIME)
     return _runtime
 
 
@@ -484,16 +482,15 @@ def libbcc():
     """libbcc with its compiler (bcc_common.h): for cache misses only."""
     global _libbcc
     if _libbcc is None:
-        lib = ctypes.CDLL("libbcc.so.0", use_errno=True)
-        _declare(lib, _COMPILER)
-        _libbcc = lib
+        _libbcc = _declare(ctypes.CDLL("libbcc.so.0", use_errno=True), _COMPILER)
     return _libbcc
 
 
-def _declare(lib, functions) -> None:
+def _declare(lib: ctypes.CDLL, functions) -> ctypes.CDLL:
     for fn, res, args in functions:
         f = getattr(lib, fn)
         f.restype, f.argtypes = res, args
+    return lib
 
 
 _c_p, _c_s, _c_id, _c_int = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int

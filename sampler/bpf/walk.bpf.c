@@ -39,16 +39,7 @@ static __always_inline int walk_run(void *ctx, const int walker)
     if (!w->started)
         walk_begin(e, w);
     if (walk_frames(e, w)) {
-        if (walker == WALKER_MULTI)
-            walk_multi.call(ctx, 0);
-        else if (walker == WALKER_SESSION)
-            walk_session.call(ctx, 0);
-        else if (walker == WALKER_TRACEPOINT)
-            walk_tracepoint.call(ctx, 0);
-        else if (walker == WALKER_PERF)
-            walk_perf.call(ctx, 0);
-        else
-            walk_kprobe.call(ctx, 0);
+        walk_next(ctx, walker);
         walk_cut(e, w);                     /* the tail call did not happen */
     }
     walk_send();
