@@ -27,12 +27,13 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import capstone
-from capstone import x86_const as x86
+from typing import TYPE_CHECKING
 
 from sampler.binary.elf import data_slot_values, exported_function
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, open_regular
+
+if TYPE_CHECKING:
+    import capstone
 
 DOMAINS = ("raw", "mem", "obj")
 FIELDS = ("ctx", "malloc", "calloc", "realloc", "free")
@@ -137,6 +138,8 @@ def _code(elf: ElfReader, vaddr: int) -> bytes | None:
 
 @lru_cache(maxsize=1)
 def _disassembler() -> capstone.Cs:
+    import capstone  # in the decoding child only (the recorder never maps it for this)
+
     md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     md.detail = True
     return md
@@ -156,6 +159,8 @@ def _loads(code: bytes, vaddr: int) -> list[tuple]:
     """The memory operands of `code` (decoded linearly up to the first return) whose address is
     known statically: ("at", A) for RIP-relative ones, ("via", S, d) for [reg + d] where reg was
     loaded from the pointer at S (a GOT entry: PIC code reaches _PyRuntime through one)."""
+    from capstone import x86_const as x86
+
     out: list[tuple] = []
     via: dict[str, int] = {}          # register -> the slot it was loaded from
     md = _disassembler()

@@ -17,13 +17,16 @@ import os
 import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from sampler.binary.elf import ElfImage, Symbol
 from sampler.bpf.abi import FNF_DELEGATES, Fn
 from sampler.probes.plans import PlanCache
-from sampler.probes.sites import ProbeSite, choose_site, forwards_to
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.proc.process import exe_path
+
+if TYPE_CHECKING:
+    from sampler.probes.sites import ProbeSite
 
 # glibc functions that hand some calls to malloc or free (sampler/bpf/alloc.bpf.c: delegated()).
 MAX_BODY = 1 << 20  # bytes of an allocator entry point read (they run to a few KiB)
@@ -159,6 +162,9 @@ def own_probes(image: ElfImage, names: Collection[str], skipped: list[tuple[str,
     calls or tail-jumps to another of `names` is left to that one's probe -- unless it is in
     `may_forward` (it hands only some calls on, and its probe leaves those to the other).
     A symbol of size 0 has no code to check: skipped, or with `sizeless` yielded with b""."""
+    # here: its disassembler (capstone, ~9 MiB) only for processes probed with uprobes
+    from sampler.probes import sites
+
     plt = image.plt_targets()
     seen: dict[int, str] = {}
     for name in names:
@@ -173,7 +179,7 @@ def own_probes(image: ElfImage, names: Collection[str], skipped: list[tuple[str,
             skipped.append((name, "no code (size 0)"))
             continue
         others = {n for n in names if n != name}
-        called = forwards_to(body, sym.value, plt, image.aliases, others) if body else set()
+        called = sites.forwards_to(body, sym.value, plt, image.aliases, others) if body else set()
         if called and name not in may_forward:
             skipped.append((name, f"calls {', '.join(sorted(called))}, which is probed"))
             continue
@@ -182,6 +188,9 @@ def own_probes(image: ElfImage, names: Collection[str], skipped: list[tuple[str,
 
 
 def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -> AllocatorLib:
+    # here: its disassembler (capstone, ~9 MiB) only for processes probed with uprobes
+    from sampler.probes import sites
+
     lib = AllocatorLib(family.name, path, attach_path, image.build_id)
     if family.name == "static" and image.symbol("malloc") is None:
         return lib      # an executable is an allocator only if it defines malloc itself
@@ -194,7 +203,7 @@ def plan_library(image: ElfImage, family: Family, path: str, attach_path: str) -
         name, fn = sym.name, names[sym.name]
         delegates = name in delegating
         frees = fn.frees
-        site = choose_site(body, sym.value, reads=_READS[fn], needs_return=not frees,
+        site = sites.choose_site(body, sym.value, reads=_READS[fn], needs_return=not frees,
                            null_skip="rdi" if frees else None)
         off = image.vaddr_to_file_offset(sym.value + site.offset)
         if off is None:
