@@ -88,11 +88,7 @@ class Workload:
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_child(self.proc)
 
 
 @pytest.fixture
@@ -148,6 +144,15 @@ def gated():
     yield start
     for t in made:
         t.kill()
+
+
+def end_child(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Wait for a child told to end (its stdin closed); kill it if it does not."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def allocsampler_cmd(*args: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import WORKLOADS, final_by_site
+from conftest import WORKLOADS, end_child, final_by_site
 
 from analysis import analyze
 from analysis.dataset import read_table
@@ -166,11 +166,7 @@ class PyCuda:
 
     def close(self) -> None:
         self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        end_child(self.proc)
 
 
 def test_python_late_load_tensors_growth_and_real_libcudart(stubs, record):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS
+from conftest import WORKLOADS, end_child
 
 from sampler.python.codeobj import CodeReader, decode_linetable_310, decode_linetable_311
 from sampler.python.runtime import NO_FIELD, PyUnsupported, detect
@@ -65,11 +65,7 @@ class Nested:
         if self.proc.poll() is None:
             self.proc.stdin.write(b"x")
             self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            end_child(self.proc)
 
 
 def _read_lines(proc: subprocess.Popen, n: int, timeout: float) -> list[bytes]:
