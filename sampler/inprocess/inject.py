@@ -793,7 +793,10 @@ class _Memory:
         return struct.unpack("<Q", self.read(addr, 8))[0]
 
     def write(self, addr: int, data: bytes) -> None:
-        if os.pwrite(self.fd, data, addr) != len(data):
+        n = os.pwrite(self.fd, data, addr)
+        if n == 0 and data:
+            raise ProcessLookupError(f"the process image is gone (writing {addr:#x})")
+        if n != len(data):
             raise OSError(f"short write at {addr:#x}")
 
     def write_u64(self, addr: int, value: int) -> None:

@@ -5,8 +5,12 @@
  * that allocate and verify; midway a library is dlopen'ed and used. Each thread's work is fixed by
  * its own random stream, so the checksum of what was verified is the same in every run.
  *
- *   inject_stress ITERATIONS [LIB.so]  -> prints "ready", waits for a line, then
- *                                         "ok CHECKSUM SIGNALS FORKS" (exit 0) or "corrupt ..." (exit 1)
+ * The work is repeated from the same seeds until stdin gives a second line or closes, so a recorder
+ * always finds it running; every repeat must give the first one's sum.
+ *
+ *   inject_stress ITERATIONS [LIB.so]  -> prints "ready", waits for a line, works until the next
+ *                                         line or EOF, then "ok CHECKSUM SIGNALS FORKS" (exit 0)
+ *                                         or "corrupt ..." (exit 1)
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -29,6 +33,7 @@ static const char *lib_path;
 static volatile int corrupt;
 static volatile long signals, forks;
 static volatile int finished; /* workers done: the signaller stops before any thread can be joined */
+static volatile int stopping; /* stdin said stop: workers end after their current round */
 static __thread volatile int in_alloc; /* glibc's malloc is not async-signal-safe: handlers skip it */
 
 static uint64_t next(uint64_t *s)
@@ -130,16 +135,12 @@ static int child_work(uint64_t seed)
     return 0;
 }
 
-static void *worker(void *arg)
+/* One round of a thread's work from its own seed; returns the sum of what it verified. */
+static long round_of(int id)
 {
-    int id = (int)(intptr_t)arg;
     uint64_t rng = 1000 + (uint64_t)id;
     struct blk b[SLOTS] = {0};
     long sum = 0;
-    in_alloc = 1;
-    stack_t ss = {.ss_sp = malloc(1 << 16), .ss_size = 1 << 16};
-    sigaltstack(&ss, NULL);
-    in_alloc = 0;
     void *lib = NULL;
     void *(*lib_alloc)(size_t) = NULL;
     void (*lib_free)(void *) = NULL;
@@ -222,6 +223,20 @@ static void *worker(void *arg)
             free(b[i].p);
         }
     }
+    return sum;
+}
+
+static void *worker(void *arg)
+{
+    int id = (int)(intptr_t)arg;
+    in_alloc = 1;
+    stack_t ss = {.ss_sp = malloc(1 << 16), .ss_size = 1 << 16};
+    sigaltstack(&ss, NULL);
+    in_alloc = 0;
+    long sum = round_of(id);
+    while (!corrupt && !__atomic_load_n(&stopping, __ATOMIC_RELAXED))
+        if (round_of(id) != sum)
+            corrupt = 1;
     __atomic_fetch_add(&finished, 1, __ATOMIC_RELAXED);
     return (void *)(intptr_t)sum;
 }
@@ -255,8 +270,9 @@ int main(int argc, char **argv)
     for (int i = 0; i < THREADS; i++)
         pthread_create(&t[i], NULL, worker, (void *)(intptr_t)i);
     pthread_create(&sig, NULL, signaller, t);
-    while (!__atomic_load_n(&finished, __ATOMIC_RELAXED))
-        usleep(1000);
+    if (!fgets(line, sizeof line, stdin))
+        line[0] = 0;        /* EOF says stop as well */
+    __atomic_store_n(&stopping, 1, __ATOMIC_RELAXED);
     pthread_join(sig, NULL);
     long total = 0;
     for (int i = 0; i < THREADS; i++) {

@@ -1,14 +1,17 @@
 """A Python (or torch) workload that checks its own work while a recorder injects, redirects and
 restores its allocator calls, CPython's object allocator included (tests/inprocess/test_inject.py).
 
-    py_stress.py python|torch ITERATIONS   -> prints "ready", waits for a line, then
-                                              "ok CHECKSUM SIGNALS FORKS" (exit 0)
+    py_stress.py python|torch ITERATIONS   -> prints "ready", waits for a line, works until the
+                                              next line or EOF, then "ok CHECKSUM SIGNALS FORKS"
+                                              (exit 0)
 
 8 threads (4 with torch) build and verify objects of every small size class (tuples, dicts, strings,
 bytes, lists that grow through realloc) or torch tensors, each from its own random stream, so the
 checksum is the same in every run; a signal handler allocates; a thread forks children that
 allocate and verify; midway an extension module is loaded (dlopen). Anything that corrupts memory
-or loses an object changes the checksum or crashes the process.
+or loses an object changes the checksum or crashes the process. The work is repeated from the same
+seeds until stdin says stop, so a recorder always finds it running; every repeat must give the first
+one's checksum.
 """
 
 import os
@@ -67,14 +70,22 @@ def tensors(rng: random.Random, n: int) -> int:
 work = tensors if MODE == "torch" else objects
 
 
-def worker(i: int, out: list) -> None:
+def round_of(i: int) -> int:
     rng = random.Random(i)
     crc = 0
     for step in range(ITERATIONS):
         crc = zlib.crc32(str(work(rng, 50)).encode(), crc)
         if i == 0 and step == ITERATIONS // 2:
             import _decimal  # noqa: F401  (a C extension, dlopen'ed midway)
-    out[i] = crc
+    return crc
+
+
+def worker(i: int, out: list, stopping: threading.Event) -> None:
+    out[i] = round_of(i)
+    while not stopping.is_set():
+        if round_of(i) != out[i]:
+            print("corrupt: a repeated round gave another checksum", flush=True)
+            os._exit(1)
 
 
 def forker(stop: threading.Event) -> None:
@@ -108,9 +119,12 @@ results = [0] * THREADS
 stop = threading.Event()
 fk = threading.Thread(target=forker, args=(stop,))
 fk.start()
-threads = [threading.Thread(target=worker, args=(i, results)) for i in range(THREADS)]
+stopping = threading.Event()
+threads = [threading.Thread(target=worker, args=(i, results, stopping)) for i in range(THREADS)]
 for t in threads:
     t.start()
+sys.stdin.readline()            # a line or EOF: stop after the current round
+stopping.set()
 for t in threads:
     t.join()
 signal.setitimer(signal.ITIMER_REAL, 0, 0)
