@@ -252,43 +252,49 @@ class _ExportIndex:
 
 
 class _FuncIndex:
-    """Function symbols of all tables, sorted by address, grouped by start address."""
+    """Function symbols of all tables, sorted by address, grouped by start address. Kept per image
+    for the recording's life: ~30 bytes per function (libtorch_cpu has ~400,000)."""
 
     def __init__(self, tables: list[_SymTab]):
         empty = np.empty(0, np.uint64)
         starts, sizes, ends_cap = [empty], [empty], [empty]
-        tab_ids, rows = [np.empty(0, np.uint8)], [np.empty(0, np.intp)]
+        tab_ids, rows = [np.empty(0, np.uint8)], [np.empty(0, np.uint32)]
         for t, tab in enumerate(tables):
             idx = np.flatnonzero(tab.functions())
-            s = tab.syms[idx]
-            starts.append(s["st_value"])
-            sizes.append(s["st_size"])
+            starts.append(tab.syms["st_value"][idx])
+            sizes.append(tab.syms["st_size"][idx])
             # A zero-size symbol never reaches past the end of its section.
             sec_end = np.array([x.addr + x.size for x in tab.file.sections] or [0], np.uint64)
-            ends_cap.append(sec_end[np.minimum(s["st_shndx"], len(sec_end) - 1)])
+            ends_cap.append(sec_end[np.minimum(tab.syms["st_shndx"][idx], len(sec_end) - 1)])
             tab_ids.append(np.full(len(idx), t, np.uint8))
-            rows.append(idx)
+            rows.append(idx.astype(np.uint32))      # MAX_SECTION_BYTES bounds a table's rows
         start = np.concatenate(starts)
         order = np.argsort(start, kind="stable")
-        self.start = start[order]
+        start = start[order]
         self.tab = np.concatenate(tab_ids)[order]
         self.row = np.concatenate(rows)[order]
         size = np.concatenate(sizes)[order]
         cap = np.concatenate(ends_cap)[order]
+        del starts, sizes, ends_cap, tab_ids, rows, order
 
-        # Group symbols sharing a start address (aliases); group g is [lo[g], lo_end[g]).
-        first = np.ones(len(self.start), bool)
-        first[1:] = self.start[1:] != self.start[:-1]
-        self.lo = np.flatnonzero(first)
-        self.lo_end = np.append(self.lo[1:], len(self.start)).astype(np.intp)
-        self.ustart = self.start[self.lo]
-        usize = np.maximum.reduceat(size, self.lo) if len(self.lo) else empty
-        ucap = np.minimum.reduceat(cap, self.lo) if len(self.lo) else empty
+        # Group symbols sharing a start address (aliases); group g is members [lo[g], lo[g + 1]).
+        first = np.ones(len(start), bool)
+        first[1:] = start[1:] != start[:-1]
+        self.lo = np.append(np.flatnonzero(first), len(start)).astype(np.uint32)
+        groups = self.lo[:-1]
+        self.ustart = start[groups]
+        usize = np.maximum.reduceat(size, groups) if len(groups) else empty
+        ucap = np.minimum.reduceat(cap, groups) if len(groups) else empty
+        del start, size, cap, first
         self.sized = usize > 0
         next_start = np.append(self.ustart[1:], np.uint64(2**64 - 1))
         self.uend = np.where(self.sized, self.ustart + usize, np.minimum(next_start, ucap))
         # Highest end of any sized symbol up to each group: finds functions enclosing others.
         self.cover = np.maximum.accumulate(np.where(self.sized, self.uend, np.uint64(0)))
+
+    def members(self, g: int) -> range:
+        """Positions of group g's symbols in `tab` and `row`."""
+        return range(int(self.lo[g]), int(self.lo[g + 1]))
 
     def group_at(self, vaddr: int) -> int | None:
         v = np.uint64(vaddr)
@@ -519,8 +525,7 @@ class ElfImage:
         names = self._names.get(g)
         if names is None:
             idx = self.index
-            rows = range(int(idx.lo[g]), int(idx.lo_end[g]))
-            names = preferred_names((self._tables[idx.tab[k]], int(idx.row[k])) for k in rows)
+            names = preferred_names((self._tables[idx.tab[k]], int(idx.row[k])) for k in idx.members(g))
             self._names[g] = names
         return names
 

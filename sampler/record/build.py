@@ -16,7 +16,7 @@ from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control import probe_cost, weights
 from sampler.control.governor import Governor
 from sampler.control.sample_rate import SampleRate
-from sampler.dataset.writer import use_system_allocator
+from sampler.dataset.writer import leave_pandas_unloaded, use_system_allocator
 from sampler.gpu.cuda import GpuTracer
 from sampler.inprocess import inject, preload
 from sampler.probes import usdt
@@ -67,6 +67,7 @@ def build(opts: RecordOptions, hooks: RecorderHooks, recording_id: str, host: st
     """Load BPF and build every collaborator; on failure what was built is closed again."""
     o = opts
     use_system_allocator()
+    leave_pandas_unloaded()
     probes = BpfProbes(ProbeConfig(o.sample_mean, live_max=o.live_max, mode=o.probe_mode,
                                    stack_bytes=o.stack_bytes, ringbuf_bytes=o.ringbuf_bytes,
                                    vm_events_per_s=o.vm_events_per_s, cache_dir=files.cache_dir("bpf"),

@@ -18,7 +18,7 @@ import logging
 import struct
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -183,6 +183,8 @@ class KernelTables:
                 continue
             f.state, f.rows = "ready", result
             self._load(f)
+            # in uw_rows now (or never, when full): only how its mappings translate is needed
+            f.rows = replace(result, rows=result.rows[:0].copy())
             self._dirty_files.add(f.ident)
         now = time.monotonic()
         for pid, p in list(self._procs.items()):

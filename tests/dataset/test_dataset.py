@@ -132,3 +132,30 @@ def test_exit_rows_and_a_teardown_snapshot_are_kept_apart_from_the_running_state
     w.write(TABLES["outstanding"], [{k: v for k, v in r.items() if k not in ("recording_id", "host")} for r in rows])
     last = latest_outstanding(tmp_path)
     assert dict(zip(last["pid"], last["outstanding_bytes"] / 2 ** 20, strict=True)) == {1: 200, 2: 70}
+
+
+WRITER_WITHOUT_PANDAS = """
+import sys
+from sampler.dataset.schema import TABLES
+from sampler.dataset.writer import DatasetWriter, leave_pandas_unloaded
+import pyarrow.parquet as pq
+leave_pandas_unloaded()
+w = DatasetWriter(sys.argv[1], "r1", host="h")
+table = TABLES["recordings"]
+path = w.write(table, [{"recording_id": "r1", "argv": "x"}])
+print("pandas" in sys.modules, flush=True)
+print(pq.read_table(path).to_pandas()["argv"].tolist(), "pandas" in sys.modules)
+"""
+
+
+def test_the_writer_leaves_pandas_unloaded_until_something_reads_into_pandas(tmp_path):
+    """The recorder writes rows without importing pandas (44 MiB of its RSS); a later to_pandas()
+    in the same process still works."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "-c", WRITER_WITHOUT_PANDAS, str(tmp_path / "ds")], capture_output=True,
+                         text=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:2] == ["False", "['x'] True"]
