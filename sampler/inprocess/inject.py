@@ -179,6 +179,8 @@ class Injection:
     mem: _Memory
     adopted: bool = False
     stop_ns: int | None = None      # how long the placing thread was stopped
+    inode: int = 0                  # the sampler's memfd (a fork's child maps the same one)
+    inherited: bool = False         # the sampler came with a fork of a process it was placed in
     slots: dict[int, Slot] = field(default_factory=dict)
     symbols: dict[int, Slot] = field(default_factory=dict)   # the allocator's .dynsym values we changed
     seen: set[tuple] = field(default_factory=set)      # objects looked at (dev, inode, path)
@@ -490,10 +492,13 @@ class Injection:
         return (m.dev, m.inode, m.path) if m is not None else None
 
 
-def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: bool = False) -> Injection:
+def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: bool = False,
+           parent: tuple[int, int] | None = None) -> Injection:
     """Place (or adopt) the sampler in `pid` and configure it; the slots are redirected by
     Injection.redirect(), once the recorder's probes are on the sampler (CPython's object allocator
-    too with `python_objects`). Raises Refused."""
+    too with `python_objects`). `parent`: (base, memfd inode) of the sampler in the process the
+    kernel's fork event says `pid` was forked from: a sampler there is the inherited one, adopted
+    without a placement. Raises Refused."""
     code, helper = built()
     layout = CodeLayout.of(code)
     st = read_stat(pid)
@@ -515,12 +520,15 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
         if "malloc" not in originals or "free" not in originals:
             raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
                           "this recorder does not know)", transient=True)
-        base = _existing(pid, st.start, maps, layout, mem)
-        adopted, stop_ns = base is not None, None
-        if base is None:
+        found = _existing(pid, st.start, maps, layout, mem, parent)
+        adopted, stop_ns = found is not None, None
+        if found is None:
             base, stop_ns, inode = place(pid, helper, layout, st.start)
             _placed(pid, st.start, base, inode)
+        else:
+            base, inode = found
         inj = Injection(pid, st.start, base, layout, originals, mem, adopted=adopted, stop_ns=stop_ns,
+                        inode=inode, inherited=adopted and parent == (base, inode),
                         python_objects=python_objects)
         _configure(inj, sample_mean, max_samples_per_s, maps)
         inj.python = inj._find_python(maps) or ""   # now (its code is decoded apart): redirect() is quick
@@ -613,9 +621,11 @@ def _placed(pid: int, start: int, base: int, inode: int) -> None:
         files.write_atomic(d / f"{pid}-{start}", json.dumps({"base": base, "inode": inode}).encode(), 0o600)
 
 
-def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem: _Memory) -> int | None:
-    """The base of a sampler an earlier recorder of this host placed in this process (its record:
-    same start time, memfd inode and base; its whole code ours: a different build is refused
+def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem: _Memory,
+              parent: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """(base, memfd inode) of a sampler an earlier recorder of this host placed in this process
+    (its record: same start time, memfd inode and base) or in the parent it was forked from (the
+    parent's base and memfd: a fork keeps both); its whole code ours (a different build is refused
     rather than mixed with). A sampler this host did not place is refused: its base would steer
     every later write."""
     for m in maps:
@@ -624,19 +634,39 @@ def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem
         with contextlib.suppress(OSError):
             if mem.u64(m.start + layout.data) != INJ_MAGIC:
                 continue
-        d = _state_dir()
-        try:
-            note = json.loads(files.read_private(d / f"{pid}-{start}", 4096)) if d is not None else None
-        except (OSError, ValueError):
-            note = None
-        if not isinstance(note, dict) or note.get("base") != m.start or note.get("inode") != m.inode:
+        ours = (m.start, m.inode)
+        noted = _noted(pid, start) == ours
+        # A fork keeps the parent's mappings; no other process can map that memfd without its fd.
+        forked = not noted and (parent == ours or _noted_parent(pid) == ours)
+        if not noted and not forked:
             raise Refused("a sampler that this host did not place is in the process (a forged or foreign "
                           "memfd called allocsampler): not adopted")
         if not _same_code(mem, m.start, layout):
             raise Refused("an earlier recorder's sampler of another build is in the process; restart it "
                           "to replace it, or record with --attach-mode uprobe")
-        return m.start
+        if forked:
+            _placed(pid, start, *ours)          # its own children, and later recorders, find it noted
+        return ours
     return None
+
+
+def _noted(pid: int, start: int) -> tuple[int, int] | None:
+    """(base, memfd inode) of the sampler this host noted placing in (pid, start)."""
+    d = _state_dir()
+    try:
+        note = json.loads(files.read_private(d / f"{pid}-{start}", 4096)) if d is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(note, dict) or not isinstance(note.get("base"), int) or not isinstance(note.get("inode"), int):
+        return None
+    return note["base"], note["inode"]
+
+
+def _noted_parent(pid: int) -> tuple[int, int] | None:
+    """_noted of the process's parent (the kernel's ppid: forked before the recording began)."""
+    st = read_stat(pid)
+    parent = read_stat(st.ppid) if st is not None and st.ppid > 1 else None
+    return _noted(st.ppid, parent.start) if st is not None and parent is not None else None
 
 
 def _same_code(mem: _Memory, base: int, layout: CodeLayout) -> bool:

@@ -135,6 +135,25 @@ def is_process(tid: int) -> bool:
     return _tgid(tid) == tid
 
 
+def descendants(roots: set[int], proc: str = "/proc") -> list[tuple[int, int]]:
+    """(pid, parent pid) of every live process descended from `roots`, each after its parent: one
+    pass over /proc (the processes forked before a recording began; later forks are events)."""
+    parent: dict[int, list[int]] = {}
+    with os.scandir(proc) as it:
+        for e in it:
+            if e.name.isdigit() and (st := read_stat(int(e.name), proc)) is not None:
+                parent.setdefault(st.ppid, []).append(int(e.name))
+    out, todo, seen = [], list(roots), set(roots)
+    while todo:
+        p = todo.pop()
+        for c in parent.get(p, ()):
+            if c not in seen:           # a pid reused since the scan began could loop
+                seen.add(c)
+                out.append((c, p))
+                todo.append(c)
+    return out
+
+
 def check_pid(pid: int) -> ProcessInfo:
     if pid <= 0:
         raise UsageError(f"invalid pid {pid}: expected a positive process id")

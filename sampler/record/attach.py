@@ -254,11 +254,13 @@ class Attacher:
         if why is not None:
             self._refused(t, why)
             return False
-        pid, image = t.pid, t.image
+        pid, image, inherits = t.pid, t.image, t.inherits if t.image == 0 else None
 
         def work() -> inject.Injection:
-            return inject.inject(pid, self.sample_mean, self.max_samples_per_s, self.python_objects)
-        if not self.placements.submit(pid, image, work, lambda inj, e: self._placed(t, inj, e)):
+            return inject.inject(pid, self.sample_mean, self.max_samples_per_s, self.python_objects, inherits)
+        # adopting a fork's sampler stops no thread: not held to the placements' rate
+        if not self.placements.submit(pid, image, work, lambda inj, e: self._placed(t, inj, e),
+                                      limited=inherits is None):
             self.waiting.add(pid)
         return True
 
@@ -280,7 +282,8 @@ class Attacher:
         # its mappings, made beside the loop, may have been read as the process's own before now
         t.table.unmap(inj.base, inj.layout.total_span)
         self.mapped_code(t)
-        how = ("adopted from an earlier recording" if inj.adopted
+        how = (f"inherited from pid {t.parent} (forked)" if inj.inherited
+               else "adopted from an earlier recording" if inj.adopted
                else f"placed (one thread stopped {inj.stop_ns / 1000:.0f} us)")
         why = f"in-process sampler at {inj.base:#x} {how}"
         if t.attached:                      # uprobes of the image before an exec: the sampler replaces them

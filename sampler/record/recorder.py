@@ -28,7 +28,7 @@ from sampler.bpf.events import Event, decode
 from sampler.errors import EXIT_ENVIRONMENT, EnvironmentProblem, TargetGone
 from sampler.gpu import cuda
 from sampler.probes import allocators
-from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, is_process, read_info
+from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, descendants, is_process, read_info
 from sampler.record.attach import NO_ALLOCATOR
 from sampler.record.build import build
 from sampler.record.options import RecorderHooks, RecordOptions
@@ -109,6 +109,11 @@ class Recorder:
             self.hooks.started()
             for info in infos:
                 self._add_target(info)
+            if o.children:                  # forked before: no event will name them
+                for pid, ppid in descendants(set(self.targets)):
+                    if pid not in self.targets and ppid in self.targets:
+                        with contextlib.suppress(ProcessLookupError):
+                            self._add_target(read_info(pid), parent=self.targets[ppid])
             self.attacher.settle(self.targets, self._fail)
             if not self.targets and not (o.all_processes or o.cgroups or o.daemon):
                 raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
@@ -265,9 +270,15 @@ class Recorder:
         cuda.plans.prune(shed)
 
     # targets ----------------------------------------------------------------------------------
-    def _add_target(self, info: ProcessInfo, tier: str | None = None) -> None:
+    def _add_target(self, info: ProcessInfo, tier: str | None = None, parent: Target | None = None) -> None:
+        """`parent`: the target the kernel's fork event says this one was forked from: a sampler
+        placed there came with the fork, and is adopted rather than placed again."""
         tier = tier or (RSS if self.opts.rss else SYSCALLS if self.opts.syscalls_only else ATTACH)
         t = self.targets[info.pid] = Target(info, tier=tier)
+        if parent is not None:
+            t.parent = parent.pid
+            if parent.injection is not None:
+                t.inherits = (parent.injection.base, parent.injection.inode)
         self.controls.add(t)
         try:
             self.attacher.attach(t)
@@ -427,7 +438,7 @@ class Recorder:
             child = ev.addr
             if self.opts.children and child not in self.targets and is_process(child):
                 with contextlib.suppress(ProcessLookupError):
-                    self._add_target(read_info(child))
+                    self._add_target(read_info(child), parent=t)
         elif ev.op == ProcOp.EXEC:
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)

@@ -40,6 +40,8 @@ class Target:
     hit_rate: float = 0.0                                    # per second, last interval
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
+    parent: int = 0                                          # forked from this target (--children)
+    inherits: tuple[int, int] | None = None                  # (base, memfd inode) of the parent's sampler
     inject_refused: str | None = None                        # why it was not injected (said once)
     image: int = 0                                           # execs seen (a placement is for one image)
     attach_owed: bool = False                                # its `attach` row comes once placed

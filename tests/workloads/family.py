@@ -1,0 +1,58 @@
+"""A Python parent and its forked children, each child's allocations its own ground truth
+(tests/record/test_families.py).
+
+    family.py EARLY   -> forks EARLY children, prints "ready PID..."; then per line on stdin:
+      fork N          -> forks N more children, prints "forked PID..."
+      alloc MIB       -> every child keeps MIB MiB in 64 KiB bytearrays made in child_leak and
+                         prints "kept PID BYTES"
+    EOF ends the children, then the parent.
+"""
+
+import os
+import sys
+
+children: list[tuple[int, int]] = []      # (pid, the write end of its command pipe)
+
+
+def child_leak(mib: int) -> int:
+    kept = [bytearray(64 << 10) for _ in range(mib * 16)]
+    globals()["held"] = kept
+    return sum(len(b) for b in kept)
+
+
+def child(r: int) -> None:
+    with os.fdopen(r) as commands:
+        for line in commands:
+            word, arg = line.split()
+            if word == "alloc":
+                print("kept", os.getpid(), child_leak(int(arg)), flush=True)
+    os._exit(0)
+
+
+def fork(n: int) -> list[int]:
+    pids = []
+    for _ in range(n):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(w)
+            for _, other in children:
+                os.close(other)
+            child(r)
+        os.close(r)
+        children.append((pid, w))
+        pids.append(pid)
+    return pids
+
+
+print("ready", *fork(int(sys.argv[1])), flush=True)
+for line in sys.stdin:
+    word, arg = line.split()
+    if word == "fork":
+        print("forked", *fork(int(arg)), flush=True)
+    elif word == "alloc":
+        for _, w in children:
+            os.write(w, f"alloc {arg}\n".encode())
+for pid, w in children:
+    os.close(w)
+    os.waitpid(pid, 0)
