@@ -45,6 +45,9 @@ apt_install libc6-dbg
 apt_install libjemalloc2 libtcmalloc-minimal4
 # Headless browser and a font for the HTML report's rendering test (tests/analysis/test_report_html.py).
 apt_install chromium fonts-dejavu-core
+# Real servers that the family tests and scripts/bench_servers.py start and record (as nobody, on
+# sockets in temporary directories): PostgreSQL with pgbench and psql, Redis with redis-benchmark.
+apt_install postgresql postgresql-client redis-server redis-tools
 # A Java runtime for pyspark in local mode: docs/querying.md's Spark fleet recipes (tests/dataset/test_querying.py).
 apt_install default-jre-headless
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from servers import NOBODY, drop_to_nobody  # noqa: F401  (scripts/servers.py; re-exported to the tests)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent                      # the repository

@@ -677,7 +677,16 @@ def _same_code(mem: _Memory, base: int, layout: CodeLayout) -> bool:
         theirs = mem.read(base, len(code))
     except OSError:
         return False
-    return theirs == code or all(a == b or (a == 0x90 and b == 0xCC) for a, b in zip(code, theirs, strict=True))
+    if theirs == code:
+        return True
+    # put the nops back where a uprobe's int3 may be, then compare (a few sites: no byte loop)
+    undone = bytearray(theirs)
+    at = theirs.find(0xCC)
+    while at >= 0:
+        if code[at] == 0x90:
+            undone[at] = 0x90
+        at = theirs.find(0xCC, at + 1)
+    return undone == code
 
 
 def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: list[Mapping]) -> None:
@@ -693,8 +702,16 @@ def _configure(inj: Injection, sample_mean: int, max_samples_per_s: int, maps: l
     try:
         if inj.adopted:             # its saved fields are checked like fresh ones: forwards only to the allocator
             real = struct.unpack(f"<{len(FUNCTIONS)}Q", mem.read(data + o["real"], 8 * len(FUNCTIONS)))
-            if any(v and v != inj.originals.get(n, 0) for v, n in zip(real, FUNCTIONS, strict=True)):
+            # Slots redirected before hide the allocator from _originals (a fork of a jemalloc server
+            # sees our wrappers and falls back to libc's): what the sampler forwards to stands, as a
+            # whole, when each is the definition of its name exported by a mapped object.
+            forwards = {n: v for v, n in zip(real, FUNCTIONS, strict=True) if v}
+            if "malloc" not in forwards or "free" not in forwards or any(
+                    v != inj.originals.get(n) and (_ours(maps, v) or not _in_code(maps, v)
+                                                   or not _defines(inj.pid, maps, v, n))
+                    for n, v in forwards.items()):
                 raise Refused("the adopted sampler forwards to functions that are not the allocator's: not adopted")
+            inj.originals = forwards
         mem.write_u64(data + o["owner"], os.getpid())
         mem.write_u64(data + o["clock"], _vdso_clock(inj.pid, maps, mem) or 0)
         for i, name in enumerate(FUNCTIONS):

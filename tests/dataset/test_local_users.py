@@ -6,7 +6,6 @@ output. Real files, a real unprivileged user (`nobody`), real recordings where i
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import allocsampler_cmd, tmpfs_at
+from conftest import NOBODY, allocsampler_cmd, drop_to_nobody, tmpfs_at
 
 from analysis.dataset import read_table
 from analysis.export.collapsed import collapsed_lines
@@ -27,8 +26,6 @@ from sampler.dataset import retention
 from sampler.dataset.schema import RECORDER
 from sampler.dataset.writer import LOCK_FILE, MARKER_FILE, DatasetWriter
 from sampler.text import printable
-
-NOBODY = pwd.getpwnam("nobody").pw_uid
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -136,10 +133,7 @@ def test_daemon_refuses_a_data_dir_that_is_not_a_dataset(tmp_path):
 # -- the dataset lock ------------------------------------------------------------------------------
 
 def as_nobody(code: str) -> subprocess.Popen:
-    def drop():
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-    return subprocess.Popen([sys.executable, "-c", code], preexec_fn=drop, stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", code], preexec_fn=drop_to_nobody, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd="/")
 
 

@@ -7,7 +7,6 @@ files, other images and the targets themselves come through unchanged."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import stat
 import subprocess
@@ -16,12 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS, compile_c
+from conftest import WORKLOADS, compile_c, drop_to_nobody
 
 from sampler.inprocess import inject
 from sampler.proc.process import read_stat
 
-NOBODY = pwd.getpwnam("nobody").pw_uid
 SECRET = b"root's own bytes: nobody may read or write them\n"
 
 
@@ -63,10 +61,7 @@ int main(void) {
 
 class Hostile:
     def __init__(self, d: Path, *args: str):
-        def drop():
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-        self.p = subprocess.Popen([str(d / "hostile"), *args], preexec_fn=drop, stdin=subprocess.PIPE,
+        self.p = subprocess.Popen([str(d / "hostile"), *args], preexec_fn=drop_to_nobody, stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, cwd="/")
         self.lines = [self.p.stdout.readline().strip()]
         assert self.lines[-1] in ("ready",) or self.lines[-1].startswith("0x"), self.lines

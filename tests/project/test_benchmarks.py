@@ -178,8 +178,19 @@ def test_bench_targets_quick(bpf_ready: None) -> None:
 @pytest.mark.bpf
 def test_bench_recorder_quick(bpf_ready: None) -> None:
     header, rows = md_table(run_quick("bench_recorder.py"), "recorder")
-    assert header == ["recorder", "snapshots every (s)", "samples/s", "recorder CPU (% of a core)",
+    assert header == ["recorder", "workload", "snapshots every (s)", "samples/s", "recorder CPU (% of a core)",
                       "us of recorder CPU per sample", "peak RSS (MiB)"]
-    assert [(r["recorder"], r["snapshots every (s)"]) for r in rows] == [("this checkout", "1")]
-    for col in header[2:]:
+    assert [(r["recorder"], r["workload"], r["snapshots every (s)"]) for r in rows] == [
+        ("this checkout", "service", "1")]
+    for col in header[3:]:
         assert num(rows[0][col]) > 0, rows[0]
+
+
+@pytest.mark.bpf
+def test_bench_servers_quick(bpf_ready: None) -> None:
+    header, rows = md_table(run_quick("bench_servers.py"), "server")
+    assert header == ["server", "unrecorded (per s)", "recorded (per s)", "ratio", "per-round ratios",
+                      "recorder CPU (% of a core)"]
+    assert [r["server"] for r in rows] == ["pg-S", "pg-S-C", "redis"]
+    for r in rows:
+        assert num(r["unrecorded (per s)"]) > 0 and num(r["recorded (per s)"]) > 0 and num(r["ratio"]) > 0, r

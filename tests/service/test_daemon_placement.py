@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pwd
 import shutil
 import socket
 import subprocess
@@ -17,10 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS, compile_c
+from conftest import WORKLOADS, compile_c, drop_to_nobody
 from test_daemon import WORK_C, DaemonProc, free_port, wait_for, write_config
 
-NOBODY = pwd.getpwnam("nobody").pw_uid
 STUBBORN = 64
 WATCHDOG_S = 20.0          # synchronous placement: 64 attempts of 2 s each in one scan, 128 s
 
@@ -54,10 +52,6 @@ def test_stubborn_processes_do_not_stall_the_daemon(tmp_path, bpf_ready):
 
     stubborn: list[subprocess.Popen] = []
     steady = None
-
-    def drop():
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
     try:
         wait_for(lambda: receive() or bool(ready), 240, "READY from the daemon")
         steady = subprocess.Popen([str(bins / "as_steady"), "leak", "256", "600"], stdin=subprocess.PIPE,
@@ -67,8 +61,8 @@ def test_stubborn_processes_do_not_stall_the_daemon(tmp_path, bpf_ready):
         steady.stdin.flush()
         wait_for(lambda: receive() or d.target(steady.pid) is not None, 30, "the steady target to be recorded")
         for _ in range(STUBBORN):
-            p = subprocess.Popen([str(bins / "as_stubborn"), "notify-slow"], preexec_fn=drop, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, cwd="/")
+            p = subprocess.Popen([str(bins / "as_stubborn"), "notify-slow"], preexec_fn=drop_to_nobody,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
             stubborn.append(p)
         for p in stubborn:
             assert p.stdout.readline().strip() == "ready"

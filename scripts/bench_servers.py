@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Whole servers under load, recorded (`record --pid MAIN --children`, default settings) and not,
+interleaved in rounds: the benchmark's own throughput, and the recorder's CPU over the run.
+
+  pg-S:    PostgreSQL, pgbench -S (selects), 4 clients on persistent connections
+  pg-S-C:  the same with a new connection (a forked backend) per transaction
+  redis:   Redis SET, redis-benchmark -P 8 (pipelined), 200-byte values
+
+Each run starts a fresh server (scripts/servers.py: as nobody, on a unix socket); a recorded run
+starts the recorder first and waits for its `attach` row.
+
+    sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis]
+
+--quick: one short round, a smoke test whose numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from servers import Postgres, Redis
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def pgbench(connect: bool):
+    def run(pg: Postgres, seconds: float) -> float:
+        out = pg.run("pgbench", "-S", "-c", "4", "-j", "2", "-T", f"{seconds:g}", "-n", *(["-C"] if connect else []),
+                     "postgres", timeout=seconds + 120)
+        return float(re.search(r"tps = ([\d.]+)", out).group(1))
+    return run
+
+
+def redis_set(r: Redis, seconds: float) -> float:
+    p = r.tool("redis-benchmark", "-t", "set", "-n", str(int(60000 * seconds)), "-P", "8", "-r", "100000",
+               "-d", "200", "-q", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=seconds * 10 + 120)
+    return float(re.findall(r"([\d.]+) requests per second", out)[-1])
+
+
+SERVERS = {"pg-S": (lambda: Postgres(scale=4), pgbench(False)),
+           "pg-S-C": (lambda: Postgres(scale=4), pgbench(True)),
+           "redis": (Redis, redis_set)}
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / TICK     # with waited children
+
+
+def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
+    start, load = SERVERS[name]
+    with start() as server:
+        rec = None
+        if recorded:
+            out = Path(tempfile.mkdtemp(dir=work))
+            rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(server.pid),
+                                    "--children", "-o", str(out), "-q"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+            _wait_attached(rec, out)
+            cpu0 = _cpu_s(rec.pid)
+        t0 = time.monotonic()
+        rate = load(server, seconds)
+        wall = time.monotonic() - t0
+        result = {"rate": rate}
+        if rec is not None:
+            result["recorder_cpu"] = 100 * (_cpu_s(rec.pid) - cpu0) / wall
+            rec.send_signal(signal.SIGINT)
+            rec.wait(120)
+    return result
+
+
+def _wait_attached(rec: subprocess.Popen, out: Path) -> None:
+    import pyarrow.parquet as pq
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if rec.poll() is not None:
+            raise SystemExit(f"recorder exited: {rec.stderr.read()}")
+        for f in (out / "targets").glob("host=*/date=*/*.parquet"):
+            if "attach" in pq.read_table(f, columns=["event"]).column("event").to_pylist():
+                time.sleep(1.0)             # its first placements and tables settle
+                return
+        time.sleep(0.1)
+    raise SystemExit("recorder did not attach in 120 s")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, help="default 3, --quick 1")
+    ap.add_argument("--seconds", type=float, help="benchmark time per run (default 10, --quick 2)")
+    ap.add_argument("--servers", default=",".join(SERVERS), help="default %(default)s")
+    ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 3)
+    seconds = args.seconds or (2.0 if args.quick else 10.0)
+    names = args.servers.split(",")
+    if unknown := set(names) - set(SERVERS):
+        raise SystemExit(f"unknown server {', '.join(sorted(unknown))}: choose from {', '.join(SERVERS)}")
+    work = Path(tempfile.mkdtemp(prefix="bench-servers-"))
+    runs: dict[tuple[str, bool], list[dict[str, float]]] = {}
+    for r in range(rounds):
+        for name in names:
+            for recorded in ((False, True) if r % 2 == 0 else (True, False)):     # neither always first
+                runs.setdefault((name, recorded), []).append(measure(name, recorded, seconds, work))
+    print(f"| server | unrecorded (per s) | recorded (per s) | ratio | per-round ratios | recorder CPU (% of a core) "
+          f"|  (median of {rounds}, min-max; {seconds:g} s each)")
+    print("|---|--:|--:|--:|---|--:|")
+    for name in names:
+        base = [x["rate"] for x in runs[(name, False)]]
+        rec = [x["rate"] for x in runs[(name, True)]]
+        ratios = [b / a for a, b in zip(base, rec, strict=True)]
+        cpu = [x["recorder_cpu"] for x in runs[(name, True)]]
+        print(f"| {name} | {statistics.median(base):.0f} ({min(base):.0f}-{max(base):.0f}) "
+              f"| {statistics.median(rec):.0f} ({min(rec):.0f}-{max(rec):.0f}) "
+              f"| {statistics.median(rec) / statistics.median(base):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} "
+              f"| {statistics.median(cpu):.1f} ({min(cpu):.1f}-{max(cpu):.1f}) |")
+    if args.quick:
+        print(QUICK_NOTE)
+
+
+if __name__ == "__main__":
+    main()

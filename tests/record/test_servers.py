@@ -1,0 +1,115 @@
+"""Whole servers recorded with --children (scripts/servers.py starts them as nobody on unix
+sockets): PostgreSQL serving pgbench while one backend grows, and Redis (jemalloc) taking SETs and
+forking a save child. Every child that allocates is recorded, a fork of the injected server
+inherits its sampler, and a growth is named at the server's own function at the size the server
+reports itself."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from servers import Postgres, Redis
+
+from analysis.dataset import latest_outstanding, read_table
+
+pytestmark = pytest.mark.bpf
+
+
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    with Postgres(scale=2) as pg:
+        yield pg
+
+
+def _kept_at(out: Path, pid: int, function: str) -> float:
+    """Malloc bytes outstanding in `pid`'s stacks that pass through `function`, last snapshot."""
+    df = latest_outstanding(out, [pid])
+    df = df[df["source"] == "malloc"]
+    frames = read_table(out, "frames")
+    stacks = set(frames[frames["function"] == function]["stack_id"])
+    return float(df[df["stack_id"].isin(stacks)]["outstanding_bytes"].sum())
+
+
+def _tiers(out: Path):
+    targets = read_table(out, "targets")
+    return targets[targets["event"] == "tier"].groupby("pid")["detail"].last()
+
+
+def test_postgres_under_pgbench_every_backend_recorded_and_a_growing_one_named(postgres, record):
+    rec = record("--pid", str(postgres.pid), "--children", "-i", "1", "--sample-bytes", "64K")
+    rec.wait_attached(pid=postgres.pid)
+    session = postgres.tool("psql", "-X", "-q", "-At", "postgres", stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def ask(sql: str) -> str:
+        session.stdin.write(f"{sql}\n\\echo --\n")
+        session.stdin.flush()
+        lines = []
+        while (line := session.stdout.readline().strip()) != "--":
+            lines.append(line)
+        return "\n".join(lines)
+
+    backend = int(ask("SELECT pg_backend_pid();"))
+    rec.wait_attached(pid=backend)
+    bench = postgres.tool("pgbench", "-S", "-c", "4", "-T", "6", "-n", "postgres", stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE)
+    contexts = "SELECT sum(total_bytes) FROM pg_backend_memory_contexts;"
+    before = int(ask(contexts))
+    for i in range(3000):                   # prepared statements: the backend's cache grows
+        session.stdin.write(f"PREPARE p{i} AS SELECT abalance FROM pgbench_accounts WHERE aid = $1 + {i};\n")
+    grown = int(ask(contexts)) - before     # what its memory contexts took from malloc since
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode == 0, err
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop(signal.SIGTERM)
+    session.stdin.close()
+    session.wait(30)
+    assert code == 0, err
+
+    tiers = _tiers(rec.out)
+    inherited = [p for p, d in tiers.items() if f"inherited from pid {postgres.pid} (forked)" in d]
+    assert backend in inherited and len(inherited) >= 5, tiers   # the session and pgbench's 4
+    samples = read_table(rec.out, "outstanding").groupby("pid")["alloc_samples"].sum()
+    assert all(samples.get(p, 0) > 0 for p in inherited), samples
+    estimate = _kept_at(rec.out, backend, "PrepareQuery")
+    print(f"\n[postgres] the session's backend grew {grown} bytes, estimated {estimate:.0f} under PrepareQuery; "
+          f"{len(inherited)} backends inherited the sampler, {len(tiers) - 1} children recorded")
+    assert grown > 4 << 20
+    assert estimate == pytest.approx(grown, rel=0.35)
+
+
+def test_redis_sets_and_its_save_child(record):
+    with Redis() as redis:
+        rec = record("--pid", str(redis.pid), "--children", "-i", "1", "--sample-bytes", "64K")
+        rec.wait_attached(pid=redis.pid)
+        before = _used_memory(redis)
+        bench = redis.tool("redis-benchmark", "-t", "set", "-n", "200000", "-P", "8", "-r", "100000", "-d", "200",
+                           "-q", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = bench.communicate(timeout=120)
+        assert bench.returncode == 0, err
+        grown = _used_memory(redis) - before
+        redis.cli("bgsave")                 # a fork: the save child inherits the sampler
+        deadline = time.monotonic() + 30
+        while "rdb_bgsave_in_progress:1" in redis.cli("info", "persistence") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        rec.wait_snapshot(time.time() + 1.2)
+        code, _, err = rec.stop(signal.SIGTERM)
+        assert code == 0, err
+    tiers = _tiers(rec.out)
+    assert tiers[redis.pid].startswith("inject: in-process sampler"), tiers
+    children = [p for p, d in tiers.items() if f"inherited from pid {redis.pid} (forked)" in d]
+    assert len(children) == 1, tiers
+    df = latest_outstanding(rec.out, [redis.pid])
+    estimate = float(df[df["source"] == "malloc"]["outstanding_bytes"].sum())
+    print(f"\n[redis] used_memory grew {grown} bytes; malloc outstanding {estimate:.0f}")
+    # used_memory counts jemalloc's size classes (a 200-byte value takes 224): above what was asked
+    assert grown * 0.65 <= estimate <= grown * 1.1
+
+
+def _used_memory(redis: Redis) -> int:
+    info = redis.cli("info", "memory")
+    return int(next(ln.split(":")[1] for ln in info.splitlines() if ln.startswith("used_memory:")))
