@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from analysis.dataset import Dataset, load
 from analysis.detect.arenas import detect_arena_bloat
+from analysis.detect.families import by_family
 from analysis.detect.gpu import detect_gpu
 from analysis.detect.growth import classify_series, detect_growth
 from analysis.findings import Finding, to_dataframe, to_document
@@ -20,7 +21,7 @@ __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "d
 def run(ds: Dataset) -> list[Finding]:
     """Every detector's findings, most severe first."""
     series = classify_series(ds)
-    findings = detect_growth(ds, series) + detect_arena_bloat(ds) + detect_gpu(ds, series)
+    findings = by_family(ds, detect_growth(ds, series)) + detect_arena_bloat(ds) + detect_gpu(ds, series)
     return sorted(findings, key=lambda f: -f.severity)
 
 

@@ -9,7 +9,13 @@ interleaved in rounds: the benchmark's own throughput, and the recorder's CPU ov
 Each run starts a fresh server (scripts/servers.py: as nobody, on a unix socket); a recorded run
 starts the recorder first and waits for its `attach` row.
 
+A second table is a fork storm: a Python parent forks --storm-rate children a second for the run,
+each keeping 4 MiB for 50 ms (so each is sampled, with near certainty) and exiting. It reports
+how many were forked, recorded (a `targets` row) and seen allocating (samples), and the
+recorder's CPU beside that of the same recorder on the idle parent.
+
     sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis]
+                                                   [--storm-rate 300]
 
 --quick: one short round, a smoke test whose numbers mean nothing.
 """
@@ -52,6 +58,66 @@ def redis_set(r: Redis, seconds: float) -> float:
 SERVERS = {"pg-S": (lambda: Postgres(scale=4), pgbench(False)),
            "pg-S-C": (lambda: Postgres(scale=4), pgbench(True)),
            "redis": (Redis, redis_set)}
+
+
+STORM = """
+import os, sys, time
+rate, seconds = float(sys.argv[1]), float(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.readline()
+forked, t0 = 0, time.monotonic()
+while rate and time.monotonic() - t0 < seconds:
+    if os.fork() == 0:
+        kept = bytearray(4 << 20)
+        time.sleep(0.05)
+        os._exit(0)
+    forked += 1
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    time.sleep(max(0.0, t0 + forked / rate - time.monotonic()))
+time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+print(forked, flush=True)
+sys.stdin.readline()
+"""
+
+
+def storm(rate: float, seconds: float, work: Path, forking: bool = True) -> dict[str, float]:
+    """The recorder on a parent that forks `rate` children a second (or stays idle: `forking`)."""
+    import pandas as pd
+    parent = subprocess.Popen([sys.executable, "-c", STORM, str(rate if forking else 0), str(seconds)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out = Path(tempfile.mkdtemp(dir=work))
+    try:
+        parent.stdout.readline()
+        rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(parent.pid),
+                                "--children", "-o", str(out), "-q"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+        _wait_attached(rec, out)
+        cpu0, t0 = _cpu_s(rec.pid), time.monotonic()
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        forked = int(parent.stdout.readline())
+        cpu = 100 * (_cpu_s(rec.pid) - cpu0) / (time.monotonic() - t0)
+        rec.send_signal(signal.SIGINT)
+        rec.wait(300)
+    finally:
+        parent.kill()
+        parent.wait()
+    targets = pd.read_parquet(out / "targets")
+    recorded = targets[targets["pid"] != parent.pid]["pid"].nunique()
+    sampled = pd.read_parquet(out / "outstanding", columns=["pid", "alloc_samples"]) \
+        if (out / "outstanding").exists() else pd.DataFrame({"pid": [], "alloc_samples": []})
+    sampled = sampled[(sampled["pid"] != parent.pid) & (sampled["alloc_samples"] > 0)]["pid"].nunique()
+    return {"forked": forked if forking else 0, "recorded": recorded, "sampled": sampled, "cpu": cpu}
 
 
 def _cpu_s(pid: int) -> float:
@@ -100,6 +166,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="default 3, --quick 1")
     ap.add_argument("--seconds", type=float, help="benchmark time per run (default 10, --quick 2)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="default %(default)s")
+    ap.add_argument("--storm-rate", type=float, help="children forked per second (default 300, --quick 20)")
     ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
@@ -125,6 +192,18 @@ def main() -> None:
               f"| {statistics.median(rec):.0f} ({min(rec):.0f}-{max(rec):.0f}) "
               f"| {statistics.median(rec) / statistics.median(base):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} "
               f"| {statistics.median(cpu):.1f} ({min(cpu):.1f}-{max(cpu):.1f}) |")
+    rate = args.storm_rate or (20.0 if args.quick else 300.0)
+    storms = [(storm(rate, seconds, work), storm(rate, seconds, work, forking=False)) for _ in range(rounds)]
+    print()
+    print(f"| fork storm | children/s | forked | recorded | seen allocating | recorder CPU (% of a core) "
+          f"| on the idle parent |  (median of {rounds}, min-max; {seconds:g} s each)")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    cells = []
+    for k, which in (("forked", 0), ("recorded", 0), ("sampled", 0), ("cpu", 0), ("cpu", 1)):
+        v = [run[which][k] for run in storms]
+        fmt = "{:.1f}" if k == "cpu" else "{:.0f}"
+        cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
+    print(f"| python parent | {rate:g} | " + " | ".join(cells) + " |")
     if args.quick:
         print(QUICK_NOTE)
 

@@ -157,6 +157,7 @@ class Recorder:
                 self._reap_launched()
                 self.hooks.tick(now)
                 self.controls.tick(now, self.targets)
+                self.snapshots.flush(now)
             if deadline is not None and now >= deadline:
                 break
             if now >= next_snap:
@@ -462,6 +463,10 @@ class Recorder:
                 t = self.targets[pid]
                 self.snapshots.target_row(t, "detach", "recording ended")
                 self._drop_target(pid, "recording ended", exited=True, restore=True)     # nothing reads on
+            self.snapshots.flush()
             self.snapshots.write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:
-            self.parts.close()
+            try:
+                self.snapshots.flush()          # what a failure above left held
+            finally:
+                self.parts.close()

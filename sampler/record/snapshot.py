@@ -60,6 +60,8 @@ def snapshot_interval(elapsed: float, fixed: float | None) -> float:
     return min(ADAPTIVE_MAX_S, max(ADAPTIVE_MIN_S, elapsed / ADAPTIVE_SNAPSHOTS))
 
 
+ROWS_FLUSH_S = 1.0      # targets rows and last outstanding rows are written together at most this often
+
 class Clock:
     """Event times (monotonic ns, as BPF stamps them) on the wall clock of the recording's start."""
 
@@ -116,6 +118,8 @@ class Snapshots:
         self._last_counters: list[int] = []
         self._last_cpu = 0.0
         self.started = False                       # begin() was called: the loop runs
+        self._held: dict[str, tuple[Table, list[dict]]] = {}    # rows written together (flush)
+        self._flushed_at = 0.0
 
     # clocks -----------------------------------------------------------------------------------
     def begin(self, mono: float) -> None:
@@ -143,11 +147,26 @@ class Snapshots:
                               gpu_labels=gpu.labels(t.pid) if gpu is not None else [])
         if event in ("attach", "exec"):
             row.update(self.exe_ids.of(t.pid, t.info.exe).columns())
-        self.write(TARGETS, [row])
+        self._hold(TARGETS, [row])
 
     def last_rows(self, t: Target, exiting: bool) -> None:
         """A target's outstanding rows as it stops being recorded (`exiting`: it exited)."""
-        self.write(OUTSTANDING, self._outstanding_rows(t, exiting=exiting))
+        self._hold(OUTSTANDING, self._outstanding_rows(t, exiting=exiting))
+
+    def _hold(self, table: Table, out: list[dict]) -> None:
+        if out:
+            self._held.setdefault(table.name, (table, []))[1].extend(out)
+
+    def flush(self, mono: float | None = None) -> None:
+        """The rows written as things happen (`targets`, a process's last `outstanding` rows), one
+        file per table: from the loop at most every ROWS_FLUSH_S (`mono`), else now. A fork storm's
+        hundreds of children a second make a few files, not four each."""
+        if mono is not None and mono - self._flushed_at < ROWS_FLUSH_S:
+            return
+        self._flushed_at = time.monotonic() if mono is None else mono
+        held, self._held = self._held, {}
+        for table, out in held.values():
+            self.write(table, out)
 
     def write(self, table: Table, out: list[dict], **kw) -> None:
         """A full or read-only disk ends the recording cleanly (said once; files already written
@@ -166,6 +185,7 @@ class Snapshots:
                  fail: Callable[[int, str, Exception], None], only: frozenset[int] | None = None) -> None:
         """Rows of every target, or of `only` (pre-OOM: one process, not all; the recorder row,
         which covers all of them, waits for the next full snapshot)."""
+        self.flush()                        # exit rows before the interval's: a reader sees both
         now = self.now()
         mono = time.monotonic()
         interval = mono - self._last_snap

@@ -293,3 +293,32 @@ def test_oom_projections_come_from_a_trend_rising_at_the_end():
     ds.processes["rss"] = (500 * MiB + np.minimum(ds.processes.index.to_numpy(), 12) * 30 * MiB).astype("int64")
     (f,) = _leaks(ds)
     assert f.details["time_to_oom_basis"] == "leak_rate", f.summary
+
+
+def test_a_growth_shared_by_a_server_family_is_one_finding():
+    """Four children of one server and an unrelated process leak at the same site: the family's
+    four are one family_growth finding naming the root, with their summed rate; the stranger
+    keeps its own finding, and a child leaking elsewhere too."""
+    from dataclasses import replace
+
+    from analysis.detect.families import by_family
+
+    rng = np.random.default_rng(5)
+    leak = {pid: {1: simulate(rng, 300, 10, rate=1 * MiB)} for pid in (101, 102, 103, 104, 200)}
+    leak[103][2] = simulate(rng, 300, 10, rate=2 * MiB)             # its own leak, elsewhere
+    ds = _dataset(leak)
+    ts = pd.Timestamp("2026-11-22T00:00:00Z")
+    targets = [{"ts": ts, "pid": 100, "event": "attach", "comm": "postgres", "cmdline": "postgres -D /d", "ppid": 1},
+               *({"ts": ts, "pid": p, "event": "attach", "comm": "postgres", "cmdline": "postgres: backend",
+                  "ppid": 100} for p in (101, 102, 103, 104)),
+               {"ts": ts, "pid": 200, "event": "attach", "comm": "other", "cmdline": "other", "ppid": 1}]
+    ds = replace(ds, targets=pd.DataFrame(targets))
+    findings = by_family(ds, detect_growth(ds))
+    fam = [f for f in findings if f.kind == "family_growth"]
+    assert len(fam) == 1, [f.summary for f in findings]
+    f = fam[0]
+    assert (f.pid, f.comm, f.details["processes"], f.details["pids"]) == (100, "postgres", 4, [101, 102, 103, 104])
+    assert f.details["growth_bytes_per_hour"] / 3600 == pytest.approx(4 * MiB, rel=0.15)
+    assert f.summary.startswith("4 processes of postgres (pid 100) grow at site_1 (libx.so)")
+    rest = sorted((g.pid, g.details["frames"][0]["function"]) for g in findings if g.kind == "persistent_growth")
+    assert rest == [(103, "site_2"), (200, "site_1")]

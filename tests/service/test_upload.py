@@ -32,6 +32,7 @@ from sampler.dataset import retention as R
 from sampler.dataset import upload as U
 from sampler.dataset.schema import PROCESSES, RECORDINGS
 from sampler.dataset.writer import DatasetWriter
+from sampler.proc.process import descendants
 from sampler.service.config import UploadConfig
 from sampler.service.upload import Uploads
 
@@ -255,7 +256,12 @@ def test_kill9_mid_upload_then_restart_loses_and_duplicates_nothing(tmp_path, mo
     total = len(sealed(data))
     d = start_daemon(tmp_path, moto)
     wait_for(lambda: moto.objects(), 60, "the upload to be under way", every=0.05)
+    family = [pid for pid, _ in descendants({d.pid})]
     d.stop(signal.SIGKILL)
+    # the upload child dies with it (PR_SET_PDEATHSIG): once it is gone, a request it had sent
+    # just before may still complete at the server; nothing may come after that
+    wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in family), 30, "the upload child to die")
+    time.sleep(0.5)
     killed = moto.objects()
     print(f"\n[kill -9] {len(killed)} of {total} files in the bucket at the kill")
     assert len(killed) < total
