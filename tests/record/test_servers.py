@@ -92,6 +92,7 @@ def test_redis_sets_and_its_save_child(record):
         _, err = bench.communicate(timeout=120)
         assert bench.returncode == 0, err
         grown = _used_memory(redis) - before
+        redis.cli("config", "set", "rdb-key-save-delay", "20")    # µs per key: the child lives ~2 s
         redis.cli("bgsave")                 # a fork: the save child inherits the sampler
         deadline = time.monotonic() + 30
         while "rdb_bgsave_in_progress:1" in redis.cli("info", "persistence") and time.monotonic() < deadline:
