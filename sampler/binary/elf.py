@@ -314,6 +314,9 @@ class _FuncIndex:
         return g if g < len(self.ustart) and int(self.ustart[g]) == value else None
 
 
+MAX_SYMBOL_MEMO = 4096     # names whose definitions an image remembers (a fixed set in practice)
+
+
 class ElfImage:
     """One ELF file: path, debug_path, build_id, elf_type ('DYN', 'EXEC'), has_symtab.
 
@@ -339,6 +342,7 @@ class ElfImage:
         self._index: _FuncIndex | None = None
         self._exports: _ExportIndex | None = None
         self._names: dict[int, list[str]] = {}
+        self._symbols: dict[str, Symbol | None] = {}     # symbol()'s answers: asked per process, per fork
         self._plt: dict[int, str] | None = None
         self._digest: str | None = None
 
@@ -455,6 +459,14 @@ class ElfImage:
 
     def symbol(self, name: str) -> Symbol | None:
         """The definition of `name`; a GLOBAL/WEAK function wins over other kinds and bindings."""
+        if name in self._symbols:
+            return self._symbols[name]
+        found = self._symbol(name)
+        if len(self._symbols) < MAX_SYMBOL_MEMO:
+            self._symbols[name] = found
+        return found
+
+    def _symbol(self, name: str) -> Symbol | None:
         best, best_rank = None, None
         for t, tab in enumerate(self._tables):
             defined = tab.defined()

@@ -220,7 +220,9 @@ static long round_of(int id)
             if (c < 0)
                 corrupt = 1;
             sum += c;
+            in_alloc = 1;       /* a handler's malloc would wait on the lock free holds */
             free(b[i].p);
+            in_alloc = 0;
         }
     }
     return sum;
