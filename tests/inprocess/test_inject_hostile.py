@@ -18,6 +18,7 @@ import pytest
 from conftest import WORKLOADS, compile_c, drop_to_nobody
 
 from sampler.inprocess import inject
+from sampler.proc.maps import read_maps
 from sampler.proc.process import read_stat
 
 SECRET = b"root's own bytes: nobody may read or write them\n"
@@ -185,6 +186,21 @@ def test_a_forged_sampler_is_not_adopted(shared):
     try:
         with pytest.raises(inject.Refused, match="did not place"):
             inject.inject(h.pid, 65536, 0)
+    finally:
+        h.kill()
+
+
+def test_a_forged_sampler_is_not_taken_for_an_inherited_one(shared):
+    """A fork keeps its parent's sampler at the parent's base, in the parent's memfd: a forged one
+    is refused whatever parent it claims, unless it is that memfd (another inode is another file),
+    and the kernel's ppid (here root's test process) has no placement note to lend it."""
+    layout = inject.CodeLayout.of(inject.built()[0])
+    h = Hostile(shared, "forge", str(shared / "sampler.so"), hex(layout.data))
+    try:
+        forged = next(m for m in read_maps(h.pid) if m.path.startswith(inject.MEMFD_NAME) and m.executable)
+        for parent in ((forged.start, forged.inode + 1), (forged.start + 0x1000, forged.inode), None):
+            with pytest.raises(inject.Refused, match="did not place"):
+                inject.inject(h.pid, 65536, 0, parent=parent)
     finally:
         h.kill()
 
