@@ -240,6 +240,18 @@ def final_by_site(out: Path, pid: int, source: str = "malloc") -> pd.DataFrame:
     return df.merge(top.rename(columns={"function": "site_fn"}), on="stack_id", how="left")
 
 
+
+def outstanding_through(out: Path, pid: int, function: str, source: str | None = None) -> float:
+    """Outstanding bytes of `pid`'s stacks (of `source`, or all) that pass through `function`, at its
+    last snapshot."""
+    from analysis.dataset import latest_outstanding, read_table
+    df = latest_outstanding(out, [pid])
+    if source is not None:
+        df = df[df["source"] == source]
+    frames = read_table(out, "frames")
+    stacks = set(frames[frames["function"] == function]["stack_id"])
+    return float(df[df["stack_id"].isin(stacks)]["outstanding_bytes"].sum())
+
 # -- recordings of the leaky driver that several modules only read ---------------------------------
 # Each recording costs a BPF compile (~11 CPU-s) and its workload: test_pprof, test_querying and
 # test_diff share these two, recorded once per session. Tests must not write into them (exports go

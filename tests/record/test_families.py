@@ -10,20 +10,13 @@ import sys
 import time
 
 import pytest
-from conftest import WORKLOADS
+from conftest import WORKLOADS, outstanding_through
 
-from analysis.dataset import latest_outstanding, read_table
+from analysis.dataset import read_table
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
 
-
-def _kept_at(out, pid: int, function: str) -> float:
-    """Outstanding bytes of `pid`'s stacks that pass through `function`, at its last snapshot."""
-    df = latest_outstanding(out, [pid])
-    frames = read_table(out, "frames")
-    stacks = set(frames[frames["function"] == function]["stack_id"])
-    return float(df[df["stack_id"].isin(stacks)]["outstanding_bytes"].sum())
 
 
 def test_children_forked_before_and_during_the_recording_are_recorded(record):
@@ -61,7 +54,7 @@ def test_children_forked_before_and_during_the_recording_are_recorded(record):
         assert f"inherited from pid {fam.pid} (forked)" in tiers[pid], tiers
     for pid in map(int, early):   # forked before any placement: placed like any process
         assert tiers[pid].startswith("inject: in-process sampler") and "inherited" not in tiers[pid], tiers
-    found = {pid: _kept_at(rec.out, pid, "child_leak") for pid in kept}
+    found = {pid: outstanding_through(rec.out, pid, "child_leak") for pid in kept}
     print("\n[families] " + "; ".join(f"{pid} ({'late' if pid in late else 'early'}): kept {kept[pid]}, "
                                       f"estimated {found[pid]:.0f}" for pid in kept))
     for pid, truth in kept.items():

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import outstanding_through
 from servers import Postgres, Redis
 
 from analysis.dataset import latest_outstanding, read_table
@@ -25,14 +26,6 @@ def postgres() -> Iterator[Postgres]:
     with Postgres(scale=2) as pg:
         yield pg
 
-
-def _kept_at(out: Path, pid: int, function: str) -> float:
-    """Malloc bytes outstanding in `pid`'s stacks that pass through `function`, last snapshot."""
-    df = latest_outstanding(out, [pid])
-    df = df[df["source"] == "malloc"]
-    frames = read_table(out, "frames")
-    stacks = set(frames[frames["function"] == function]["stack_id"])
-    return float(df[df["stack_id"].isin(stacks)]["outstanding_bytes"].sum())
 
 
 def _tiers(out: Path):
@@ -75,7 +68,7 @@ def test_postgres_under_pgbench_every_backend_recorded_and_a_growing_one_named(p
     assert backend in inherited and len(inherited) >= 5, tiers   # the session and pgbench's 4
     samples = read_table(rec.out, "outstanding").groupby("pid")["alloc_samples"].sum()
     assert all(samples.get(p, 0) > 0 for p in inherited), samples
-    estimate = _kept_at(rec.out, backend, "PrepareQuery")
+    estimate = outstanding_through(rec.out, backend, "PrepareQuery", "malloc")
     print(f"\n[postgres] the session's backend grew {grown} bytes, estimated {estimate:.0f} under PrepareQuery; "
           f"{len(inherited)} backends inherited the sampler, {len(tiers) - 1} children recorded")
     assert grown > 4 << 20
