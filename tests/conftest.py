@@ -241,11 +241,11 @@ def final_by_site(out: Path, pid: int, source: str = "malloc") -> pd.DataFrame:
 
 
 
-def outstanding_through(out: Path, pid: int, function: str, source: str | None = None) -> float:
+def outstanding_through(out: Path, pid: int | list[int], function: str, source: str | None = None) -> float:
     """Outstanding bytes of `pid`'s stacks (of `source`, or all) that pass through `function`, at its
-    last snapshot."""
+    last snapshot (summed over the processes when `pid` is a list)."""
     from analysis.dataset import latest_outstanding, read_table
-    df = latest_outstanding(out, [pid])
+    df = latest_outstanding(out, pid if isinstance(pid, list) else [pid])
     if source is not None:
         df = df[df["source"] == source]
     frames = read_table(out, "frames")

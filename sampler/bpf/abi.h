@@ -84,7 +84,9 @@ enum uw_stop {
 #define UW_PAGE_ROWS_LOG2 9
 
 /* `targets` values: what is recorded for a process besides its allocator probes. */
-enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2 };
+/* TGT_FAMILY (--children): a process it forks is registered as a target by BPF at the fork
+ * (proc.bpf.c), before the child first runs. */
+enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2, TGT_FAMILY = 4 };
 
 /* Allocator functions (the cookie of an allocator probe, low byte). */
 enum fn_id {

@@ -71,6 +71,7 @@ class EvFlag(enum.IntFlag):
 class TargetFlag(enum.IntFlag):
     SYSCALLS = 1
     FAULTS = 2
+    FAMILY = 4
 
 
 class Fn(enum.IntEnum):

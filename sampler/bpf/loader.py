@@ -99,6 +99,15 @@ class _Attachment:
     specs: list[int] = field(default_factory=list)                     # usdt_specs slots its links use
 
 
+@dataclass
+class _Family:
+    """One link on a file's probe sites for every process that maps it (the injected sampler's
+    memfd, shared by a family's forks), kept while a member is attached through it."""
+    fd: int
+    specs: list[int]
+    members: set[int] = field(default_factory=set)
+
+
 # The stack walk's program for each kind of caller (program type, attach type): walk.bpf.c.
 _WALKERS = {(PROG_KPROBE, 0): "kprobe", (PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI): "multi",
             (PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION): "session", (PROG_TRACEPOINT, 0): "tracepoint",
@@ -207,6 +216,7 @@ class BpfProbes:
         sizes = {"live": cfg.live_max, "events": pages * page, "uw_rows": cfg.unwind_rows,
                  "uw_pages": cfg.unwind_pages, "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
         self._attached: dict[int, _Attachment] = {}
+        self._families: dict[tuple, _Family] = {}     # file identity -> its family's link
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._specs: _UsdtSpecs | None = None
         self._gpu_specs: dict[int, list[int]] = {}
@@ -390,10 +400,28 @@ class BpfProbes:
         for spec in specs:
             self._spec_table().reserved.add(self._spec_table().take(spec))
 
-    def attach_usdt(self, pid: int, attach_path: str, sites: Sequence[UsdtSite]) -> None:
+    def attach_usdt(self, pid: int, attach_path: str, sites: Sequence[UsdtSite], family: tuple | None = None) -> None:
         """Attach the preload tier's program to a file's otel_memory probe sites for one process.
+        `family`: the file's identity when the sites are a family's (the injected sampler's memfd
+        under --children): one link for every process that maps the file, made for its first
+        member, so that a fork samples from its first call (usdt_memory counts only targets).
         Raises OSError (the process is gone, the kernel refuses, or the file's or the process's
         probes have too many distinct argument layouts)."""
+        if family is not None:
+            fam = self._families.get(family)
+            if fam is None:
+                cookies = self._take_specs(sites, [], attach_path)
+                refs = [s.semaphore for s in sites]
+                try:
+                    fd = uprobe_multi.attach(self._multi_prog("usdt_memory"), attach_path,
+                                             [s.file_offset for s in sites], cookies, 0, session=False,
+                                             ref_ctr_offsets=refs if any(refs) else None)
+                except OSError:
+                    self._spec_table().drop(cookies)
+                    raise
+                fam = self._families[family] = _Family(fd, cookies)
+            fam.members.add(pid)
+            return
         att = self._attached.setdefault(pid, _Attachment())
         cookies = self._take_specs(sites, att.specs, attach_path)
         refs = [s.semaphore for s in sites]
@@ -405,6 +433,13 @@ class BpfProbes:
             raise
         att.links.append((fd, False))
         att.specs += cookies
+
+    def join_family(self, family: tuple, pid: int) -> bool:
+        """`pid` (a fork of a member) is covered by the family's link, if it has one."""
+        fam = self._families.get(family)
+        if fam is not None:
+            fam.members.add(pid)
+        return fam is not None
 
     def _take_specs(self, sites: Sequence[UsdtSite], held: list[int], path: str) -> list[int]:
         """One `usdt_specs` slot per site (taken: dropped again when its link goes); bounded per
@@ -488,6 +523,15 @@ class BpfProbes:
         `wait=False` (the process has exited): links are closed by background threads, as closing
         one waits for an RCU grace period (~40 ms per link here) that would otherwise stall the
         event loop."""
+        for key, fam in list(self._families.items()):
+            fam.members.discard(pid)
+            if not fam.members:             # its last member: the family's link goes
+                del self._families[key]
+                if wait:
+                    os.close(fam.fd)
+                else:
+                    self._close_later(fam.fd)
+                self._spec_table().drop(fam.specs)
         att = self._attached.pop(pid, None)
         if att:
             for fd, _ in att.links:
@@ -664,7 +708,7 @@ class BpfProbes:
                 for k, v in self.bpf["drops"].items()}
 
     def close(self) -> None:
-        for pid in list(self._attached) + list(self._gpu_links):
+        for pid in {*self._attached, *self._gpu_links, *(m for f in self._families.values() for m in f.members)}:
             self.detach(pid)
         for _ in self._closers:
             self._closing.put(None)

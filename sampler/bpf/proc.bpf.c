@@ -13,12 +13,44 @@ static __always_inline void emit_proc(u32 op, u32 pid, u32 tid, u64 other)
     events.ringbuf_submit(e, rb_flags(sizeof(*e)));
 }
 
-TRACEPOINT_PROBE(sched, sched_process_fork)
+#define CLONE_THREAD_FLAG 0x00010000
+
+/* A new task, in its parent's context before it first runs (copy_process). Threads are not
+ * forks. A fork of a TGT_FAMILY target (--children) is registered here, so that it is recorded
+ * from its first instruction: it gets the parent's target entry, its CPython layout, the forking
+ * thread's PyThreadState (the child's only thread), and the parent's unwind table, which holds
+ * for its copy of the address space until user space writes the child its own (on this event).
+ * The injected sampler's probe sites are attached once per family (any pid) and check `targets`,
+ * so the child's samples need nothing else. */
+TRACEPOINT_PROBE(task, task_newtask)
 {
+    if (args->clone_flags & CLONE_THREAD_FLAG)
+        return 0;
     u64 id = bpf_get_current_pid_tgid();
-    u32 pid = id >> 32;
-    if (targets.lookup(&pid))
-        emit_proc(PROC_FORK, pid, id, args->child_pid);    /* user space tells threads apart */
+    u32 pid = id >> 32, tid = id, child = args->pid;
+    struct target *tg = targets.lookup(&pid);
+    if (!tg)
+        return 0;
+    if (tg->flags & TGT_FAMILY) {
+        struct target c = *tg;
+        targets.update(&child, &c);
+        struct py_layout *py = pyprocs.lookup(&pid);
+        if (py) {
+            struct py_layout l = *py;
+            pyprocs.update(&child, &l);
+        }
+        u64 *ts = pythreads.lookup(&tid);
+        if (ts) {
+            u64 v = *ts;
+            pythreads.update(&child, &v);
+        }
+        struct uw_proc *uw = uw_procs.lookup(&pid);
+        if (uw) {
+            struct uw_proc v = *uw;
+            uw_procs.update(&child, &v);
+        }
+    }
+    emit_proc(PROC_FORK, pid, id, child);
     return 0;
 }
 
@@ -48,5 +80,9 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         return 0;
 #endif
     emit_proc(PROC_EXIT, pid, id, 0);
+    /* a child registered at its fork may exit before user space has seen it: nothing stays */
+    targets.delete(&pid);
+    pyprocs.delete(&pid);
+    uw_procs.delete(&pid);
     return 0;
 }

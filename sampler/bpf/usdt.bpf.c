@@ -18,7 +18,8 @@
  * another thread's), and a realloc that fails gives it back.
  *
  * One program for every probe site of all of these, attached with uprobe_multi (one stack capture
- * compiled, not two); the cookie indexes `usdt_specs`, which says where each argument lives at
+ * compiled, not two), per process, or per family for the injected sampler under --children; the
+ * cookie indexes `usdt_specs`, which says where each argument lives at
  * that site (sampler/probes/usdt.py pack_spec), like libbpf's usdt.bpf.h, and which probe it is (kind).
  */
 
@@ -68,6 +69,11 @@ int usdt_memory(struct pt_regs *ctx)
     bpf_probe_read_kernel(regs, sizeof(regs), ctx);
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
+    /* a family's link (the injected sampler's memfd, any pid) fires in every process that maps
+     * it: only targets count (a fork without --children, or one handed the memfd) */
+    struct target *tg = targets.lookup(&pid);
+    if (!tg)
+        return 0;
     u32 kind = spec->kind;
     u32 fn = spec->fn & 31;
     bool torch = kind == USDT_TORCH_ALLOC || kind == USDT_TORCH_FREE;
@@ -106,8 +112,7 @@ int usdt_memory(struct pt_regs *ctx)
         return 0;
     u64 weight = 0;
     if (torch) {                    /* every tensor: sampled here */
-        struct target *tg = targets.lookup(&pid);
-        weight = sample_bytes(pid, size, tg ? tg->shift : 0);
+        weight = sample_bytes(pid, size, tg->shift);
         if (!weight)
             return 0;
     }

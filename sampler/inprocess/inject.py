@@ -43,7 +43,7 @@ import struct
 import subprocess
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sampler import files
@@ -195,16 +195,20 @@ class Injection:
     said: set[str] = field(default_factory=set)
     stores: int = 0                 # helper runs that changed the process's words
     store_ns: int = 0               # how long their threads were stopped, in all
+    allocator_label: str = ""       # `allocator`, once found (a fork's child inherits it)
 
     @property
     def allocator(self) -> str:
         """`family:path` of the library the sampler forwards malloc to (as `targets.allocators` says)."""
+        if self.allocator_label:
+            return self.allocator_label
         with contextlib.suppress(OSError, ProcessLookupError):
             m = next((x for x in read_maps(self.pid) if x.start <= self.originals["malloc"] < x.end), None)
             if m is not None:
                 base = os.path.basename(m.path)
                 family = next((f.name for f in FAMILIES if f.library.search(base)), "other")
-                return f"{family}:{m.path}"
+                self.allocator_label = f"{family}:{m.path}"
+                return self.allocator_label
         return "unknown"
 
     def owns(self, addr: int) -> bool:
@@ -222,6 +226,27 @@ class Injection:
 
     def close(self) -> None:
         self.mem.close()
+
+    def forked(self, pid: int) -> Injection:
+        """The same sampler in `pid`, which the kernel's fork event says was forked from this
+        process: its memory is a copy of this one's at the fork (sampler, its data and every slot
+        written so far), so nothing is read again or written; what differs later (a dlopen, an
+        exec) its own rescans and exec handling see, and each of its writes is still a
+        compare-and-exchange checked against our code at `base`. Raises ProcessLookupError when
+        it is gone."""
+        st = read_stat(pid)
+        try:
+            mem = _Memory(pid)
+        except OSError:
+            raise ProcessLookupError(pid) from None
+        again = read_stat(pid)
+        if st is None or again is None or again.start != st.start:
+            mem.close()
+            raise ProcessLookupError(pid)
+        return replace(self, pid=pid, start=st.start, mem=mem, adopted=True, inherited=True, stop_ns=None,
+                       slots=dict(self.slots), symbols=dict(self.symbols), seen=set(self.seen),
+                       imports=dict(self.imports), biases=dict(self.biases), skipped=list(self.skipped),
+                       py_fields=dict(self.py_fields), news=[], said=set(self.said), stores=0, store_ns=0)
 
     def redirect(self) -> int:
         """Redirect the slots of objects not looked at yet; returns how many slots changed. An object

@@ -185,6 +185,7 @@ class PyProcess:
     types: PyTypes
     module_path: str
     namespaced: bool = False  # in another pid namespace: tstates hold namespace tids
+    forked_from: int = 0  # read through this parent when the process is gone (a short-lived fork)
     _fd: int = field(default=-1, init=False, repr=False, compare=False)
 
     # Memory
@@ -196,7 +197,16 @@ class PyProcess:
         if addr <= 0 or addr + n > _MAX_ADDR:
             return None
         if self._fd < 0:
-            self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+            # a fork gone before its samples are read: its code objects from before the fork are
+            # the parent's (what it made since reads as garbage, which the readers' checks refuse)
+            for pid in dict.fromkeys(p for p in (self.pid, self.forked_from) if p):
+                try:
+                    self._fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+                    break
+                except OSError:
+                    continue
+            else:
+                return None
         try:
             data = os.pread(self._fd, n, addr)
         except OSError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from sampler.python.codeobj import CodeReader, PyFrame
@@ -52,6 +52,17 @@ class PythonTargets:
         self._maps.set_python(pid, proc.layout.to_bytes())
         self.refresh(pid, force=True)
         return None
+
+    def forked(self, parent: int, child: int) -> bool:
+        """`child` was forked from `parent` (BPF copied its layout and the forking thread's
+        PyThreadState, which is the child's one thread): read like the parent, with nothing read
+        from the child now. False when the parent is not known to run CPython."""
+        py = self._procs.get(parent)
+        if py is None:
+            return False
+        proc = replace(py.proc, pid=child, forked_from=py.proc.forked_from or parent)
+        self._procs[child] = _Py(proc, CodeReader(proc), {child}, time.monotonic())
+        return True
 
     def known(self, pid: int) -> bool:
         return pid in self._procs

@@ -48,8 +48,10 @@ class Attacher:
                  python: PythonTargets | None, governor: Governor | None,
                  note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool,
                  attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000,
-                 python_objects: bool = False, mapped_code: Callable[[Target], None] = lambda t: None):
+                 python_objects: bool = False, mapped_code: Callable[[Target], None] = lambda t: None,
+                 children: bool = False):
         self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
+        self.children = children            # --children: BPF registers forks; the sampler's sites per family
         self.python_objects = python_objects
         self.attach_mode, self.sample_mean, self.max_samples_per_s = attach_mode, sample_mean, max_samples_per_s
         self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
@@ -66,12 +68,41 @@ class Attacher:
         one: poll). ProcessLookupError: it exited meanwhile."""
         if t.tier == RSS:
             self.enable_faults()
-        self.probes.add_target(t.pid, TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0))
+        self.probes.add_target(t.pid, self._flags(t))
         if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
             t.attach_owed = True            # its allocator probes come with the placement's outcome
             self._detect_python(t, final=False)
             return
         self._settled(t)
+
+    def _flags(self, t: Target) -> TargetFlag:
+        return (TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0)
+                | (TargetFlag.FAMILY if self.children else 0))
+
+    def adopt_fork(self, t: Target, parent: Target) -> bool:
+        """A fork of `parent` that BPF registered at the fork (--children): it inherits the
+        parent's sampler, slots and family link with its copy of the address space, so it needs no
+        placement, no link and no read of its files. A child that is gone already is still
+        recorded: its samples until its exit follow this event. False when the parent has no
+        sampler (the caller attaches the child as usual)."""
+        if parent.injection is None or parent.tier != INJECT or not self.children:
+            return False
+        t.tier = INJECT
+        if self.python is not None and self.python.forked(parent.pid, t.pid):
+            t.py_checked = True
+        try:
+            t.injection = parent.injection.forked(t.pid)
+        except ProcessLookupError:
+            self.note(t, "tier", f"inject: inherited from pid {parent.pid} (forked; exited before it was looked at)")
+            return True
+        self.probes.add_target(t.pid, self._flags(t))
+        # the family's link covers it already; any other probe file is attached at its rescan
+        t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
+        t.usdt_labels = [label for label in parent.usdt_labels if label.endswith("(usdt, family)")]
+        self.note(t, "tier", f"inject: in-process sampler at {t.injection.base:#x} inherited from pid "
+                             f"{parent.pid} (forked)")
+        self.note(t, "attach", "")
+        return True
 
     def _settled(self, t: Target) -> None:
         """The target's tier is decided: its allocator probes, then the `attach` row (now, or once
@@ -185,7 +216,7 @@ class Attacher:
         if self.governor is not None:
             self.governor.forget(t.pid)
         if tier == RSS:
-            self.probes.add_target(t.pid, TargetFlag.SYSCALLS | TargetFlag.FAULTS)
+            self.probes.add_target(t.pid, self._flags(t))
             self.enable_faults()
         self.note(t, "tier", f"{tier}: {why}")
 
@@ -401,9 +432,11 @@ class Attacher:
                                           "recorded from its own samples, no allocator uprobes")
         for ident, m in found:
             try:
+                # the injected sampler's memfd is its family's under --children: one link, any pid
+                family = ident[:2] if self.children and m.path.startswith(inject.MEMFD_NAME) else None
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
                     probes = usdt.memory_probes(path)
-                    self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes))
+                    self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes), family)
             except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{t.pid}"):
                     raise ProcessLookupError(t.pid) from None
@@ -411,5 +444,5 @@ class Attacher:
                 self.warn(t, t.failures[-1])
                 continue
             t.usdt.add(ident)
-            t.usdt_labels += [f"{p.label} (usdt, multi)" for p in probes]
+            t.usdt_labels += [f"{p.label} (usdt, {'family' if family else 'multi'})" for p in probes]
         return True

@@ -11,6 +11,7 @@ through the methods below.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import os
 import secrets
@@ -28,7 +29,7 @@ from sampler.bpf.events import Event, decode
 from sampler.errors import EXIT_ENVIRONMENT, EnvironmentProblem, TargetGone
 from sampler.gpu import cuda
 from sampler.probes import allocators
-from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, descendants, is_process, read_info
+from sampler.proc.process import LaunchedCommand, ProcessInfo, check_pid, descendants, read_info
 from sampler.record.attach import NO_ALLOCATOR
 from sampler.record.build import build
 from sampler.record.options import RecorderHooks, RecordOptions
@@ -290,6 +291,28 @@ class Recorder:
         except Exception as e:  # noqa: BLE001
             self._fail(info.pid, "attaching", e)
 
+    def _add_child(self, pid: int, parent: Target) -> None:
+        """A fork of a target, which BPF registered at the fork: until it execs it is a copy of
+        its parent (identity included), and a fork of an injected parent takes its sampler over
+        without reading anything from its files (Attacher.adopt_fork): a few hundred
+        microseconds, so that a server forking per connection stays cheap to record. It may have
+        exited already: its events until then are still recorded."""
+        info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
+        t = Target(info)
+        t.parent = parent.pid
+        if not self.attacher.adopt_fork(t, parent):
+            try:
+                info = read_info(pid)
+            except ProcessLookupError:
+                return
+            self._add_target(info, parent=parent)
+            return
+        self.targets[pid] = t
+        self.controls.add(t)
+        self.stacks.fork(parent.pid, pid)
+        if self.parts.tables is not None:
+            self.parts.tables.fork(parent.pid, pid)
+
     def _rescan(self, now: float, every: bool = False) -> None:
         """After an exec the new image maps its libraries a moment later; dlopen can add an
         allocator any time. Rescan recent execs at every poll, `every` target once per interval."""
@@ -435,11 +458,9 @@ class Recorder:
         return sid
 
     def _on_proc(self, t: Target, ev: Event) -> None:
-        if ev.op == ProcOp.FORK:
-            child = ev.addr
-            if self.opts.children and child not in self.targets and is_process(child):
-                with contextlib.suppress(ProcessLookupError):
-                    self._add_target(read_info(child), parent=t)
+        if ev.op == ProcOp.FORK:         # a process, not a thread (BPF tells them apart)
+            if self.opts.children and ev.addr not in self.targets:
+                self._add_child(ev.addr, t)
         elif ev.op == ProcOp.EXEC:
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)

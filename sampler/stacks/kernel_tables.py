@@ -120,6 +120,22 @@ class KernelTables:
         self._set_maps(pid, maps)
         return True
 
+    def fork(self, parent: int, child: int) -> bool:
+        """`child` was forked from `parent`: its table is the parent's maps, not read again (BPF
+        pointed it at the parent's slot at the fork; it gets its own now, so that the parent's can
+        be rewritten and reused). False as for track."""
+        p = self._procs.get(parent)
+        if p is None or child in self._procs:
+            return self.track(child)
+        if len(self._slots) < 2:
+            return False
+        self._procs[child] = _Proc(self._slots.popleft(), list(p.maps))
+        for m in p.maps:
+            if (f := self._files.get((m.dev, m.inode))) is not None:
+                f.pids.add(child)
+        self._write(child)
+        return True
+
     def changed(self, pid: int, exec_: bool = False) -> None:
         """`pid` mapped code, or exec'd: its maps are read again at the next poll. After an exec
         its old table is dropped at once: the new image may lie where the old one did."""

@@ -58,6 +58,7 @@ class _ProcessView:
     maps: list[Mapping]
     read_at: float
     generation: int
+    owner: int = 0              # the process that read these maps (its forks share the view)
     images: dict[tuple[str, int, str], ElfImage | None] = field(default_factory=dict)
 
 
@@ -92,12 +93,12 @@ class Symbolizer:
             if view is None:  # the process is gone
                 out.append(_unknown(where))
                 continue
-            key = (pid, view.generation, addr, is_ip)
+            key = (view.owner, view.generation, addr, is_ip)
             place = self._memo.get(key)
             if place is None:
                 view, place = self._place(pid, view, where)
                 if place.module != "[unknown]":    # a miss may be a dlopen not yet seen: retry later
-                    self._memo[(pid, view.generation, addr, is_ip)] = place
+                    self._memo[(view.owner, view.generation, addr, is_ip)] = place
                     if len(self._memo) > self._memo_size:
                         self._memo.popitem(last=False)
             else:
@@ -182,6 +183,13 @@ class Symbolizer:
         if view is not None:
             view.read_at = float("-inf")
 
+    def fork(self, parent: int, child: int) -> None:
+        """`child` was forked from `parent`: it resolves with the parent's view (the same maps,
+        images and memo), even once it is gone, until a miss has its own maps read."""
+        view = self._view(parent)
+        if view is not None:
+            self._procs[child] = view
+
     def forget(self, pid: int) -> None:
         """Drop what is known of `pid` (it exited or exec'd)."""
         self._procs.pop(pid, None)
@@ -195,7 +203,7 @@ class Symbolizer:
                 maps = read_maps(pid)
             except (ProcessLookupError, PermissionError):
                 return None
-            view = _ProcessView(maps, time.monotonic(), self._generations.get(pid, 0))
+            view = _ProcessView(maps, time.monotonic(), self._generations.get(pid, 0), pid)
             self._procs[pid] = view
         return view
 
@@ -241,17 +249,21 @@ class Symbolizer:
             return view
         # The address space changed: results memoised for the old maps may be wrong.
         gen = self._generations[pid] = self._generations.get(pid, 0) + 1
-        new = _ProcessView(maps, now, gen)
+        new = _ProcessView(maps, now, gen, pid)
         self._procs[pid] = new
         return new
 
     def _image(self, pid: int, view: _ProcessView, m: Mapping) -> ElfImage | None:
         key = (m.dev, m.inode, m.path)
         if key not in view.images:
-            try:
-                view.images[key] = ElfImage.open(open_path(pid, m), m.path, f"/proc/{pid}/root")
-            except (OSError, ElfFormatError):
-                view.images[key] = None
+            view.images[key] = None
+            # through the process that read the maps (a fork's parent outlives a short child)
+            for owner in dict.fromkeys((view.owner or pid, pid)):
+                try:
+                    view.images[key] = ElfImage.open(open_path(owner, m), m.path, f"/proc/{owner}/root")
+                    break
+                except (OSError, ElfFormatError):
+                    continue
         return view.images[key]
 
 

@@ -58,6 +58,10 @@ class StackTable:
         self.last_pcs: tuple[int, ...] = ()                      # its return addresses
         self._depth: dict[int, int] = {}   # pid -> deepest complete walk (bytes); -1: a copy was short
         self._exe: dict[int, str] = {}     # pid -> main executable
+        # pid -> its address space, in memo keys: a fork shares its parent's until it execs or
+        # exits, and a pid that comes back (exec, reuse) gets a new one
+        self._spaces: dict[int, int] = {}
+        self._next_space = 0
 
     def intern(self, ev: Event) -> int:
         first_is_ip = bool(ev.flags & EvFlag.FIRST_IS_IP)
@@ -75,7 +79,7 @@ class StackTable:
         else:
             pcs, stop = (), "no_stack"
         self.last_stop, self.last_pcs = stop, pcs
-        memo_key = (ev.pid, first_is_ip, pcs, ev.py)
+        memo_key = (self._space(ev.pid), first_is_ip, pcs, ev.py)
         sid = self._memo.get(memo_key)
         if sid is not None:
             self._memo.move_to_end(memo_key)
@@ -180,13 +184,29 @@ class StackTable:
         if shed >= 1:
             self._memo.clear()
 
+    def _space(self, pid: int) -> int:
+        space = self._spaces.get(pid)
+        if space is None:
+            space = self._spaces[pid] = self._next_space
+            self._next_space += 1
+        return space
+
+    def fork(self, parent: int, child: int) -> None:
+        """`child` was forked from `parent`: its stacks resolve like the parent's (same memo)."""
+        self._spaces[child] = self._space(parent)
+        self.symbolizer.fork(parent, child)
+        if parent in self._exe:
+            self._exe[child] = self._exe[parent]
+        if parent in self._depth:
+            self._depth[child] = self._depth[parent]
+
     def forget(self, pid: int) -> None:
-        """The process exec'd or exited: its addresses mean something else now."""
+        """The process exec'd or exited: its addresses mean something else now (its memo entries
+        are never hit again, and age out)."""
         self.symbolizer.forget(pid)
         self._depth.pop(pid, None)
         self._exe.pop(pid, None)
-        for k in [k for k in self._memo if k[0] == pid]:
-            del self._memo[k]
+        self._spaces.pop(pid, None)
 
     def drain_new(self) -> list[Stack]:
         """The stacks first seen since the last call, named now (symbol tables and DWARF are read

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import WORKLOADS, outstanding_through
 
-from analysis.dataset import read_table
+from analysis.dataset import read_outstanding, read_table
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
@@ -41,14 +41,11 @@ def test_children_forked_before_and_during_the_recording_are_recorded(record):
             assert line.startswith("kept "), line
             word, pid, n = line.split()
             kept[int(pid)] = int(n)
-        rec.wait_snapshot(time.time() + 1.2)
-        code, _, err = rec.stop(signal.SIGTERM)
-        assert code == 0, err
+        stop(rec)
     finally:
         fam.stdin.close()
         fam.wait(30)
-    targets = read_table(rec.out, "targets")
-    tiers = targets[targets["event"] == "tier"].groupby("pid")["detail"].last()
+    targets, tiers = targets_and_tiers(rec.out)
     assert set(kept) == {*late, *map(int, early)}
     for pid in late:              # forked from the injected parent: its sampler came with the fork
         assert f"inherited from pid {fam.pid} (forked)" in tiers[pid], tiers
@@ -59,3 +56,61 @@ def test_children_forked_before_and_during_the_recording_are_recorded(record):
                                       f"estimated {found[pid]:.0f}" for pid in kept))
     for pid, truth in kept.items():
         assert found[pid] == pytest.approx(truth, rel=0.35), (pid, tiers[pid])
+
+
+@pytest.mark.parametrize("children", [True, False])
+def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, children):
+    """BPF registers a fork at the fork itself, and the sampler's probe sites are the family's:
+    children that allocate at once and exit within milliseconds are recorded whole (what each
+    says it kept), and without --children no child's allocation counts anywhere."""
+    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert fam.stdout.readline().split() == ["ready"]
+        rec = record("--pid", str(fam.pid), *(["--children"] if children else []), "-i", "1",
+                     "--sample-bytes", "128K")
+        rec.wait_attached(pid=fam.pid)
+        fam.stdin.write("blink 30\n")
+        fam.stdin.flush()
+        kept = {}
+        while (line := fam.stdout.readline()).startswith("kept "):
+            kept[int(line.split()[1])] = int(line.split()[2])
+        assert line.strip() == "blinked" and len(kept) == 30, line
+        stop(rec)
+    finally:
+        fam.stdin.close()
+        fam.wait(30)
+    targets, tiers = targets_and_tiers(rec.out)
+    found = held_at_exit(rec.out, list(kept), "child_leak")
+    print(f"\n[families] {len(kept)} short-lived children, kept {sum(kept.values())}, estimated {found:.0f} "
+          f"(--children: {children})")
+    if not children:
+        assert not set(kept) & set(targets["pid"]) and found == 0
+        assert outstanding_through(rec.out, fam.pid, "child_leak") == 0
+        assert held_at_exit(rec.out, [fam.pid], "child_leak") == 0
+        return
+    assert set(kept) <= set(tiers.index), set(kept) - set(tiers.index)
+    assert all(f"inherited from pid {fam.pid} (forked" in tiers[pid] for pid in kept), tiers
+    assert found == pytest.approx(sum(kept.values()), rel=0.15)
+
+
+def held_at_exit(out, pids: list[int], function: str) -> float:
+    """What the processes held at their exits (teardown rows) in stacks through `function`."""
+    import pyarrow.dataset as ds
+    _, teardown = read_outstanding(out, filter=ds.field("pid").isin(pids), pids=pids)
+    frames = read_table(out, "frames")
+    return float(teardown[teardown["stack_id"].isin(set(frames[frames["function"] == function]["stack_id"]))]
+                 ["outstanding_bytes"].sum())
+
+
+def stop(rec) -> None:
+    """Once the last events are in a snapshot."""
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop(signal.SIGTERM)
+    assert code == 0, err
+
+
+def targets_and_tiers(out):
+    """The `targets` rows, and each process's last `tier` detail."""
+    targets = read_table(out, "targets")
+    return targets, targets[targets["event"] == "tier"].groupby("pid")["detail"].last()

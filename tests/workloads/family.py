@@ -5,6 +5,9 @@
       fork N          -> forks N more children, prints "forked PID..."
       alloc MIB       -> every child keeps MIB MiB in 64 KiB bytearrays made in child_leak and
                          prints "kept PID BYTES"
+      blink N         -> forks N short-lived children, one at a time: each keeps 4 MiB from its
+                         first call (child_leak), prints "kept PID BYTES" and exits at once;
+                         then prints "blinked"
     EOF ends the children, then the parent.
 """
 
@@ -54,6 +57,15 @@ for line in sys.stdin:
     elif word == "alloc":
         for _, w in children:
             os.write(w, f"alloc {arg}\n".encode())
+    elif word == "blink":
+        for _ in range(int(arg)):
+            pid = os.fork()
+            if pid == 0:
+                kept = child_leak(4)
+                os.write(1, f"kept {os.getpid()} {kept}\n".encode())
+                os._exit(0)
+            os.waitpid(pid, 0)
+        print("blinked", flush=True)
 for pid, w in children:
     os.close(w)
     os.waitpid(pid, 0)
