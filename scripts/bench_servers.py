@@ -5,6 +5,8 @@ interleaved in rounds: the benchmark's own throughput, and the recorder's CPU ov
   pg-S:    PostgreSQL, pgbench -S (selects), 4 clients on persistent connections
   pg-S-C:  the same with a new connection (a forked backend) per transaction
   redis:   Redis SET, redis-benchmark -P 8 (pipelined), 200-byte values
+  gunicorn: gunicorn's pre-fork server, 2 sync workers, GET / from 4 client threads (each request
+           on a new connection, over a unix socket)
 
 Each run starts a fresh server (scripts/servers.py: as nobody, on a unix socket); a recorded run
 starts the recorder first and waits for its `attach` row.
@@ -14,7 +16,7 @@ each keeping 4 MiB for 50 ms (so each is sampled, with near certainty) and exiti
 how many were forked, recorded (a `targets` row) and seen allocating (samples), and the
 recorder's CPU beside that of the same recorder on the idle parent.
 
-    sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis]
+    sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis,gunicorn]
                                                    [--storm-rate 300]
 
 --quick: one short round, a smoke test whose numbers mean nothing.
@@ -33,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from servers import Postgres, Redis
+from servers import Gunicorn, Postgres, Redis
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
@@ -55,9 +57,24 @@ def redis_set(r: Redis, seconds: float) -> float:
     return float(re.findall(r"([\d.]+) requests per second", out)[-1])
 
 
+def gunicorn_get(g: Gunicorn, seconds: float) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+    end = time.monotonic() + seconds
+
+    def client(_: int) -> int:
+        n = 0
+        while time.monotonic() < end:
+            g.get("/")
+            n += 1
+        return n
+    with ThreadPoolExecutor(4) as pool:
+        return sum(pool.map(client, range(4))) / seconds
+
+
 SERVERS = {"pg-S": (lambda: Postgres(scale=4), pgbench(False)),
            "pg-S-C": (lambda: Postgres(scale=4), pgbench(True)),
-           "redis": (Redis, redis_set)}
+           "redis": (Redis, redis_set),
+           "gunicorn": (Gunicorn, gunicorn_get)}
 
 
 STORM = """

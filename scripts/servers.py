@@ -4,20 +4,25 @@ own temporary directory, listening only on a unix socket there, and removed when
 
     with Postgres(scale=2) as pg:      pg.pid (the postmaster), pg.run("psql", ...), pg.client(...)
     with Redis() as r:                 r.pid, r.cli("info", "memory"), r.client("redis-benchmark", ...)
+    with Gunicorn(workers=2) as g:     g.pid (the arbiter), g.workers(), g.get("/leak") -> (worker pid, bytes)
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 NOBODY = pwd.getpwnam("nobody").pw_uid
+WORKLOADS = Path(__file__).resolve().parent.parent / "tests" / "workloads"
 PG_BIN = next(iter(sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True)), None)
 
 
@@ -118,3 +123,45 @@ class Redis(_Server):
 
     def tool(self, name: str, *args: str, **kw) -> subprocess.Popen:
         return self.client([name, "-s", str(self.socket), *args], **kw)
+
+
+class Gunicorn(_Server):
+    """gunicorn's pre-fork server (sync workers) serving tests/workloads/wsgi_leak.py on a unix
+    socket: GET /leak keeps 64 KiB in the worker that serves it; every answer says which worker
+    and what it holds."""
+
+    def __init__(self, workers: int = 2):
+        super().__init__("allocsampler-gunicorn-")
+        self.socket = self.dir / "app.sock"
+        self.n = workers
+        self._start([sys.executable, "-m", "gunicorn", "--workers", str(workers), "--bind", f"unix:{self.socket}",
+                     "--chdir", str(WORKLOADS), "--worker-tmp-dir", str(self.dir), "wsgi_leak:app"])
+        self._wait_until(lambda: self.socket.exists() and len(self.workers()) == workers, "gunicorn")
+
+    def workers(self) -> list[int]:
+        """The arbiter's live children."""
+        try:
+            tasks = Path(f"/proc/{self.pid}/task").iterdir()
+            return sorted({int(c) for t in tasks for c in (t / "children").read_text().split()})
+        except OSError:
+            return []
+
+    def get(self, path: str) -> tuple[int, int]:
+        """(the worker that answered, what it holds)."""
+        conn = _UnixHTTP(str(self.socket))
+        try:
+            conn.request("GET", path)
+            pid, held = conn.getresponse().read().split()
+        finally:
+            conn.close()
+        return int(pid), int(held)
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=30)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self._path)

@@ -48,10 +48,8 @@ class Attacher:
                  python: PythonTargets | None, governor: Governor | None,
                  note: Callable[[Target, str, str], None], warn: Callable[[Target, str], None], quiet: bool,
                  attach_mode: str = "auto", sample_mean: int = 512 << 10, max_samples_per_s: int = 2000,
-                 python_objects: bool = False, mapped_code: Callable[[Target], None] = lambda t: None,
-                 children: bool = False):
+                 python_objects: bool = False, mapped_code: Callable[[Target], None] = lambda t: None):
         self.probes, self.allocators, self.fault_period = probes, allocators, fault_period
-        self.children = children            # --children: BPF registers forks; the sampler's sites per family
         self.python_objects = python_objects
         self.attach_mode, self.sample_mean, self.max_samples_per_s = attach_mode, sample_mean, max_samples_per_s
         self.fault_all, self.fault_cgroups = fault_all, fault_cgroups    # host-wide selection (--all, --cgroup)
@@ -77,7 +75,7 @@ class Attacher:
 
     def _flags(self, t: Target) -> TargetFlag:
         return (TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0)
-                | (TargetFlag.FAMILY if self.children else 0))
+                | (TargetFlag.FAMILY if t.family else 0))
 
     def adopt_fork(self, t: Target, parent: Target) -> bool:
         """A fork of `parent` that BPF registered at the fork (--children): it inherits the
@@ -85,7 +83,7 @@ class Attacher:
         placement, no link and no read of its files. A child that is gone already is still
         recorded: its samples until its exit follow this event. False when the parent has no
         sampler (the caller attaches the child as usual)."""
-        if parent.injection is None or parent.tier != INJECT or not self.children:
+        if parent.injection is None or parent.tier != INJECT or not parent.family:
             return False
         t.tier = INJECT
         if self.python is not None and self.python.forked(parent.pid, t.pid):
@@ -433,7 +431,7 @@ class Attacher:
         for ident, m in found:
             try:
                 # the injected sampler's memfd is its family's under --children: one link, any pid
-                family = ident[:2] if self.children and m.path.startswith(inject.MEMFD_NAME) else None
+                family = ident[:2] if t.family and m.path.startswith(inject.MEMFD_NAME) else None
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
                     probes = usdt.memory_probes(path)
                     self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes), family)

@@ -111,7 +111,7 @@ def build(opts: RecordOptions, hooks: RecorderHooks, recording_id: str, host: st
                             gpu=gpu, python=python, governor=governor, note=note, warn=warn, quiet=o.quiet,
                             attach_mode=o.attach_mode, sample_mean=o.sample_mean,
                             max_samples_per_s=o.max_samples_per_s, python_objects=o.python_objects,
-                            mapped_code=lambda t: mapped_code(t, now=True), children=o.children)
+                            mapped_code=lambda t: mapped_code(t, now=True))
         controls = Controls(probes, governor, SampleRate(o.max_samples_per_s), o.sample_mean, attacher, note)
         if o.rss or o.all_processes or o.cgroups:
             attacher.enable_faults()

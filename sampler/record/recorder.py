@@ -111,10 +111,7 @@ class Recorder:
             for info in infos:
                 self._add_target(info)
             if o.children:                  # forked before: no event will name them
-                for pid, ppid in descendants(set(self.targets)):
-                    if pid not in self.targets and ppid in self.targets:
-                        with contextlib.suppress(ProcessLookupError):
-                            self._add_target(read_info(pid), parent=self.targets[ppid])
+                self._add_descendants()
             self.attacher.settle(self.targets, self._fail)
             if not self.targets and not (o.all_processes or o.cgroups or o.daemon):
                 raise TargetGone(f"every target exited while being attached ({', '.join(str(i.pid) for i in infos)}): "
@@ -179,10 +176,19 @@ class Recorder:
         self.snapshots.snapshot(self.targets, lambda pid: self._exit(pid, write_rows=False), self._fail, only)
 
     # the daemon's calls (sampler/service/daemon.py) -----------------------------------------
-    def add_process(self, info: ProcessInfo, tier: str) -> bool:
-        """Start recording a process the daemon selected; False when it exited meanwhile."""
-        self._add_target(info, tier)
+    def add_process(self, info: ProcessInfo, tier: str, family: bool = False) -> bool:
+        """Start recording a process the daemon selected (`family`: its forks too, from their
+        fork); False when it exited meanwhile. One recorded already (a family's fork) stays as is."""
+        if info.pid not in self.targets:
+            self._add_target(info, tier, family=family)
+            if family and info.pid in self.targets:     # forked before: no event will name them
+                self._add_descendants()
         return info.pid in self.targets
+
+    def takes_forks_of(self, pid: int) -> bool:
+        """The forks of `pid` are recorded from their fork (BPF registers them, its fork event adds them)."""
+        t = self.targets.get(pid)
+        return t is not None and t.family
 
     def remove_process(self, pid: int, event: str = "exit", detail: str = "") -> None:
         """Stop recording a process (it exited, or no longer matches): its last outstanding rows,
@@ -272,11 +278,14 @@ class Recorder:
         cuda.plans.prune(shed)
 
     # targets ----------------------------------------------------------------------------------
-    def _add_target(self, info: ProcessInfo, tier: str | None = None, parent: Target | None = None) -> None:
+    def _add_target(self, info: ProcessInfo, tier: str | None = None, parent: Target | None = None,
+                    family: bool = False) -> None:
         """`parent`: the target the kernel's fork event says this one was forked from: a sampler
-        placed there came with the fork, and is adopted rather than placed again."""
+        placed there came with the fork, and is adopted rather than placed again. `family`: its
+        forks are recorded too (always under --children)."""
         tier = tier or (RSS if self.opts.rss else SYSCALLS if self.opts.syscalls_only else ATTACH)
         t = self.targets[info.pid] = Target(info, tier=tier)
+        t.family = family or self.opts.children or (parent is not None and parent.family)
         if parent is not None:
             t.parent = parent.pid
             if parent.injection is not None:
@@ -291,6 +300,14 @@ class Recorder:
         except Exception as e:  # noqa: BLE001
             self._fail(info.pid, "attaching", e)
 
+    def _add_descendants(self) -> None:
+        """The live descendants of family targets (one pass over /proc): forked before they were
+        recorded, so no fork event will name them."""
+        for pid, ppid in descendants({p for p, t in self.targets.items() if t.family}):
+            if pid not in self.targets and ppid in self.targets:
+                with contextlib.suppress(ProcessLookupError):
+                    self._add_target(read_info(pid), parent=self.targets[ppid])
+
     def _add_child(self, pid: int, parent: Target) -> None:
         """A fork of a target, which BPF registered at the fork: until it execs it is a copy of
         its parent (identity included), and a fork of an injected parent takes its sampler over
@@ -298,7 +315,7 @@ class Recorder:
         microseconds, so that a server forking per connection stays cheap to record. It may have
         exited already: its events until then are still recorded."""
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
-        t = Target(info)
+        t = Target(info, family=True)
         t.parent = parent.pid
         if not self.attacher.adopt_fork(t, parent):
             try:
@@ -459,7 +476,7 @@ class Recorder:
 
     def _on_proc(self, t: Target, ev: Event) -> None:
         if ev.op == ProcOp.FORK:         # a process, not a thread (BPF tells them apart)
-            if self.opts.children and ev.addr not in self.targets:
+            if t.family and ev.addr not in self.targets:
                 self._add_child(ev.addr, t)
         elif ev.op == ProcOp.EXEC:
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)

@@ -41,6 +41,8 @@ class Target:
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
     parent: int = 0                                          # forked from this target (--children)
+    family: bool = False                                     # its forks are recorded too (--children,
+                                                             # a daemon rule's children = true)
     inherits: tuple[int, int] | None = None                  # (base, memfd inode) of the parent's sampler
     inject_refused: str | None = None                        # why it was not injected (said once)
     image: int = 0                                           # execs seen (a placement is for one image)

@@ -68,6 +68,7 @@ class Target:
     uid: int | None = None                   # `user` resolved
     all: bool = False
     exclude: re.Pattern[str] | None = None   # searched in the command line; wins over the selectors
+    children: bool = False                   # a selected process's forks are recorded from their fork
 
     def matches(self, proc: ProcView) -> bool:
         if not self.all:
@@ -87,6 +88,8 @@ class Target:
         parts += [f"{k}={v}" for k, v in self._selectors().items() if k != "all"]
         if self.exclude is not None:
             parts.append(f"exclude={self.exclude.pattern}")
+        if self.children:
+            parts.append("children")
         return " ".join(parts)
 
     def _selectors(self) -> dict[str, Any]:
@@ -99,6 +102,8 @@ class Target:
         d["tier"] = self.tier
         if self.exclude is not None:
             d["exclude"] = self.exclude.pattern
+        if self.children:
+            d["children"] = True
         return d
 
 
@@ -420,7 +425,7 @@ _UPLOAD: dict[str, Callable[[Any], Any]] = {
 }
 _TARGET: dict[str, Callable[[Any], Any]] = {
     "name": _comm, "regex": _regex, "cgroup": _cgroup, "user": _user, "all": _bool,
-    "tier": _choice(TIERS), "exclude": _regex,
+    "tier": _choice(TIERS), "exclude": _regex, "children": _bool,
 }
 _SECTIONS = ("daemon", "targets", "retention", "metrics", "analysis", "upload")
 

@@ -40,8 +40,9 @@ class Discovery:
     """Which processes to record: /proc scans matched against the configuration.
 
     `rec` needs recording(pid) -> bool, recorded_count(), failed_on(pid) -> bool,
-    add_process(info, tier) -> bool, remove_process(pid, event, detail) and note(pid, event,
-    detail) (sampler/record/recorder.py); tests pass a fake recorder and a fake /proc."""
+    add_process(info, tier, family) -> bool, takes_forks_of(pid) -> bool, remove_process(pid,
+    event, detail) and note(pid, event, detail) (sampler/record/recorder.py); tests pass a fake
+    recorder and a fake /proc."""
 
     def __init__(self, cfg: Config, rec, *, proc: str = "/proc", self_pid: int | None = None,
                  max_targets: int | None = None, read_info=None):
@@ -74,6 +75,14 @@ class Discovery:
             if st is None or st.flags & PF_KTHREAD or st.ppid == self.self_pid:
                 continue                            # gone, a kernel thread, or our own child
             k = self.known.get(pid)
+            if k is None and (self.rec.recording(pid) or self.rec.takes_forks_of(st.ppid)):
+                # a fork of a target whose rule says children = true: the recorder takes it at its
+                # fork (BPF registered it; its fork event may still be on its way). Known from now
+                # on, so that a scan never adds it too; were it never taken (events lost), the
+                # next scan finds it known and unrecorded, and adds it
+                cmdline = read_cmdline(pid, self.proc)
+                self.known[pid] = Known(st.start, (st.comm, cmdline or ""), None, recorded=True, since=time.time())
+                continue
             if k is not None and k.start != st.start:      # the pid was reused: the old one ended
                 if k.recorded and self.rec.recording(pid):
                     self.rec.remove_process(pid, "exit", "exited (its pid was reused)")
@@ -134,7 +143,7 @@ class Discovery:
             adds += 1
             target = self.cfg.targets[rule]
             tier = recorder_tier(target)
-            if self.rec.add_process(info, tier):
+            if self.rec.add_process(info, tier, family=target.children):
                 k.recorded, k.since = True, time.time()
                 self.rec.note(pid, "select", f"targets[{rule}] ({target.describe()}): tier {target.tier}")
                 lines.append(f"target pid {pid} ({info.comm}) added: targets[{rule}] "

@@ -16,13 +16,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import allocsampler_cmd, compile_c
+from conftest import WORKLOADS, allocsampler_cmd, compile_c, outstanding_through
 
 from analysis.dataset import read_table
 
@@ -209,7 +210,8 @@ pre_oom_window_s = 3
 
 
 DEFAULT_TARGETS = "".join(f'[[targets]]\nname = "{n}"\ntier = "attach"\n' for n in NAMES if n != "as_other") + \
-    '[[targets]]\nregex = "as-regex-marker"\ntier = "always-on"\n'
+    '[[targets]]\nregex = "as-regex-marker"\ntier = "always-on"\n' + \
+    '[[targets]]\nregex = "family[.]py .*family-marker"\ntier = "attach"\nchildren = true\n'
 
 
 class Target:
@@ -229,7 +231,10 @@ class Target:
         return self.proc.stdout.readline().strip()
 
     def go(self) -> None:
-        self.proc.stdin.write("go\n")
+        self.send("go")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
 
     def kill(self) -> None:
@@ -429,7 +434,7 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
             self.targets: dict[int, ProcessInfo] = {}
             self.log: list[tuple] = []
 
-        def add_process(self, info, tier):
+        def add_process(self, info, tier, family=False):
             self.targets[info.pid] = info
             self.log.append(("add", info.pid, info.cmdline, tier))
             return True
@@ -443,6 +448,9 @@ def test_discovery_handles_pid_reuse_and_exec_without_bpf(tmp_path):
 
         def recording(self, pid):
             return pid in self.targets
+
+        def takes_forks_of(self, pid):
+            return False
 
         def recorded_count(self):
             return len(self.targets)
@@ -528,6 +536,33 @@ def test_discovery_by_name_and_regex_finalizes_exits(daemon, bins):
     files = list(data.glob("*/host=*/date=*/*.parquet"))
     assert files and all((f.stat().st_mode & 0o777) == 0o640 and f.stat().st_uid == 0 for f in files)
     assert all((p.stat().st_mode & 0o777) == 0o750 for p in data.glob("*/host=*/date=*"))
+
+
+@pytest.mark.bpf
+def test_a_rule_with_children_records_the_forks_from_their_fork(daemon):
+    """`children = true`: the forks of a selected process are taken by the recorder at their fork
+    (no scan adds them, none adds them twice), and each child's allocations are estimated
+    against what it says it kept."""
+    fam = Target([sys.executable, WORKLOADS / "family.py", "0", "family-marker"])
+    daemon.targets.append(fam)
+    wait_for(lambda: daemon.target(fam.pid), 30, "the parent in the status")
+    fam.send("fork 2")
+    word, *pids = fam.line().split()
+    children = [int(p) for p in pids]
+    assert word == "forked" and len(children) == 2
+    wait_for(lambda: all(daemon.target(c) for c in children), 10, "the children in the status")
+    fam.send("alloc 64")             # 128 samples each at the default 512K mean
+    kept = {int(pid): int(n) for _, pid, n in (fam.line().split() for _ in children)}
+
+    def estimates() -> dict[int, float] | None:
+        found = {c: outstanding_through(daemon.data, c, "child_leak") for c in children}
+        return found if all(v > 0.6 * kept[c] for c, v in found.items()) else None
+    found = wait_for(estimates, 20, "the children's estimates", every=1.0)
+    print(f"\n[daemon] family: kept {kept}, estimated {found}")
+    for c in children:
+        assert found[c] == pytest.approx(kept[c], rel=0.35), c
+        assert not re.search(rf"target pid {c} \(", daemon.log())       # never added by a scan too
+        assert daemon.events(c)[0][0] in ("tier", "attach"), daemon.events(c)
 
 
 @pytest.mark.bpf
