@@ -172,9 +172,10 @@ class Recording:
         self.proc = subprocess.Popen(allocsampler_cmd("record", "-o", str(out), "-q", *args),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def wait_attached(self, timeout: float = 60, pid: int | None = None) -> None:
+    def wait_attached(self, timeout: float = 60, pid: int | None = None, after_exec: bool = False) -> None:
         """Until a target's (`pid`'s) `attach` row is on disk: its probes are in place (a `tier`
-        row can come first, before the probes of that tier)."""
+        row can come first, before the probes of that tier). `after_exec`: the attach row of the
+        image `pid` exec'd (placed again: a `tier` row after its `exec` row)."""
         from analysis.dataset import read_table
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -182,7 +183,12 @@ class Recording:
                 raise AssertionError(f"recorder exited early: {self.proc.communicate()}")
             if any((self.out / "targets").glob("host=*/date=*/*.parquet")):
                 t = read_table(self.out, "targets")
-                if ((t["event"] == "attach") & (pid is None or t["pid"] == pid)).any():
+                if after_exec:
+                    t = t[t["pid"] == pid].sort_values("ts", kind="stable")
+                    events = list(t["event"])
+                    if "exec" in events and "tier" in events[events.index("exec"):]:
+                        return
+                elif ((t["event"] == "attach") & (pid is None or t["pid"] == pid)).any():
                     return
             time.sleep(0.1)
         raise AssertionError("recorder did not attach in time")

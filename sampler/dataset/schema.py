@@ -59,6 +59,7 @@ SCHEMA_VERSION = 6
 #   unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`; stack ids no longer
 #   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
 #   version 5's; diff matches stacks by names, not ids).
+#   Later, compatible: recorder.children_forked/_recorded/_skipped (families registered at fork).
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -415,6 +416,13 @@ RECORDER = Table(
                                                    "interval (processes over their budget per second)."),
         Column("sampled_faults", pa.int64(), "Page-fault samples of targets in the interval (always-on tier)."),
         Column("cuda_calls", pa.int64(), "CUDA runtime and driver calls traced in the interval."),
+        Column("children_forked", pa.int64(), "Processes forked by targets whose family is recorded "
+                                              "(--children; a daemon rule's children = true) in the "
+                                              "interval: each is registered in BPF at its fork."),
+        Column("children_recorded", pa.int64(), "Of them, recorded (also those that exited before the "
+                                                "recorder looked at them: their samples are kept)."),
+        Column("children_skipped", pa.int64(), "Of them, not recorded: exited before they could get probes "
+                                               "of their own (a parent without the injected sampler)."),
     ),
 )
 

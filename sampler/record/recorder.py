@@ -308,12 +308,12 @@ class Recorder:
                 with contextlib.suppress(ProcessLookupError):
                     self._add_target(read_info(pid), parent=self.targets[ppid])
 
-    def _add_child(self, pid: int, parent: Target) -> None:
+    def _add_child(self, pid: int, parent: Target) -> bool:
         """A fork of a target, which BPF registered at the fork: until it execs it is a copy of
         its parent (identity included), and a fork of an injected parent takes its sampler over
         without reading anything from its files (Attacher.adopt_fork): a few hundred
         microseconds, so that a server forking per connection stays cheap to record. It may have
-        exited already: its events until then are still recorded."""
+        exited already: its events until then are still recorded. Returns whether it is recorded."""
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
         t = Target(info, family=True)
         t.parent = parent.pid
@@ -321,14 +321,15 @@ class Recorder:
             try:
                 info = read_info(pid)
             except ProcessLookupError:
-                return
+                return False
             self._add_target(info, parent=parent)
-            return
+            return pid in self.targets
         self.targets[pid] = t
         self.controls.add(t)
         self.stacks.fork(parent.pid, pid)
         if self.parts.tables is not None:
             self.parts.tables.fork(parent.pid, pid)
+        return True
 
     def _rescan(self, now: float, every: bool = False) -> None:
         """After an exec the new image maps its libraries a moment later; dlopen can add an
@@ -477,7 +478,12 @@ class Recorder:
     def _on_proc(self, t: Target, ev: Event) -> None:
         if ev.op == ProcOp.FORK:         # a process, not a thread (BPF tells them apart)
             if t.family and ev.addr not in self.targets:
-                self._add_child(ev.addr, t)
+                n = self.snapshots.counts
+                n.children_forked += 1
+                if self._add_child(ev.addr, t):
+                    n.children_recorded += 1
+                else:
+                    n.children_skipped += 1
         elif ev.op == ProcOp.EXEC:
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)

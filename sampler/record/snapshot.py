@@ -95,6 +95,9 @@ class Counts:
     events: int = 0
     samples: int = 0
     complete: int = 0               # of them, stacks walked to their end
+    children_forked: int = 0        # forks of family targets
+    children_recorded: int = 0
+    children_skipped: int = 0
 
 
 class Snapshots:
@@ -290,6 +293,8 @@ class Snapshots:
             stacks_complete=n.complete, live_entries=sum(len(t.table.blocks) for t in targets.values()),
             cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self.mappings.dropped,
             stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s,
+            children_forked=n.children_forked, children_recorded=n.children_recorded,
+            children_skipped=n.children_skipped,
             unwind_rows=self.tables.rows_used if self.tables is not None else None)])
         self.counts = Counts()
         self.mappings.dropped = 0

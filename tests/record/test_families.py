@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import WORKLOADS, outstanding_through
+from conftest import WORKLOADS, compile_c, outstanding_through
 
 from analysis.dataset import read_outstanding, read_table
 
@@ -84,11 +84,14 @@ def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, 
     found = held_at_exit(rec.out, list(kept), "child_leak")
     print(f"\n[families] {len(kept)} short-lived children, kept {sum(kept.values())}, estimated {found:.0f} "
           f"(--children: {children})")
+    counts = read_table(rec.out, "recorder")[["children_forked", "children_recorded", "children_skipped"]].sum()
     if not children:
+        assert counts.sum() == 0, counts
         assert not set(kept) & set(targets["pid"]) and found == 0
         assert outstanding_through(rec.out, fam.pid, "child_leak") == 0
         assert held_at_exit(rec.out, [fam.pid], "child_leak") == 0
         return
+    assert list(counts) == [30, 30, 0], counts             # the dataset says how many were seen and taken
     assert set(kept) <= set(tiers.index), set(kept) - set(tiers.index)
     assert all(f"inherited from pid {fam.pid} (forked" in tiers[pid] for pid in kept), tiers
     assert found == pytest.approx(sum(kept.values()), rel=0.15)
@@ -130,6 +133,38 @@ def test_a_multiprocessing_pool_forked_during_the_recording_is_recorded_per_work
         if truth >= 8 << 20:        # a worker that ran few tasks: too few samples to compare
             assert found[pid] == pytest.approx(truth, rel=0.35), pid
     assert sum(found.values()) == pytest.approx(sum(kept.values()), rel=0.15)
+
+
+def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path):
+    """subprocess (vfork, then exec) from a recorded Python parent: the child is taken at its fork,
+    and once it has exec'd a C program its new image gets a sampler of its own; what the program
+    keeps is estimated at its own function."""
+    exe = compile_c(WORKLOADS / "exec_child.c", tmp_path / "exec_child")
+    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert fam.stdout.readline().split() == ["ready"]
+        rec = record("--pid", str(fam.pid), "--children", "-i", "1", "--sample-bytes", "128K")
+        rec.wait_attached(pid=fam.pid)
+        fam.stdin.write(f"spawn {exe}\n")
+        fam.stdin.flush()
+        word, child = fam.stdout.readline().split()
+        assert word == "spawned"
+        rec.wait_attached(pid=int(child), after_exec=True)
+        fam.stdin.write("release 24\n")
+        fam.stdin.flush()
+        word, pid, kept = fam.stdout.readline().split()
+        assert (word, pid) == ("kept", child)
+        stop(rec)
+    finally:
+        fam.stdin.close()
+        fam.wait(30)
+    targets, tiers = targets_and_tiers(rec.out)
+    events = list(targets[targets["pid"] == int(child)].sort_values("ts", kind="stable")["event"])
+    found = outstanding_through(rec.out, int(child), "exec_child_leak")
+    print(f"\n[families] exec'd child {child}: {events}; {tiers[int(child)]}; kept {kept}, estimated {found:.0f}")
+    assert "exec" in events and "placed" in tiers[int(child)], (events, tiers[int(child)])
+    assert found == pytest.approx(int(kept), rel=0.35)
 
 def stop(rec) -> None:
     """Once the last events are in a snapshot."""

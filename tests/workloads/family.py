@@ -8,13 +8,17 @@
       blink N         -> forks N short-lived children, one at a time: each keeps 4 MiB from its
                          first call (child_leak), prints "kept PID BYTES" and exits at once;
                          then prints "blinked"
+      spawn PATH      -> starts PATH with subprocess (vfork and exec), prints "spawned PID"
+      release MIB     -> each spawned program keeps MIB MiB; prints "kept PID BYTES" for each
     EOF ends the children, then the parent.
 """
 
 import os
+import subprocess
 import sys
 
 children: list[tuple[int, int]] = []      # (pid, the write end of its command pipe)
+spawned: list[subprocess.Popen] = []
 
 
 def child_leak(mib: int) -> int:
@@ -57,6 +61,16 @@ for line in sys.stdin:
     elif word == "alloc":
         for _, w in children:
             os.write(w, f"alloc {arg}\n".encode())
+    elif word == "spawn":
+        p = subprocess.Popen([arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "ready"
+        spawned.append(p)
+        print("spawned", p.pid, flush=True)
+    elif word == "release":
+        for p in spawned:
+            p.stdin.write(f"{arg}\n")
+            p.stdin.flush()
+            print("kept", p.pid, p.stdout.readline().split()[1], flush=True)
     elif word == "blink":
         for _ in range(int(arg)):
             pid = os.fork()
@@ -69,3 +83,6 @@ for line in sys.stdin:
 for pid, w in children:
     os.close(w)
     os.waitpid(pid, 0)
+for p in spawned:
+    p.stdin.close()
+    p.wait()
