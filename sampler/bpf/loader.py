@@ -217,6 +217,7 @@ class BpfProbes:
                  "uw_pages": cfg.unwind_pages, "uw_procs": cfg.unwind_procs, "uw_maps": cfg.unwind_procs * UW_MAPS}
         self._attached: dict[int, _Attachment] = {}
         self._families: dict[tuple, _Family] = {}     # file identity -> its family's link
+        self._exited_mappings: set[int] = set()        # exited processes whose vm_live entries go at the next poll
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._specs: _UsdtSpecs | None = None
         self._gpu_specs: dict[int, list[int]] = {}
@@ -553,21 +554,31 @@ class BpfProbes:
             self._closers.append(t)
         self._closing.put(fd)
 
-    def detach(self, pid: int, wait: bool = True) -> None:
-        """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes)."""
+    def detach(self, pid: int, wait: bool = True, mappings: bool = True, bpf_gone: bool = False) -> None:
+        """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes).
+        `mappings=False`: it has no sampled mapping in `vm_live` (none was reported, and none of
+        its events was lost), whose walk is then saved: most of a fork storm's exits. `bpf_gone`:
+        its exit event came, and BPF dropped its `targets` entry at the exit."""
         self.detach_probes(pid, wait)
         self.detach_gpu(pid)
-        # drops too: its entries are created by BPF and would fill the map over a long run
-        for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
+        key = ctypes.c_uint32(pid)
+        if not mappings:
             with contextlib.suppress(KeyError):
-                del tab[ctypes.c_uint32(pid)]
-        self.forget_mappings(pid)
+                mappings = self.bpf["drops"][key].lost_events > 0
+        # drops too: its entries are created by BPF and would fill the map over a long run
+        for tab in (() if bpf_gone else (self._targets,)) + (self.bpf["pid_hits"], self.bpf["drops"]):
+            with contextlib.suppress(KeyError):
+                del tab[key]
+        if mappings and wait:
+            self.forget_mappings(pid)
+        elif mappings:
+            self._exited_mappings.add(pid)      # one walk of vm_live for a poll's exits (fork storms)
 
-    def forget_mappings(self, pid: int) -> None:
-        """Drop a process's sampled mappings from `vm_live` (it exited or exec'd); walks the
+    def forget_mappings(self, *pids: int) -> None:
+        """Drop processes' sampled mappings from `vm_live` (they exited or exec'd); walks the
         table, which holds only sampled mappings (few)."""
         tab = self.bpf["vm_live"]
-        for k in [k for k in tab if k.pid == pid]:
+        for k in [k for k in tab if k.pid in pids]:
             with contextlib.suppress(KeyError):
                 del tab[k]
 
@@ -682,6 +693,9 @@ class BpfProbes:
         (they do once an eighth of the ring buffer waits: common.h rb_flags) and read again: one
         pass per batch of records, not per record. Records left behind by a bail-out (the time
         budget) are read at the next call, which then does not wait."""
+        if self._exited_mappings:
+            exited, self._exited_mappings = self._exited_mappings, set()
+            self.forget_mappings(*exited)
         self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
         self._read = 0
         self._cut = False

@@ -96,9 +96,11 @@ class PythonTargets:
         for pid in [p for p in self._procs if p not in live_pids]:
             self.forget(pid)
 
-    def forget(self, pid: int) -> None:
+    def forget(self, pid: int, bpf_gone: bool = False) -> None:
+        """`bpf_gone`: it exited, and BPF dropped its layout and threads at its exit already."""
         py = self._procs.pop(pid, None)
         if py is not None:
-            self._maps.set_python(pid, None)
-            self._maps.set_python_threads({}, py.tids)
+            if not bpf_gone:
+                self._maps.set_python(pid, None)
+                self._maps.set_python_threads({}, py.tids)
             py.proc.close()                 # its /proc/PID/mem descriptor

@@ -39,6 +39,7 @@ class Mappings:
         if t.injection is not None and t.injection.owns(ev.ret if op == VmOp.MMAP else ev.addr):
             return                          # the injected sampler's own mappings, made by us
         sid = self.intern(ev) if ev.weight else None
+        t.vm_sampled = t.vm_sampled or bool(ev.weight)
         if sid is not None and op == VmOp.MMAP and t.injection is not None \
                 and t.injection.under_python_wrapper(self.last_pcs()):
             ev.weight = 0                   # pymalloc's arena: its objects are sampled as `python`

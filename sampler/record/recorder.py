@@ -359,14 +359,15 @@ class Recorder:
         self._add_target(info, RSS)
         return self.targets.get(pid)
 
-    def _drop_target(self, pid: int, why: str, exited: bool = False, restore: bool = False) -> None:
+    def _drop_target(self, pid: int, why: str, exited: bool = False, restore: bool = False,
+                     bpf_gone: bool = False) -> None:
         """`restore`: the process goes on in the image it was recorded in (the recording ended, or
         failed on it): its redirected slots get their functions back, before the probes go."""
         t = self.targets.pop(pid, None)
         if t is not None:
             self.attacher.release(t, restore)
         # an exited process makes no more hits: its links may close in the background
-        self.probes.detach(pid, wait=not exited)
+        self.probes.detach(pid, wait=not exited, mappings=t is None or t.vm_sampled, bpf_gone=bpf_gone)
         self.controls.forget(pid)
         if self.gpu is not None:
             self.gpu.forget(pid)
@@ -375,9 +376,9 @@ class Recorder:
         self.probes.forget_live(pid, t.table.live_addresses())
         self.stacks.forget(pid)
         if self.parts.tables is not None:
-            self.parts.tables.untrack(pid)
+            self.parts.tables.untrack(pid, bpf_gone)
         if self.python is not None:
-            self.python.forget(pid)
+            self.python.forget(pid, bpf_gone)
         if self._hints.pop(pid, None) is not None:
             self.probes.set_stack_hint(pid, None)
         if not self.opts.daemon:            # the CLI's end-of-recording summary: not kept for months
@@ -409,7 +410,8 @@ class Recorder:
             self.probes.drain()
             self._exit(self.launched.pid)
 
-    def _exit(self, pid: int, write_rows: bool = True) -> None:
+    def _exit(self, pid: int, write_rows: bool = True, bpf_gone: bool = False) -> None:
+        """`bpf_gone`: from its exit event (BPF dropped its entries at the exit: proc.bpf.c)."""
         t = self.targets.get(pid)
         if t is None:
             return
@@ -421,7 +423,7 @@ class Recorder:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 status = f"exit status {self.launched.proc.wait(2)}"
         self.snapshots.target_row(t, "exit", status)
-        self._drop_target(pid, status or "exited", exited=True)
+        self._drop_target(pid, status or "exited", exited=True, bpf_gone=bpf_gone)
 
     # events -----------------------------------------------------------------------------------
     def _on_event(self, raw: bytes) -> None:
@@ -495,7 +497,7 @@ class Recorder:
                 return
             self.snapshots.target_row(t, "exec", "")
         elif ev.op == ProcOp.EXIT:
-            self._exit(t.pid)
+            self._exit(t.pid, bpf_gone=True)
 
     # ----------------------------------------------------------------------------------------
     def _finish(self) -> None:

@@ -41,6 +41,7 @@ class Target:
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
     parent: int = 0                                          # forked from this target (--children)
+    vm_sampled: bool = False                                 # a sampled mapping was reported (vm_live)
     family: bool = False                                     # its forks are recorded too (--children,
                                                              # a daemon rule's children = true)
     inherits: tuple[int, int] | None = None                  # (base, memfd inode) of the parent's sampler

@@ -100,6 +100,7 @@ class KernelTables:
         self._idle: OrderedDict[tuple[str, int], None] = OrderedDict()   # loaded, mapped by no process
         self._procs: dict[int, _Proc] = {}
         self._slots: deque[int] = deque(range(procs_capacity))
+        self._shared: dict[int, int] = {}   # slot -> how many more processes' tables it is (forks)
         self._dirty_files: set[tuple[str, int]] = set()
         self._retries: dict[tuple[str, int], int] = {}
         self.full_warned = False
@@ -121,19 +122,24 @@ class KernelTables:
         return True
 
     def fork(self, parent: int, child: int) -> bool:
-        """`child` was forked from `parent`: its table is the parent's maps, not read again (BPF
-        pointed it at the parent's slot at the fork; it gets its own now, so that the parent's can
-        be rewritten and reused). False as for track."""
+        """`child` was forked from `parent`: its table is the parent's, not read again. BPF
+        pointed it at the parent's slot at the fork: while that is still the parent's slot, the
+        two share it (counted, so that it is reused only once neither points at it), and a child
+        that exits without mapping code costs no map write at all. False as for track."""
         p = self._procs.get(parent)
         if p is None or child in self._procs:
             return self.track(child)
-        if len(self._slots) < 2:
-            return False
-        self._procs[child] = _Proc(self._slots.popleft(), list(p.maps))
+        try:
+            copied = bytes(self._procs_map[_key(child)])
+        except KeyError:
+            copied = b""
+        if copied != bytes(_proc_value(p.slot, min(len(p.maps), UW_MAPS))):
+            return self.track(child)     # the parent's table moved since the fork: read its own
+        self._procs[child] = _Proc(p.slot, list(p.maps))
+        self._shared[p.slot] = self._shared.get(p.slot, 0) + 1
         for m in p.maps:
             if (f := self._files.get((m.dev, m.inode))) is not None:
                 f.pids.add(child)
-        self._write(child)
         return True
 
     def changed(self, pid: int, exec_: bool = False) -> None:
@@ -166,12 +172,14 @@ class KernelTables:
         if p is not None and not p.due:
             p.due = max(time.monotonic(), p.read_at + UNKNOWN_CODE_S)
 
-    def untrack(self, pid: int) -> None:
+    def untrack(self, pid: int, bpf_gone: bool = False) -> None:
+        """`bpf_gone`: its exit event came, and BPF dropped its entry already."""
         p = self._procs.pop(pid, None)
         if p is None:
             return
-        self._procs_map.put(_key(pid), None)
-        self._slots.append(p.slot)
+        if not bpf_gone:
+            self._procs_map.put(_key(pid), None)
+        self._give_slot(p.slot)
         self._release(pid, p.maps)
 
     # work ------------------------------------------------------------------------------------
@@ -323,8 +331,17 @@ class KernelTables:
             keys = struct.pack(f"<{len(entries)}I", *range(slot * UW_MAPS, slot * UW_MAPS + len(entries)))
             self._maps.update_batch(keys, b"".join(entries), len(entries))
         self._procs_map[_key(pid)] = _proc_value(slot, len(entries))
-        self._slots.append(p.slot)          # the old slot, reused last
+        self._give_slot(p.slot)             # the old slot, reused last
         p.slot = slot
+
+    def _give_slot(self, slot: int) -> None:
+        """A process no longer points at `slot`: free once no other (a fork) does."""
+        if self._shared.get(slot):
+            self._shared[slot] -= 1
+            if not self._shared[slot]:
+                del self._shared[slot]
+        else:
+            self._slots.append(slot)
 
 
 def _code_maps(pid: int) -> list[Mapping]:
