@@ -9,6 +9,7 @@ from sampler import __version__
 from sampler.cli import analyze, check, daemon, diff, export, import_torch, preload_path, record, report, status, top
 from sampler.cli.args import Parser
 from sampler.errors import AllocsamplerError
+from sampler.shutdown import release_s3
 
 COMMANDS = {"record": record, "top": top, "analyze": analyze, "report": report, "export": export, "diff": diff,
             "check": check, "daemon": daemon, "status": status, "preload-path": preload_path,
@@ -36,3 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:         # `allocsampler diff A B | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    finally:
+        release_s3()
+

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sampler.lifetime import die_with_parent
+from sampler.shutdown import release_s3
 
 CHILD_TIMEOUT_S = 600
 
@@ -209,4 +210,8 @@ def _own_peak() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(sys.argv[1:]))
+    try:
+        code = child_main(sys.argv[1:])
+    finally:
+        release_s3()
+    sys.exit(code)
