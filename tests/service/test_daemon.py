@@ -279,9 +279,13 @@ class DaemonProc:
         return read_table(self.data, name)
 
     def events(self, pid: int) -> list[tuple[str, str]]:
-        t = self.table("targets")
-        t = t[t["pid"] == pid].sort_values("ts", kind="stable")
-        return list(zip(t["event"].astype(str), t["detail"].fillna(""), strict=True))
+        return self.events_of([pid])[pid]
+
+    def events_of(self, pids: list[int]) -> dict[int, list[tuple[str, str]]]:
+        """Each process's (event, detail) `targets` rows, oldest first."""
+        t = self.table("targets").sort_values("ts", kind="stable")
+        return {pid: list(zip(r["event"].astype(str), r["detail"].fillna(""), strict=True))
+                for pid in pids for r in [t[t["pid"] == pid]]}
 
     def alive(self) -> bool:
         return self.proc.poll() is None
