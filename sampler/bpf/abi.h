@@ -219,6 +219,9 @@ struct uw_proc {
 struct target {
     u32 flags;       /* target_flags */
     s32 shift;       /* of the sampling mean (also in pid_hits, read where that is looked up) */
+    u32 budget;      /* the process whose syscall-event budget it spends: a family's root (its
+                        forks share one), 0 for its own */
+    u32 pad;
 };
 
 /* CPython targets: per-process layout of the frame chain (sampler/python/runtime.py PyLayout). */

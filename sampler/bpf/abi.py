@@ -217,7 +217,7 @@ UW_ROW = Layout("uw_row", [("pc", "I"), ("cfa_off", "h"), ("kind", "B"), ("bp_of
 UW_MAP = Layout("uw_map", [("start", "Q"), ("end", "Q"), ("bias", "Q"), ("row_lo", "I"), ("row_n", "I"),
                            ("page_lo", "I"), ("page_n", "I"), ("page_first", "I"), ("pad", "I")])
 UW_PROC = Layout("uw_proc", [("slot", "I"), ("n", "I")])
-TARGET = Layout("target", [("flags", "I"), ("shift", "i")])
+TARGET = Layout("target", [("flags", "I"), ("shift", "i"), ("budget", "I"), ("pad", "I")])
 PY_LAYOUT = Layout("py_layout", [
     ("version", "I"), ("tstate_frame", "H"), ("cframe_frame", "H"), ("frame_code", "H"), ("frame_back", "H"),
     ("frame_instr", "H"), ("frame_entry", "H"),

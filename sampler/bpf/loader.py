@@ -295,14 +295,16 @@ class BpfProbes:
         return self.bpf.load_func(name, prog_type, attach_type)
 
     # targets -------------------------------------------------------------------------------
-    def add_target(self, pid: int, flags: int = TargetFlag.SYSCALLS) -> None:
-        """Trace a process's syscalls (and with TargetFlag.FAULTS its sampled page faults)."""
+    def add_target(self, pid: int, flags: int = TargetFlag.SYSCALLS, budget: int = 0) -> None:
+        """Trace a process's syscalls (and with TargetFlag.FAULTS its sampled page faults).
+        `budget`: the process whose syscall-event budget it spends (a family's root), 0: its own."""
         key = ctypes.c_uint32(pid)
         try:
             v = self._targets[key]
         except KeyError:
             v = self._targets.Leaf()
         v.flags = flags
+        v.budget = budget
         self._targets[key] = v
 
     def set_sample_shift(self, pid: int, shift: int) -> None:
@@ -720,6 +722,14 @@ class BpfProbes:
         syscall events not sent because the process was over its budget, samples drawn)."""
         return {k.value: (v.lost_events, v.live_full, v.vm_suppressed, v.sampled)
                 for k, v in self.bpf["drops"].items()}
+
+    def forget_drops(self, pids: list[int]) -> None:
+        """Drop the accounting entries of processes no longer recorded (BPF creates them: a
+        family's root keeps one while its forks spend its budget, after its own exit)."""
+        tab = self.bpf["drops"]
+        for pid in pids:
+            with contextlib.suppress(KeyError):
+                del tab[ctypes.c_uint32(pid)]
 
     def close(self) -> None:
         for pid in {*self._attached, *self._gpu_links, *(m for f in self._families.values() for m in f.members)}:

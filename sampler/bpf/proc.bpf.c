@@ -33,6 +33,7 @@ TRACEPOINT_PROBE(task, task_newtask)
         return 0;
     if (tg->flags & TGT_FAMILY) {
         struct target c = *tg;
+        c.budget = tg->budget ? tg->budget : pid;   /* a fork storm spends its root's budget */
         targets.update(&child, &c);
         struct py_layout *py = pyprocs.lookup(&pid);
         if (py) {

@@ -7,7 +7,9 @@
  *
  * Budget: a process that maps and unmaps faster than user space can read (an mmap storm runs
  * ~360k calls/s here) sends at most VM_EVENTS_PER_S unsampled records per window; the others are
- * counted per process (drops.vm_suppressed), not sent. Records that the outstanding table needs
+ * counted per process (drops.vm_suppressed), not sent. A family's forks (--children) share
+ * their root's budget (struct target.budget): a server forking per connection sends at most
+ * VM_EVENTS_PER_S in all, not that much per child. Records that the outstanding table needs
  * always pass: sampled ones, the unmap or move of a sampled mapping (found by its start in
  * `vm_live`), and executable file mappings (dlopen: user space looks for new allocators).
  * Sampled records are bounded by the process's sampling mean, raised in user space when they
@@ -26,6 +28,8 @@ struct vm_args {
     u64 arg;
     u32 op;
     s32 shift;       /* the process's sampling-mean shift */
+    u32 budget;      /* whose budget it spends (struct target) */
+    u32 pad;
 };
 
 BPF_HASH(vm_pending, u32, struct vm_args, 16384);
@@ -84,7 +88,7 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
     if (op == VM_MUNMAP) {
         /* reported at entry: once the range is free another thread's mmap may get it, and its
          * event must come after this one (a failing munmap is rare: it is taken as done) */
-        if (!vm_live_unmap(pid, addr, len) && !vm_admit(pid))
+        if (!vm_live_unmap(pid, addr, len) && !vm_admit(tg->budget ? tg->budget : pid))
             return 0;
         struct ev_hdr *h = events.ringbuf_reserve(sizeof(struct ev_hdr));
         if (!h) {
@@ -98,7 +102,8 @@ static __always_inline int vm_enter(u32 op, u64 addr, u64 len, u64 arg)
         events.ringbuf_submit(h, rb_flags(sizeof(*h)));
         return 0;
     }
-    struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op, .shift = tg->shift};
+    struct vm_args v = {.addr = addr, .len = len, .arg = arg, .op = op, .shift = tg->shift,
+                        .budget = tg->budget ? tg->budget : pid};
     if (vm_pending.update(&tid, &v))
         count(C_PENDING_FULL, 1);
     return 0;
@@ -132,7 +137,7 @@ static __always_inline int vm_exit(void *ctx, long ret, const bool sampling)
         u64 n = v.op == VM_MREMAP ? v.arg : v.len;
         vm_live.update(&k, &n);              /* full: its unmap only passes within the budget */
     } else if (!(v.op == VM_MMAP && (v.arg & PROT_EXEC_) && !((v.arg >> 32) & MAP_ANONYMOUS_))
-               && !vm_admit(pid)) {
+               && !vm_admit(v.budget)) {
         return 0;
     }
 

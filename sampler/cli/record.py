@@ -79,8 +79,9 @@ def prepare_parser(r: argparse.ArgumentParser) -> None:
                       help="per process: above N samples/s its sampling mean is raised by a power of two "
                            "(estimates stay unbiased; default: %(default)s; 0: no cap)")
     tier.add_argument("--vm-events-per-s", type=count, default=2000, metavar="N",
-                      help="per process: unsampled mmap/munmap/brk/madvise/mprotect events sent per second; "
-                           "the rest are counted, not sent (default: %(default)s; 0: all)")
+                      help="per process (with --children, per family: the forks share their root's): unsampled "
+                           "mmap/munmap/brk/madvise/mprotect events sent per second; the rest are counted, not "
+                           "sent (default: %(default)s; 0: all)")
     r.add_argument("--quiet", "-q", action="store_true", help="no summary at the end")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS: start and record a command")
 

@@ -276,7 +276,9 @@ PROCESSES = Table(
         Column("stack_collisions", pa.int64(), "Distinct stacks that hashed to one id (cumulative; expected 0)."),
         Column("vm_events_suppressed", pa.int64(), "Unsampled syscall events (mmap, munmap, brk, madvise, "
                                                    "mprotect) not sent because the process was over its "
-                                                   "budget per second (cumulative). Unmaps of sampled "
+                                                   "budget per second (cumulative; the forks of a recorded "
+                                                   "family spend its root's budget, counted on the root). "
+                                                   "Unmaps of sampled "
                                                    "mappings are always sent; other unseen unmaps are "
                                                    "reconciled with /proc/PID/maps at the snapshot."),
         Column("sample_mean_bytes", pa.int64(), "The process's sampling mean now: the recording's mean "

@@ -66,7 +66,7 @@ class Attacher:
         one: poll). ProcessLookupError: it exited meanwhile."""
         if t.tier == RSS:
             self.enable_faults()
-        self.probes.add_target(t.pid, self._flags(t))
+        self.probes.add_target(t.pid, self._flags(t), t.budget)
         if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
             t.attach_owed = True            # its allocator probes come with the placement's outcome
             self._detect_python(t, final=False)
@@ -93,7 +93,7 @@ class Attacher:
         except ProcessLookupError:
             self.note(t, "tier", f"inject: inherited from pid {parent.pid} (forked; exited before it was looked at)")
             return True
-        self.probes.add_target(t.pid, self._flags(t))
+        self.probes.add_target(t.pid, self._flags(t), t.budget)
         # the family's link covers it already; any other probe file is attached at its rescan
         t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
         t.usdt_labels = [label for label in parent.usdt_labels if label.endswith("(usdt, family)")]
@@ -214,7 +214,7 @@ class Attacher:
         if self.governor is not None:
             self.governor.forget(t.pid)
         if tier == RSS:
-            self.probes.add_target(t.pid, self._flags(t))
+            self.probes.add_target(t.pid, self._flags(t), t.budget)
             self.enable_faults()
         self.note(t, "tier", f"{tier}: {why}")
 

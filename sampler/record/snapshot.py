@@ -8,6 +8,7 @@ exited meanwhile: its teardown's rows are written here) and `fail(pid, what, err
 from __future__ import annotations
 
 import datetime as dt
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -197,6 +198,9 @@ class Snapshots:
             self._snap_at = {p: v for p, v in self._snap_at.items() if p in targets}
         since = interval
         drops = self.probes.drops()
+        if only is None:        # a family's root that exited while its forks spend its budget
+            self.probes.forget_drops([pid for pid in drops
+                                      if pid not in targets and not os.path.exists(f"/proc/{pid}")])
         out_rows: list[dict] = []
         proc_rows: list[dict] = []
         arenas: list[dict] = []

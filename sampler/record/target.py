@@ -41,6 +41,8 @@ class Target:
     allocs_on: bool = True                                   # allocation probes attached (governor)
     injection: Injection | None = None                       # the injected sampler (inject tier)
     parent: int = 0                                          # forked from this target (--children)
+    budget: int = 0                                          # whose syscall-event budget it spends
+                                                             # (a family's root), 0: its own
     vm_sampled: bool = False                                 # a sampled mapping was reported (vm_live)
     family: bool = False                                     # its forks are recorded too (--children,
                                                              # a daemon rule's children = true)

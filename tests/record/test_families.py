@@ -166,6 +166,37 @@ def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path):
     assert "exec" in events and "placed" in tiers[int(child)], (events, tiers[int(child)])
     assert found == pytest.approx(int(kept), rel=0.35)
 
+
+def test_a_family_spends_its_roots_syscall_event_budget(record):
+    """Forks that each map and unmap 200 times: their unsampled syscall events share the root's
+    budget (--vm-events-per-s), not one budget each, and what was not sent is counted on the root."""
+    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert fam.stdout.readline().split() == ["ready"]
+        rec = record("--pid", str(fam.pid), "--children", "-i", "1", "--vm-events-per-s", "100")
+        rec.wait_attached(pid=fam.pid)
+        fam.stdin.write("churn 40\n")
+        fam.stdin.flush()
+        word, seconds = fam.stdout.readline().split()
+        assert word == "churned"
+        stop(rec)
+    finally:
+        fam.stdin.close()
+        fam.wait(30)
+    targets, _ = targets_and_tiers(rec.out)
+    children = set(targets["pid"]) - {fam.pid}
+    vm = read_table(rec.out, "vm_events")
+    sent = int(vm["pid"].isin(children).sum())
+    procs = read_table(rec.out, "processes")
+    suppressed = int(procs[procs["pid"] == fam.pid]["vm_events_suppressed"].max())
+    print(f"\n[families] 40 children x 400 syscalls in {float(seconds):.1f} s: {sent} events sent, "
+          f"{suppressed} counted on the root")
+    assert len(children) == 40
+    # 16,000 calls: at 100/s for the family (windows of ~1 s, a window begun before), not 100/s each
+    assert sent <= 100 * (float(seconds) + 3), sent
+    assert suppressed >= 16_000 - sent - 1000, suppressed
+
 def stop(rec) -> None:
     """Once the last events are in a snapshot."""
     rec.wait_snapshot(time.time() + 1.2)

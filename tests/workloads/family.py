@@ -8,14 +8,18 @@
       blink N         -> forks N short-lived children, one at a time: each keeps 4 MiB from its
                          first call (child_leak), prints "kept PID BYTES" and exits at once;
                          then prints "blinked"
+      churn N         -> forks N children, one at a time: each maps and unmaps 4 KiB 200 times
+                         and exits; then prints "churned SECONDS"
       spawn PATH      -> starts PATH with subprocess (vfork and exec), prints "spawned PID"
       release MIB     -> each spawned program keeps MIB MiB; prints "kept PID BYTES" for each
     EOF ends the children, then the parent.
 """
 
+import mmap
 import os
 import subprocess
 import sys
+import time
 
 children: list[tuple[int, int]] = []      # (pid, the write end of its command pipe)
 spawned: list[subprocess.Popen] = []
@@ -71,6 +75,16 @@ for line in sys.stdin:
             p.stdin.write(f"{arg}\n")
             p.stdin.flush()
             print("kept", p.pid, p.stdout.readline().split()[1], flush=True)
+    elif word == "churn":
+        t0 = time.monotonic()
+        for _ in range(int(arg)):
+            pid = os.fork()
+            if pid == 0:
+                for _ in range(200):
+                    mmap.mmap(-1, 4096).close()
+                os._exit(0)
+            os.waitpid(pid, 0)
+        print("churned", time.monotonic() - t0, flush=True)
     elif word == "blink":
         for _ in range(int(arg)):
             pid = os.fork()
