@@ -556,11 +556,10 @@ class BpfProbes:
             self._closers.append(t)
         self._closing.put(fd)
 
-    def detach(self, pid: int, wait: bool = True, mappings: bool = True, bpf_gone: bool = False) -> None:
+    def detach(self, pid: int, wait: bool = True, mappings: bool = True) -> None:
         """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes).
         `mappings=False`: it has no sampled mapping in `vm_live` (none was reported, and none of
-        its events was lost), whose walk is then saved: most of a fork storm's exits. `bpf_gone`:
-        its exit event came, and BPF dropped its `targets` entry at the exit."""
+        its events was lost), whose walk is then saved: most of a fork storm's exits."""
         self.detach_probes(pid, wait)
         self.detach_gpu(pid)
         key = ctypes.c_uint32(pid)
@@ -568,7 +567,7 @@ class BpfProbes:
             with contextlib.suppress(KeyError):
                 mappings = self.bpf["drops"][key].lost_events > 0
         # drops too: its entries are created by BPF and would fill the map over a long run
-        for tab in (() if bpf_gone else (self._targets,)) + (self.bpf["pid_hits"], self.bpf["drops"]):
+        for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
             with contextlib.suppress(KeyError):
                 del tab[key]
         if mappings and wait:

@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:         # `allocsampler diff A B | head`: the reader left, nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def entry() -> int:
+    """The `allocsampler` command and `python -m sampler.cli`: main, then what a process does
+    before it exits (not main's: a test calls main in its own process, and goes on)."""
+    try:
+        return main()
     finally:
         release_s3()
 

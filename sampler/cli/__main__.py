@@ -2,6 +2,6 @@
 
 import sys
 
-from sampler.cli import main
+from sampler.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

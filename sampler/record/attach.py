@@ -82,7 +82,8 @@ class Attacher:
         parent's sampler, slots and family link with its copy of the address space, so it needs no
         placement, no link and no read of its files. A child that is gone already is still
         recorded: its samples until its exit follow this event. False when the parent has no
-        sampler (the caller attaches the child as usual)."""
+        sampler (the caller attaches the child as usual). Its `targets` entry is BPF's, made at
+        the fork (not written again: a child gone meanwhile would get one back)."""
         if parent.injection is None or parent.tier != INJECT or not parent.family:
             return False
         t.tier = INJECT
@@ -93,7 +94,6 @@ class Attacher:
         except ProcessLookupError:
             self.note(t, "tier", f"inject: inherited from pid {parent.pid} (forked; exited before it was looked at)")
             return True
-        self.probes.add_target(t.pid, self._flags(t), t.budget)
         # the family's link covers it already; any other probe file is attached at its rescan
         t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
         t.usdt_labels = [label for label in parent.usdt_labels if label.endswith("(usdt, family)")]

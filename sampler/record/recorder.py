@@ -369,7 +369,7 @@ class Recorder:
         if t is not None:
             self.attacher.release(t, restore)
         # an exited process makes no more hits: its links may close in the background
-        self.probes.detach(pid, wait=not exited, mappings=t is None or t.vm_sampled, bpf_gone=bpf_gone)
+        self.probes.detach(pid, wait=not exited, mappings=t is None or t.vm_sampled)
         self.controls.forget(pid)
         if self.gpu is not None:
             self.gpu.forget(pid)

@@ -20,31 +20,24 @@ MiB = 1 << 20
 
 
 def test_children_forked_before_and_during_the_recording_are_recorded(record):
-    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "2"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    try:
-        word, *early = fam.stdout.readline().split()
-        assert word == "ready" and len(early) == 2
+    with Family(2) as fam:
+        early = fam.early
+        assert len(early) == 2
         rec = record("--pid", str(fam.pid), "--children", "-i", "1", "--sample-bytes", "128K")
         for pid in [fam.pid, *map(int, early)]:
             rec.wait_attached(pid=pid)
-        fam.stdin.write("fork 2\n")
-        fam.stdin.flush()
-        late = [int(p) for p in fam.stdout.readline().split()[1:]]
+        fam.say("fork 2")
+        late = [int(p) for p in fam.line().split()[1:]]
         for pid in late:
             rec.wait_attached(pid=pid)
-        fam.stdin.write("alloc 24\n")
-        fam.stdin.flush()
+        fam.say("alloc 24")
         kept = {}
         while len(kept) < 4:
-            line = fam.stdout.readline()
+            line = fam.line()
             assert line.startswith("kept "), line
             word, pid, n = line.split()
             kept[int(pid)] = int(n)
         stop(rec)
-    finally:
-        fam.stdin.close()
-        fam.wait(30)
     targets, tiers = targets_and_tiers(rec.out)
     assert set(kept) == {*late, *map(int, early)}
     for pid in late:              # forked from the injected parent: its sampler came with the fork
@@ -63,23 +56,10 @@ def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, 
     """BPF registers a fork at the fork itself, and the sampler's probe sites are the family's:
     children that allocate at once and exit within milliseconds are recorded whole (what each
     says it kept), and without --children no child's allocation counts anywhere."""
-    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    try:
-        assert fam.stdout.readline().split() == ["ready"]
-        rec = record("--pid", str(fam.pid), *(["--children"] if children else []), "-i", "1",
-                     "--sample-bytes", "128K")
-        rec.wait_attached(pid=fam.pid)
-        fam.stdin.write("blink 30\n")
-        fam.stdin.flush()
-        kept = {}
-        while (line := fam.stdout.readline()).startswith("kept "):
-            kept[int(line.split()[1])] = int(line.split()[2])
-        assert line.strip() == "blinked" and len(kept) == 30, line
+    with Family(0) as fam:
+        rec = fam.recorded(record, *(["--children"] if children else []), "--sample-bytes", "128K")
+        kept = fam.blink(30)
         stop(rec)
-    finally:
-        fam.stdin.close()
-        fam.wait(30)
     targets, tiers = targets_and_tiers(rec.out)
     found = held_at_exit(rec.out, list(kept), "child_leak")
     print(f"\n[families] {len(kept)} short-lived children, kept {sum(kept.values())}, estimated {found:.0f} "
@@ -140,25 +120,16 @@ def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path):
     and once it has exec'd a C program its new image gets a sampler of its own; what the program
     keeps is estimated at its own function."""
     exe = compile_c(WORKLOADS / "exec_child.c", tmp_path / "exec_child")
-    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    try:
-        assert fam.stdout.readline().split() == ["ready"]
-        rec = record("--pid", str(fam.pid), "--children", "-i", "1", "--sample-bytes", "128K")
-        rec.wait_attached(pid=fam.pid)
-        fam.stdin.write(f"spawn {exe}\n")
-        fam.stdin.flush()
-        word, child = fam.stdout.readline().split()
+    with Family(0) as fam:
+        rec = fam.recorded(record, "--children", "--sample-bytes", "128K")
+        fam.say(f"spawn {exe}")
+        word, child = fam.line().split()
         assert word == "spawned"
         rec.wait_attached(pid=int(child), after_exec=True)
-        fam.stdin.write("release 24\n")
-        fam.stdin.flush()
-        word, pid, kept = fam.stdout.readline().split()
+        fam.say("release 24")
+        word, pid, kept = fam.line().split()
         assert (word, pid) == ("kept", child)
         stop(rec)
-    finally:
-        fam.stdin.close()
-        fam.wait(30)
     targets, tiers = targets_and_tiers(rec.out)
     events = list(targets[targets["pid"] == int(child)].sort_values("ts", kind="stable")["event"])
     found = outstanding_through(rec.out, int(child), "exec_child_leak")
@@ -170,20 +141,12 @@ def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path):
 def test_a_family_spends_its_roots_syscall_event_budget(record):
     """Forks that each map and unmap 200 times: their unsampled syscall events share the root's
     budget (--vm-events-per-s), not one budget each, and what was not sent is counted on the root."""
-    fam = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), "0"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, text=True)
-    try:
-        assert fam.stdout.readline().split() == ["ready"]
-        rec = record("--pid", str(fam.pid), "--children", "-i", "1", "--vm-events-per-s", "100")
-        rec.wait_attached(pid=fam.pid)
-        fam.stdin.write("churn 40\n")
-        fam.stdin.flush()
-        word, seconds = fam.stdout.readline().split()
+    with Family(0) as fam:
+        rec = fam.recorded(record, "--children", "--vm-events-per-s", "100")
+        fam.say("churn 40")
+        word, seconds = fam.line().split()
         assert word == "churned"
         stop(rec)
-    finally:
-        fam.stdin.close()
-        fam.wait(30)
     targets, _ = targets_and_tiers(rec.out)
     children = set(targets["pid"]) - {fam.pid}
     vm = read_table(rec.out, "vm_events")
@@ -208,3 +171,48 @@ def targets_and_tiers(out):
     """The `targets` rows, and each process's last `tier` detail."""
     targets = read_table(out, "targets")
     return targets, targets[targets["event"] == "tier"].groupby("pid")["detail"].last()
+
+
+class Family:
+    """tests/workloads/family.py for one test (`early` children forked at once): `say` a command,
+    read its answers by `line`; the family ends with the block."""
+
+    def __init__(self, early: int = 0):
+        self.proc = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), str(early)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        word, *pids = self.line().split()
+        assert word == "ready", word
+        self.early = [int(p) for p in pids]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def recorded(self, record, *args: str):
+        """A recording of the parent (1 s snapshots), once it is attached."""
+        rec = record("--pid", str(self.pid), "-i", "1", *args)
+        rec.wait_attached(pid=self.pid)
+        return rec
+
+    def say(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def line(self) -> str:
+        return self.proc.stdout.readline()
+
+    def blink(self, n: int) -> dict[int, int]:
+        """n short-lived children, each keeping 4 MiB at once: what each says it kept."""
+        self.say(f"blink {n}")
+        kept = {}
+        while (line := self.line()).startswith("kept "):
+            kept[int(line.split()[1])] = int(line.split()[2])
+        assert line.strip() == "blinked" and len(kept) == n, line
+        return kept
+
+    def __enter__(self) -> Family:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
