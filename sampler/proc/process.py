@@ -130,11 +130,6 @@ def exe_path(pid: int) -> str | None:
         return None
 
 
-def is_process(tid: int) -> bool:
-    """A new task from a fork tracepoint: a process (its own thread group) or just a thread?"""
-    return _tgid(tid) == tid
-
-
 def descendants(roots: set[int], proc: str = "/proc") -> list[tuple[int, int]]:
     """(pid, parent pid) of every live process descended from `roots`, each after its parent: one
     pass over /proc (the processes forked before a recording began; later forks are events)."""

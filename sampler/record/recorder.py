@@ -287,7 +287,7 @@ class Recorder:
         t = self.targets[info.pid] = Target(info, tier=tier)
         t.family = family or self.opts.children or (parent is not None and parent.family)
         if parent is not None and t.family:     # a family spends its root's syscall-event budget
-            t.budget = parent.budget or parent.pid
+            t.budget = parent.forks_budget
         if parent is not None:
             t.parent = parent.pid
             if parent.injection is not None:
@@ -317,7 +317,7 @@ class Recorder:
         microseconds, so that a server forking per connection stays cheap to record. It may have
         exited already: its events until then are still recorded. Returns whether it is recorded."""
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
-        t = Target(info, family=True, budget=parent.budget or parent.pid)
+        t = Target(info, family=True, budget=parent.forks_budget)
         t.parent = parent.pid
         if not self.attacher.adopt_fork(t, parent):
             try:

@@ -57,6 +57,11 @@ class Target:
     def pid(self) -> int:
         return self.info.pid
 
+    @property
+    def forks_budget(self) -> int:
+        """Whose syscall-event budget its forks spend: its family's root."""
+        return self.budget or self.pid
+
     def probe_labels(self) -> list[str]:
         """`targets.probes`: each allocator probe with its site and mode, then the USDT ones."""
         probes = [f"{p.name}+{p.site.offset} ({'emulated' if p.site.emulated else 'stepped'}, "
