@@ -232,6 +232,31 @@ def test_no_write_reaches_the_image_an_exec_brings(shared):
         h.kill()
 
 
+def test_a_fork_that_swaps_the_sampler_it_inherited_gets_no_write(shared):
+    """A placed process forks; the child (adopted from its parent's injection, nothing read again)
+    maps a changed copy of the sampler over the one it inherited: the helper finds the code is not
+    ours and writes nothing, and the parent's own writes still work."""
+    h = Hostile(shared, "fork-swap")
+    try:
+        inj = inject.inject(h.pid, 65536, 0)
+        inj.redirect()
+        assert inj.slots
+        h.p.stdin.write("fork\n")
+        h.p.stdin.flush()
+        pid, addr, value = (int(x, 16) if i else int(x) for i, x in enumerate(h.p.stdout.readline().split()))
+        child = inj.forked(pid)
+        with pytest.raises(inject.StoreFailed, match="not at"):
+            child.store([inject._Write(addr, value, 0x4141414141414141)])
+        assert child.restore() == 0
+        slots = len(inj.slots)
+        assert inj.restore() == slots
+        out, _ = h.p.communicate("show\n", timeout=30)
+        assert int(out.strip(), 16) == value == 0x1122334455667788
+        assert h.p.returncode == 0
+    finally:
+        h.kill()
+
+
 def test_no_write_reaches_a_process_that_reused_the_pid(shared):
     """The placed process exits and another (the victim) gets its pid: nothing of the injection
     reaches it."""

@@ -11,6 +11,9 @@
  *     fds FILE          keeps fds for check-fd: 3 O_PATH of FILE, 4 our memfd name but not empty,
  *                       5 another name, 6 a good one
  *     exec PROG         execs PROG on "exec\n"
+ *     fork-swap         on "fork\n" forks; the child maps a copy of the sampler it inherited, one byte
+ *                       changed, over it and prints "PID ADDR VALUE" of a word of its own; on a
+ *                       second line it prints that word and exits (the parent waits for it)
  * Prints "ready" (then, but for strict and exec, "PID" lines of its own state), computes a
  * checksum in its registers until a line arrives on stdin, then prints "ok CHECKSUM" where the
  * same computation done without interruption must agree.
@@ -32,6 +35,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static int g_listener = -1;
@@ -138,6 +142,47 @@ static int memfd(const char *name, unsigned flags)
     return (int)syscall(SYS_memfd_create, name, flags);
 }
 
+static volatile uint64_t g_word = 0x1122334455667788ULL;
+
+/* The child of a placed process replaces the sampler's code it inherited with a changed copy. */
+static int fork_swap(void)
+{
+    char line[256];
+    printf("ready\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin))
+        return 4;
+    pid_t child = fork();
+    if (child > 0) {
+        int status;
+        return waitpid(child, &status, 0) == child && WIFEXITED(status) ? WEXITSTATUS(status) : 13;
+    }
+    unsigned long lo = 0, hi = 0;
+    FILE *maps = fopen("/proc/self/maps", "r");
+    while (maps && fgets(line, sizeof line, maps))
+        if (strstr(line, "/memfd:allocsampler") && strstr(line, " r-xp ") &&
+            sscanf(line, "%lx-%lx", &lo, &hi) == 2)
+            break;
+    if (!lo)
+        return 11;
+    /* page by page: the mapping is longer than the file (the kernel's copy fails past its end) */
+    int fd = memfd("allocsampler", MFD_CLOEXEC);
+    size_t len = 0;
+    while (lo + len < hi && write(fd, (void *)(lo + len), 4096) == 4096)
+        len += 4096;
+    char b = (char)(*(volatile char *)(lo + 64) ^ 1);
+    if (fd < 0 || !len || pwrite(fd, &b, 1, 64) != 1 ||
+        mmap((void *)lo, hi - lo, PROT_READ | PROT_EXEC, MAP_PRIVATE | MAP_FIXED, fd, 0) != (void *)lo)
+        return 12;
+    printf("%d %lx %lx\n", getpid(), (unsigned long)(uintptr_t)&g_word, (unsigned long)g_word);
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin))
+        return 4;
+    printf("%lx\n", (unsigned long)g_word);
+    fflush(stdout);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2)
@@ -153,6 +198,8 @@ int main(int argc, char **argv)
         execv(argv[2], argv + 2);
         return 5;
     }
+    if (strcmp(mode, "fork-swap") == 0)
+        return fork_swap();
     if (!strncmp(mode, "notify-", 7)) {
         pthread_create(&sup, NULL, supervisor, NULL);
         if (!strcmp(mode, "notify-fd")) {
