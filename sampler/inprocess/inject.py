@@ -42,6 +42,7 @@ import re
 import struct
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -196,6 +197,9 @@ class Injection:
     stores: int = 0                 # helper runs that changed the process's words
     store_ns: int = 0               # how long their threads were stopped, in all
     allocator_label: str = ""       # `allocator`, once found (a fork's child inherits it)
+    # CLOCK_MONOTONIC (BPF's clock) once the last change to the process was made: a fork before it
+    # may lack the sampler or some slots, so its child is not a copy of this state
+    changed_ns: int = 0
 
     @property
     def allocator(self) -> str:
@@ -291,12 +295,19 @@ class Injection:
         made = 0
         for i in range(0, len(writes), INJ_STORE_OPS):
             chunk = writes[i:i + INJ_STORE_OPS]
-            for w, (_seen, done) in zip(chunk, _store(self, chunk), strict=True):
+            answers = _store(self, chunk)
+            self.changed_ns = time.monotonic_ns()
+            for w, (_seen, done) in zip(chunk, answers, strict=True):
                 if done:
                     made += 1
                     if w.done is not None:
                         w.done()
         return made
+
+    def copied_by(self, fork_ns: int) -> bool:
+        """A fork made at `fork_ns` (CLOCK_MONOTONIC, as BPF stamps it) copied this state: the
+        sampler and every slot changed so far."""
+        return self.changed_ns <= fork_ns
 
     def _redirect_python(self, maps: list[Mapping]) -> list[_Write]:
         """CPython's object and mem domains (pymalloc) go through the sampler's as_py_* functions:
@@ -546,16 +557,23 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
             raise Refused("no dynamically linked malloc and free to redirect (a static binary, or an allocator "
                           "this recorder does not know)", transient=True)
         found = _existing(pid, st.start, maps, layout, mem, parent)
-        adopted, stop_ns = found is not None, None
         if found is None:
             base, stop_ns, inode = place(pid, helper, layout, st.start)
             _placed(pid, st.start, base, inode)
+            with _PLACED_LOCK:                  # placements run in threads beside the loop
+                _PLACED_HERE[(pid, st.start, base, inode)] = stop_ns
+                while len(_PLACED_HERE) > PLACED_MAX:
+                    del _PLACED_HERE[next(iter(_PLACED_HERE))]
         else:
             base, inode = found
+            # placed by this recorder for an image whose exec event it had not read yet: not adopted
+            stop_ns = _PLACED_HERE.get((pid, st.start, base, inode))
+        adopted = found is not None and stop_ns is None
         inj = Injection(pid, st.start, base, layout, originals, mem, adopted=adopted, stop_ns=stop_ns,
                         inode=inode, inherited=adopted and parent == (base, inode),
                         python_objects=python_objects)
         _configure(inj, sample_mean, max_samples_per_s, maps)
+        inj.changed_ns = time.monotonic_ns()
         inj.python = inj._find_python(maps) or ""   # now (its code is decoded apart): redirect() is quick
     except BaseException:
         mem.close()
@@ -628,6 +646,8 @@ def _state_dir() -> Path | None:
 
 
 PLACED_MAX = 4096
+_PLACED_HERE: dict[tuple[int, int, int, int], int] = {}   # (pid, start, base, inode): how long it stopped
+_PLACED_LOCK = threading.Lock()
 
 
 def _placed(pid: int, start: int, base: int, inode: int) -> None:

@@ -77,14 +77,17 @@ class Attacher:
         return (TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0)
                 | (TargetFlag.FAMILY if t.family else 0))
 
-    def adopt_fork(self, t: Target, parent: Target) -> bool:
-        """A fork of `parent` that BPF registered at the fork (--children): it inherits the
-        parent's sampler, slots and family link with its copy of the address space, so it needs no
-        placement, no link and no read of its files. A child that is gone already is still
-        recorded: its samples until its exit follow this event. False when the parent has no
-        sampler (the caller attaches the child as usual). Its `targets` entry is BPF's, made at
-        the fork (not written again: a child gone meanwhile would get one back)."""
-        if parent.injection is None or parent.tier != INJECT or not parent.family:
+    def adopt_fork(self, t: Target, parent: Target, fork_ns: int) -> bool:
+        """A fork of `parent` that BPF registered at the fork (--children, at `fork_ns`): it
+        inherits the parent's sampler, slots and family link with its copy of the address space,
+        so it needs no placement, no link and no read of its files. A child that is gone already is
+        still recorded: its samples until its exit follow this event. False when the parent has no
+        sampler, or had not finished changing itself at the fork (a process that forks as soon as
+        it starts, while its placement runs): the caller attaches the child as usual. Its
+        `targets` entry is BPF's, made at the fork (not written again: a child gone meanwhile
+        would get one back)."""
+        if parent.injection is None or parent.tier != INJECT or not parent.family \
+                or not parent.injection.copied_by(fork_ns):
             return False
         t.tier = INJECT
         if self.python is not None and self.python.forked(parent.pid, t.pid):

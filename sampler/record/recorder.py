@@ -310,7 +310,7 @@ class Recorder:
                 with contextlib.suppress(ProcessLookupError):
                     self._add_target(read_info(pid), parent=self.targets[ppid])
 
-    def _add_child(self, pid: int, parent: Target) -> bool:
+    def _add_child(self, pid: int, parent: Target, fork_ns: int) -> bool:
         """A fork of a target, which BPF registered at the fork: until it execs it is a copy of
         its parent (identity included), and a fork of an injected parent takes its sampler over
         without reading anything from its files (Attacher.adopt_fork): a few hundred
@@ -319,7 +319,7 @@ class Recorder:
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
         t = Target(info, family=True, budget=parent.forks_budget)
         t.parent = parent.pid
-        if not self.attacher.adopt_fork(t, parent):
+        if not self.attacher.adopt_fork(t, parent, fork_ns):
             try:
                 info = read_info(pid)
             except ProcessLookupError:
@@ -484,7 +484,7 @@ class Recorder:
             if t.family and ev.addr not in self.targets:
                 n = self.snapshots.counts
                 n.children_forked += 1
-                if self._add_child(ev.addr, t):
+                if self._add_child(ev.addr, t, ev.ts_ns):
                     n.children_recorded += 1
                 else:
                     n.children_skipped += 1

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import WORKLOADS, compile_c, outstanding_through
@@ -115,20 +116,25 @@ def test_a_multiprocessing_pool_forked_during_the_recording_is_recorded_per_work
     assert sum(found.values()) == pytest.approx(sum(kept.values()), rel=0.15)
 
 
-def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path):
+@pytest.mark.parametrize("how", ["subprocess", "pid-namespace"])
+def test_a_child_that_execs_is_placed_again_in_its_new_image(record, tmp_path, how):
     """subprocess (vfork, then exec) from a recorded Python parent: the child is taken at its fork,
     and once it has exec'd a C program its new image gets a sampler of its own; what the program
-    keeps is estimated at its own function."""
+    keeps is estimated at its own function. With `unshare --pid --fork` between them the program is
+    pid 1 of a new pid namespace, a grandchild: recorded the same way (by its pid on the host);
+    unshare forks as soon as it has exec'd, while its own placement may still run, so the
+    grandchild must not be taken for a copy of a placed unshare (Injection.copied_by)."""
     exe = compile_c(WORKLOADS / "exec_child.c", tmp_path / "exec_child")
     with Family(0) as fam:
         rec = fam.recorded(record, "--children", "--sample-bytes", "128K")
-        fam.say(f"spawn {exe}")
-        word, child = fam.line().split()
+        fam.say(f"spawn {exe}" if how == "subprocess" else f"spawn unshare --pid --fork --kill-child {exe}")
+        word, spawned = fam.line().split()
         assert word == "spawned"
+        child = spawned if how == "subprocess" else _only_child(int(spawned))
         rec.wait_attached(pid=int(child), after_exec=True)
         fam.say("release 24")
         word, pid, kept = fam.line().split()
-        assert (word, pid) == ("kept", child)
+        assert (word, pid) == ("kept", spawned)
         stop(rec)
     targets, tiers = targets_and_tiers(rec.out)
     events = list(targets[targets["pid"] == int(child)].sort_values("ts", kind="stable")["event"])
@@ -171,6 +177,13 @@ def targets_and_tiers(out):
     """The `targets` rows, and each process's last `tier` detail."""
     targets = read_table(out, "targets")
     return targets, targets[targets["event"] == "tier"].groupby("pid")["detail"].last()
+
+
+def _only_child(pid: int) -> str:
+    """The pid (on the host) of `pid`'s one child."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(kids) == 1, kids
+    return kids[0]
 
 
 class Family:

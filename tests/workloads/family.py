@@ -10,7 +10,7 @@
                          then prints "blinked"
       churn N         -> forks N children, one at a time: each maps and unmaps 4 KiB 200 times
                          and exits; then prints "churned SECONDS"
-      spawn PATH      -> starts PATH with subprocess (vfork and exec), prints "spawned PID"
+      spawn ARGV...   -> starts ARGV with subprocess (vfork and exec), prints "spawned PID"
       release MIB     -> each spawned program keeps MIB MiB; prints "kept PID BYTES" for each
     EOF ends the children, then the parent.
 """
@@ -59,14 +59,14 @@ def fork(n: int) -> list[int]:
 
 print("ready", *fork(int(sys.argv[1])), flush=True)
 for line in sys.stdin:
-    word, arg = line.split()
+    word, arg, *more = line.split()
     if word == "fork":
         print("forked", *fork(int(arg)), flush=True)
     elif word == "alloc":
         for _, w in children:
             os.write(w, f"alloc {arg}\n".encode())
     elif word == "spawn":
-        p = subprocess.Popen([arg], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen([arg, *more], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"
         spawned.append(p)
         print("spawned", p.pid, flush=True)
