@@ -218,6 +218,7 @@ class BpfProbes:
         self._attached: dict[int, _Attachment] = {}
         self._families: dict[tuple, _Family] = {}     # file identity -> its family's link
         self._exited_mappings: set[int] = set()        # exited processes whose vm_live entries go at the next poll
+        self._hits_pids: set[int] = set()               # processes given a pid_hits entry (_ensure_hits)
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
         self._specs: _UsdtSpecs | None = None
         self._gpu_specs: dict[int, list[int]] = {}
@@ -556,18 +557,24 @@ class BpfProbes:
             self._closers.append(t)
         self._closing.put(fd)
 
-    def detach(self, pid: int, wait: bool = True, mappings: bool = True) -> None:
+    def detach(self, pid: int, wait: bool = True, mappings: bool = True, bpf_gone: bool = False) -> None:
         """Close a process's probes and stop tracing its syscalls (`wait`: see detach_probes).
         `mappings=False`: it has no sampled mapping in `vm_live` (none was reported, and none of
-        its events was lost), whose walk is then saved: most of a fork storm's exits."""
+        its events was lost), whose walk is then saved: most of a fork storm's exits.
+        `bpf_gone`: its exit event came (BPF dropped its `targets` entry at the exit)."""
         self.detach_probes(pid, wait)
         self.detach_gpu(pid)
         key = ctypes.c_uint32(pid)
         if not mappings:
             with contextlib.suppress(KeyError):
                 mappings = self.bpf["drops"][key].lost_events > 0
-        # drops too: its entries are created by BPF and would fill the map over a long run
-        for tab in (self._targets, self.bpf["pid_hits"], self.bpf["drops"]):
+        # drops too: its entries are created by BPF and would fill the map over a long run; the
+        # others only where they exist (a fork storm's exits make few syscalls)
+        tabs = [] if bpf_gone else [self._targets]
+        if pid in self._hits_pids:
+            self._hits_pids.discard(pid)
+            tabs.append(self.bpf["pid_hits"])
+        for tab in (*tabs, self.bpf["drops"]):
             with contextlib.suppress(KeyError):
                 del tab[key]
         if mappings and wait:
@@ -585,6 +592,7 @@ class BpfProbes:
 
     # governor ------------------------------------------------------------------------------
     def _ensure_hits(self, pid: int) -> None:
+        self._hits_pids.add(pid)
         tab = self.bpf["pid_hits"]
         key = ctypes.c_uint32(pid)
         try:

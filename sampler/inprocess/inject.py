@@ -236,15 +236,17 @@ class Injection:
         process: its memory is a copy of this one's at the fork (sampler, its data and every slot
         written so far), so nothing is read again or written; what differs later (a dlopen, an
         exec) its own rescans and exec handling see, and each of its writes is still a
-        compare-and-exchange checked against our code at `base`. Raises ProcessLookupError when
-        it is gone."""
-        st = read_stat(pid)
+        compare-and-exchange checked against our code at `base`. Its memory is opened, then its
+        identity read: a pid reused in between is another process's, whose parent is not this one
+        (and the memory opened is then that of a process gone: every access fails); a child whose
+        parent exited meanwhile (a daemon's double fork) was reparented. Raises
+        ProcessLookupError when it is gone."""
         try:
             mem = _Memory(pid)
         except OSError:
             raise ProcessLookupError(pid) from None
-        again = read_stat(pid)
-        if st is None or again is None or again.start != st.start:
+        st = read_stat(pid)
+        if st is None or st.start < self.start or (st.ppid != self.pid and _alive(self.pid, self.start)):
             mem.close()
             raise ProcessLookupError(pid)
         return replace(self, pid=pid, start=st.start, mem=mem, adopted=True, inherited=True, stop_ns=None,
@@ -693,6 +695,11 @@ def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem
             _placed(pid, start, *ours)          # its own children, and later recorders, find it noted
         return ours
     return None
+
+
+def _alive(pid: int, start: int) -> bool:
+    st = read_stat(pid)
+    return st is not None and st.start == start
 
 
 def _noted(pid: int, start: int) -> tuple[int, int] | None:

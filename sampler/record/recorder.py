@@ -317,7 +317,7 @@ class Recorder:
         microseconds, so that a server forking per connection stays cheap to record. It may have
         exited already: its events until then are still recorded. Returns whether it is recorded."""
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
-        t = Target(info, family=True, budget=parent.forks_budget)
+        t = Target(info, family=True, budget=parent.forks_budget, exe_columns=parent.exe_columns)
         t.parent = parent.pid
         if not self.attacher.adopt_fork(t, parent, fork_ns):
             try:
@@ -330,7 +330,7 @@ class Recorder:
         self.controls.add(t)
         self.stacks.fork(parent.pid, pid)
         if self.parts.tables is not None:
-            self.parts.tables.fork(parent.pid, pid)
+            self.parts.tables.fork(parent.pid, pid, fork_ns)
         return True
 
     def _rescan(self, now: float, every: bool = False) -> None:
@@ -369,7 +369,7 @@ class Recorder:
         if t is not None:
             self.attacher.release(t, restore)
         # an exited process makes no more hits: its links may close in the background
-        self.probes.detach(pid, wait=not exited, mappings=t is None or t.vm_sampled)
+        self.probes.detach(pid, wait=not exited, mappings=t is None or t.vm_sampled, bpf_gone=bpf_gone)
         self.controls.forget(pid)
         if self.gpu is not None:
             self.gpu.forget(pid)
@@ -489,6 +489,7 @@ class Recorder:
                 else:
                     n.children_skipped += 1
         elif ev.op == ProcOp.EXEC:
+            t.exe_columns = None            # another image
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)
             if self.parts.tables is not None:

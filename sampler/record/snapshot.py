@@ -150,7 +150,9 @@ class Snapshots:
                               gpu_libraries=gpu.libraries(t.pid) if gpu is not None else [],
                               gpu_labels=gpu.labels(t.pid) if gpu is not None else [])
         if event in ("attach", "exec"):
-            row.update(self.exe_ids.of(t.pid, t.info.exe).columns())
+            if t.exe_columns is None:
+                t.exe_columns = self.exe_ids.of(t.pid, t.info.exe).columns()
+            row.update(t.exe_columns)
         self._hold(TARGETS, [row])
 
     def last_rows(self, t: Target, exiting: bool) -> None:

@@ -52,6 +52,7 @@ class Target:
     attach_owed: bool = False                                # its `attach` row comes once placed
     sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
     recorder_s: float = 0.0                                  # recorder time spent on it this interval
+    exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
 
     @property
     def pid(self) -> int:

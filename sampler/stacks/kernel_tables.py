@@ -52,6 +52,7 @@ class _Proc:
     maps: list[Mapping]
     due: float = 0.0                        # re-read its maps at this time (0: not due)
     read_at: float = 0.0
+    written_ns: int = 0                     # CLOCK_MONOTONIC after its uw_procs entry last changed
 
 
 class _Ranges:
@@ -121,19 +122,14 @@ class KernelTables:
         self._set_maps(pid, maps)
         return True
 
-    def fork(self, parent: int, child: int) -> bool:
-        """`child` was forked from `parent`: its table is the parent's, not read again. BPF
-        pointed it at the parent's slot at the fork: while that is still the parent's slot, the
-        two share it (counted, so that it is reused only once neither points at it), and a child
-        that exits without mapping code costs no map write at all. False as for track."""
+    def fork(self, parent: int, child: int, fork_ns: int) -> bool:
+        """`child` was forked from `parent` at `fork_ns` (BPF's clock): its table is the
+        parent's, not read again. BPF pointed it at the parent's slot at the fork: when the
+        parent's entry has not changed since, the two share that slot (counted, so that it is
+        reused only once neither points at it), and a child that exits without mapping code costs
+        no map access at all. False as for track."""
         p = self._procs.get(parent)
-        if p is None or child in self._procs:
-            return self.track(child)
-        try:
-            copied = bytes(self._procs_map[_key(child)])
-        except KeyError:
-            copied = b""
-        if copied != bytes(_proc_value(p.slot, min(len(p.maps), UW_MAPS))):
+        if p is None or child in self._procs or p.written_ns > fork_ns:
             return self.track(child)     # the parent's table moved since the fork: read its own
         self._procs[child] = _Proc(p.slot, list(p.maps))
         self._shared[p.slot] = self._shared.get(p.slot, 0) + 1
@@ -150,6 +146,7 @@ class KernelTables:
             return
         if exec_:
             self._procs_map.put(_key(pid), None)
+            p.written_ns = time.monotonic_ns()
         if not p.due:
             p.due = time.monotonic()
 
@@ -331,6 +328,7 @@ class KernelTables:
             keys = struct.pack(f"<{len(entries)}I", *range(slot * UW_MAPS, slot * UW_MAPS + len(entries)))
             self._maps.update_batch(keys, b"".join(entries), len(entries))
         self._procs_map[_key(pid)] = _proc_value(slot, len(entries))
+        p.written_ns = time.monotonic_ns()
         self._give_slot(p.slot)             # the old slot, reused last
         p.slot = slot
 
