@@ -79,6 +79,7 @@ class ProcView:
     cmdline: str                 # argv joined by spaces; "" for kernel threads and zombies
     uid: int                     # effective uid, as `pgrep -u` matches
     cgroup_path: str             # cgroup v2 path from /proc/PID/cgroup, e.g. /system.slice/foo.service
+    systemd_path: str = ""       # systemd's: its v1 name=systemd hierarchy's path, else the v2 one
 
     @classmethod
     def read(cls, pid: int, proc: str = "/proc") -> ProcView | None:
@@ -91,10 +92,12 @@ class ProcView:
             uid = next(int(line.split()[2]) for line in status if line.startswith("Uid:"))
             cgroups = _read(f"{base}/cgroup").decode(errors="surrogateescape").splitlines()
             cgroup = next((line[3:] for line in cgroups if line.startswith("0::")), "")
+            systemd = next((line.split(":", 2)[2] for line in cgroups if line.split(":", 2)[1:2] == ["name=systemd"]),
+                           cgroup)
         except (OSError, StopIteration, ValueError, IndexError):
             return None
         cmdline = read_cmdline(pid, proc)
-        return None if cmdline is None else cls(pid, comm, cmdline, uid, cgroup)
+        return None if cmdline is None else cls(pid, comm, cmdline, uid, cgroup, systemd)
 
 
 def rss_bytes(pid: int | str = "self") -> int:

@@ -42,7 +42,7 @@ ALWAYS_ON, ATTACH, PRELOAD_AWARE = "always-on", "attach", "preload-aware"
 TIERS = (ALWAYS_ON, ATTACH, PRELOAD_AWARE)
 ATTACH_MODES = ("auto", "inject", "uprobe")   # how the attach tier attaches (README: Tiers)
 COMM_LEN = 15                    # the kernel keeps the first 15 bytes of a process name (TASK_COMM_LEN - 1)
-SELECTORS = ("name", "regex", "cgroup", "user", "all")
+SELECTORS = ("name", "regex", "cgroup", "unit", "user", "all")
 UID_MAX = (1 << 32) - 2          # (uid_t)-1 means "no uid"
 
 _SIZE_META = {"size": True}      # dataclass field metadata: to_dict writes these as "512K"
@@ -64,6 +64,7 @@ class Target:
     name: str | None = None                  # exact process name (comm)
     regex: re.Pattern[str] | None = None     # searched in the command line
     cgroup: str | None = None                # below the cgroup v2 root, no leading slash
+    unit: str | None = None                  # a systemd unit (its processes and any cgroup below it)
     user: str | None = None                  # as written: a user name or a uid
     uid: int | None = None                   # `user` resolved
     all: bool = False
@@ -80,6 +81,8 @@ class Target:
                 return False
             if self.cgroup is not None and not cgroup_within(proc.cgroup_path, self.cgroup):
                 return False
+            if self.unit is not None and self.unit not in proc.systemd_path.split("/"):
+                return False
         return self.exclude is None or not self.exclude.search(proc.cmdline)
 
     def describe(self) -> str:
@@ -94,7 +97,7 @@ class Target:
 
     def _selectors(self) -> dict[str, Any]:
         sel = {"name": self.name, "regex": self.regex.pattern if self.regex else None,
-               "cgroup": self.cgroup, "user": self.user, "all": self.all or None}
+               "cgroup": self.cgroup, "unit": self.unit, "user": self.user, "all": self.all or None}
         return {k: v for k, v in sel.items() if v is not None}
 
     def to_dict(self) -> dict[str, Any]:
@@ -317,6 +320,15 @@ def _comm(v: Any) -> str:
     return v
 
 
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\@-]{1,250}\.(service|scope|slice)")
+
+
+def _unit(v: Any) -> str:
+    if not isinstance(v, str) or not _UNIT.fullmatch(v.strip()):
+        raise _Bad("a systemd unit name such as postgresql@15-main.service (a .service, .scope or .slice)")
+    return v.strip()
+
+
 def _cgroup(v: Any) -> str:
     expected = "a cgroup v2 path such as system.slice/NAME.service (all = true selects every process)"
     if not isinstance(v, str):
@@ -424,7 +436,7 @@ _UPLOAD: dict[str, Callable[[Any], Any]] = {
     "max_backlog_bytes": _size(1 << 20, 1 << 50),
 }
 _TARGET: dict[str, Callable[[Any], Any]] = {
-    "name": _comm, "regex": _regex, "cgroup": _cgroup, "user": _user, "all": _bool,
+    "name": _comm, "regex": _regex, "cgroup": _cgroup, "unit": _unit, "user": _user, "all": _bool,
     "tier": _choice(TIERS), "exclude": _regex, "children": _bool,
 }
 _SECTIONS = ("daemon", "targets", "retention", "metrics", "analysis", "upload")
@@ -470,7 +482,7 @@ class _Checker:
                                 "all selects every process; leave some out with exclude")
         elif not chosen:
             raise UsageError(f"{self.source}: {key}: no selector: expected at least one of name, regex, "
-                             "cgroup, user (combined with AND), or all = true")
+                             "cgroup, unit, user (combined with AND), or all = true")
         return Target(**values)
 
 

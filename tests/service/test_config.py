@@ -3,8 +3,10 @@ naming the key and what is allowed, and target selection."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 from dataclasses import fields
 from pathlib import Path
 
@@ -48,8 +50,9 @@ def test_example_loads_with_its_documented_defaults():
     assert c.retention == config.RetentionConfig()
     assert c.metrics == config.MetricsConfig()
     assert c.analysis == config.AnalysisConfig()
-    service, python = c.targets
+    service, server, python = c.targets
     assert (service.cgroup, service.tier) == ("system.slice/inference.service", ATTACH)
+    assert (server.unit, server.tier, server.children) == ("postgresql@15-main.service", ATTACH, True)
     assert python.tier == ALWAYS_ON
     assert c.source == str(EXAMPLE)
 
@@ -80,7 +83,7 @@ def test_upload_is_off_by_default_and_read(tmp_path):
 
 
 def test_example_python_target_selects_python_but_not_pip():
-    python = config.load(EXAMPLE).targets[1]
+    python = config.load(EXAMPLE).targets[2]
     for cmd in ("/usr/bin/python3.11 -m http.server", "python train.py", "python3", ".venv/bin/python x.py",
                 "python pipeline.py"):
         assert python.matches(proc(cmdline=cmd, cgroup="/user.slice")), cmd
@@ -213,7 +216,7 @@ BAD = [
      ["= true:", "no other selector", "name, user", "exclude"]),
     ("all-string", '[[targets]]\nall = "yes"\n', "targets[0].all", ['= "yes"', "true or false"]),
     ("no-selector", '[[targets]]\ntier = "attach"\n', "targets[0]",
-     ["no selector", "name, regex, cgroup, user", "all = true"]),
+     ["no selector", "name, regex, cgroup, unit, user", "all = true"]),
     ("no-selector-all-false", "[[targets]]\nall = false\n", "targets[0]", ["no selector"]),
     ("target-unknown-key", '[[targets]]\nnmae = "x"\n', "targets[0].nmae", ["unknown key (did you mean name?)"]),
     ("target-not-table", 'targets = ["x"]\n', "targets[0]", ['= "x"', "a table ([[targets]])"]),
@@ -337,6 +340,37 @@ def test_cgroup_is_this_one_or_below(configured):
     assert not t.matches(proc(cgroup="/system.slice"))
     assert not t.matches(proc(cgroup="/"))
     assert not t.matches(proc(cgroup=""))           # no cgroup v2 membership known
+
+
+def test_unit_selects_a_real_process_in_its_systemd_cgroup(tmp_path):
+    """A process moved into a unit's cgroup in systemd's hierarchy (name=systemd on cgroup v1
+    hosts, the unified one on v2) is selected by `unit`, its own cgroup below the unit's too; a
+    unit whose name only starts the same is not. One line for a value that is not a unit name."""
+    roots = [m.split()[1] for m in Path("/proc/mounts").read_text().splitlines()
+             if " cgroup " in m and "name=systemd" in m] or \
+            [m.split()[1] for m in Path("/proc/mounts").read_text().splitlines() if " cgroup2 " in m]
+    assert roots, "no systemd or v2 cgroup hierarchy mounted"
+    unit = Path(roots[0]) / "allocsampler-test.slice" / f"unit-{os.getpid()}.service"
+    worker = unit / "worker"
+    worker.mkdir(parents=True)
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        (worker / "cgroup.procs").write_text(str(p.pid))
+        view = ProcView.read(p.pid)
+        assert view is not None and view.systemd_path.endswith(f"unit-{os.getpid()}.service/worker"), view
+        assert target(json.dumps({"unit": unit.name})).matches(view)
+        assert target(json.dumps({"unit": "allocsampler-test.slice"})).matches(view)
+        assert not target(json.dumps({"unit": f"unit-{os.getpid()}.serv.service"})).matches(view)
+        assert not target(json.dumps({"unit": unit.name})).matches(ProcView.read(os.getpid()))
+    finally:
+        p.kill()
+        p.wait()
+        for d in (worker, unit, unit.parent):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    msg = error_of(tmp_path, '[[targets]]\nunit = "../x.service"\n')
+    assert "unit" in msg and "systemd unit name" in msg, msg
+    assert "unit" in error_of(tmp_path, '[[targets]]\ntier = "attach"\n')
 
 
 def test_user_by_name_and_uid():
