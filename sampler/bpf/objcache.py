@@ -34,6 +34,8 @@ from pathlib import Path
 from sampler import files
 from sampler.bpf import syscall as sc
 
+WRITE_WINDOW = 4 << 20       # bytes of a mmapable array map mapped at once (write_array)
+
 FORMAT = 1                       # of the stored spec; part of the key
 CACHE_ENTRIES = 32               # specs kept (newest used first)
 MAX_ENTRY_BYTES = 64 << 20       # a spec is ~0.3 MiB; anything far larger is not ours
@@ -425,17 +427,21 @@ class Map:
 
     def write_array(self, first: int, data: bytes | memoryview) -> None:
         """Write elements first, first + 1, ... of an array map created BPF_F_MMAPABLE through a
-        shared mapping of it, unmapped after (its pages leave this process's RSS)."""
+        shared mapping of it, a window at a time, each unmapped after (its pages leave this
+        process's RSS: a large library's rows never count twice in the recorder's peak)."""
+        data = memoryview(data).cast("B")
         size = self.max_entries * self._value_bytes
         start, end = first * self._value_bytes, first * self._value_bytes + len(data)
         # the kernel lays elements out 8-byte aligned: only 8-byte multiples map one to one
         if first < 0 or end > size or len(data) % self._value_bytes or self._value_bytes % 8:
             raise ValueError(f"map {self.name}: elements {first}.. do not fit")
         page = mmap.PAGESIZE
-        lo = start // page * page
-        with mmap.mmap(self.fd, -(-end // page) * page - lo, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
-                       offset=lo) as m:
-            m[start - lo:end - lo] = data
+        for at in range(start, end, WRITE_WINDOW):
+            stop = min(end, at + WRITE_WINDOW)
+            lo = at // page * page
+            with mmap.mmap(self.fd, -(-stop // page) * page - lo, mmap.MAP_SHARED,
+                           mmap.PROT_READ | mmap.PROT_WRITE, offset=lo) as m:
+                m[at - lo:stop - lo] = data[at - start:stop - start]
 
     def put(self, key, leaf) -> None:
         """Set `key` to `leaf`; None deletes it (absent or not)."""

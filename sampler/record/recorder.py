@@ -39,6 +39,8 @@ from sampler.record.target import ATTACH, RSS, SYSCALLS, Target
 from sampler.stacks.table import COMPLETE
 from sampler.text import printable
 
+_PY_MISS = int(EvFlag.PY_MISS)    # a plain int: `int & IntFlag` builds a flag object per event
+
 # Records are read in batches: the programs wake the reader once an eighth of the ring buffer
 # waits, else every POLL_MS (BUSY_POLL_MS while placements or unwind rows are on their way); the
 # loop's own work (placements, rescans, hooks, controls) runs at most every TICK_S otherwise.
@@ -444,7 +446,7 @@ class Recorder:
         t.recorder_s += time.perf_counter() - t0
 
     def _handle(self, t: Target, ev: Event) -> None:
-        if ev.flags & EvFlag.PY_MISS and self.python is not None:
+        if ev.flags & _PY_MISS and self.python is not None:
             self.python.refresh(ev.pid)        # a thread started since the last walk
         if ev.type == EvType.ALLOC:
             if ev.source == Source.FAULT:

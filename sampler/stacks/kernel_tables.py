@@ -289,8 +289,8 @@ class KernelTables:
                 log.warning("the unwind tables are full (%d rows, %d pages): stacks in %s are unwound in user "
                             "space; raise unwind_rows", self._ranges.capacity, self._page_ranges.capacity, f.ident)
             return
-        self._rows.write_array(lo, rows.rows.tobytes())
-        self._pages.write_array(plo, pages.tobytes())
+        self._rows.write_array(lo, memoryview(np.ascontiguousarray(rows.rows)).cast("B"))   # no copy
+        self._pages.write_array(plo, memoryview(pages).cast("B"))
         f.lo, f.n, f.page_lo, f.page_n, f.page_first = lo, n, plo, npages, first
 
     def _take(self, ranges: _Ranges, n: int) -> int | None:

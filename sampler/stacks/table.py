@@ -24,6 +24,13 @@ from sampler.python.targets import PythonTargets
 from sampler.stacks.symbolize import Frame, Place, Symbolizer
 from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
+# plain ints: `int & IntFlag` builds a flag object per event
+_FIRST_IS_IP = int(EvFlag.FIRST_IS_IP)
+_STACK_ERR = int(EvFlag.STACK_ERR)
+_SITE_MODULE = int(EvFlag.SITE_MODULE)
+_CONT_BP_UNKNOWN = int(EvFlag.CONT_BP_UNKNOWN)
+_CONT_IMPRECISE = int(EvFlag.CONT_IMPRECISE)
+
 # The walk reached the thread's entry: the stack is complete.
 COMPLETE = "entry"
 # stacks.unwind_stop of the walks that ended in BPF (sampler/stacks/unwind.py's names)
@@ -64,14 +71,14 @@ class StackTable:
         self._next_space = 0
 
     def intern(self, ev: Event) -> int:
-        first_is_ip = bool(ev.flags & EvFlag.FIRST_IS_IP)
+        first_is_ip = bool(ev.flags & _FIRST_IS_IP)
         if ev.pcs and ev.stop < UwStop.NO_TABLE:
             pcs, stop = ev.pcs, _BPF_STOPS.get(ev.stop, "bad_frame")     # walked in BPF to its end
             self.in_bpf += 1
         elif ev.pcs:
             pcs, stop = self._go_on(ev)                       # handed over: go on from its last frame
             self.handed_over += 1
-        elif ev.stack and not ev.flags & EvFlag.STACK_ERR:
+        elif ev.stack and not ev.flags & _STACK_ERR:
             res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.ip, ev.sp, ev.bp),
                                        _restore_return_address(ev), self.max_frames)
             pcs, stop = res.pcs, res.stop
@@ -86,7 +93,7 @@ class StackTable:
             return sid
         native = self.symbolizer.places(ev.pid, pcs, first_is_ip) if pcs else []
         skip = 0
-        if ev.flags & EvFlag.SITE_MODULE and native:
+        if ev.flags & _SITE_MODULE and native:
             skip = self._site_frames(ev.pid, native)
         elif first_is_ip and len(native) > 1 and native[0].module.startswith("libc."):
             skip = 1            # a syscall: the ip is in libc's wrapper; its caller is the site
@@ -114,12 +121,12 @@ class StackTable:
         walked = ev.pcs[:-1]
         if ev.stop == UwStop.DEEP and len(ev.pcs) >= self.max_frames:
             return ev.pcs[:self.max_frames], "max_frames"    # as deep as kept: BPF copied nothing
-        if not ev.stack or ev.flags & EvFlag.STACK_ERR:
+        if not ev.stack or ev.flags & _STACK_ERR:
             return ev.pcs, "stack_end"
-        bp = None if ev.flags & EvFlag.CONT_BP_UNKNOWN else ev.bp
+        bp = None if ev.flags & _CONT_BP_UNKNOWN else ev.bp
         res = self.unwinder.unwind(partial(self.symbolizer.locate, ev.pid), Regs(ev.pcs[-1], ev.sp, bp),
                                    _restore_return_address(ev), max(1, self.max_frames - len(walked)),
-                                   precise=not ev.flags & EvFlag.CONT_IMPRECISE)
+                                   precise=not ev.flags & _CONT_IMPRECISE)
         self._learn_depth(ev.pid, res)
         return walked + res.pcs, res.stop
 
