@@ -134,6 +134,9 @@ enum usdt_kind {
 #define TORCH_TAG (1ULL << 63)
 #define USDT_SPECS 1024
 #define USDT_MAX_ARGS 3
+/* In usdt_spec.fn: the spec of a family's link (one link, any pid), which counts only TGT_FAMILY
+ * targets: a process recorded without --children that maps the same file has its own link. */
+#define USDT_FAMILY_LINK 0x10000
 
 /* CUDA calls (cuda.bpf.c; sampler/gpu/cuda.py builds the cookie): bits 0-7 the function id, 8-11
  * the argument convention, 12-15 the source (layer), then the flags below. */

@@ -406,11 +406,12 @@ class BpfProbes:
 
     def attach_usdt(self, pid: int, attach_path: str, sites: Sequence[UsdtSite], family: tuple | None = None) -> None:
         """Attach the preload tier's program to a file's otel_memory probe sites for one process.
-        `family`: the file's identity when the sites are a family's (the injected sampler's memfd
-        under --children): one link for every process that maps the file, made for its first
-        member, so that a fork samples from its first call (usdt_memory counts only targets).
-        Raises OSError (the process is gone, the kernel refuses, or the file's or the process's
-        probes have too many distinct argument layouts)."""
+        `family`: the file's identity when the sites are a family's (a --children target's):
+        one link for every process that maps the file, made for its first member, so that a fork
+        samples from its first call; its sites' specs carry USDT_FAMILY_LINK (memory_sites(...,
+        family=True): usdt_memory counts only the family's targets through it). Raises OSError
+        (the process is gone, the kernel refuses, or the file's or the process's probes have too
+        many distinct argument layouts)."""
         if family is not None:
             fam = self._families.get(family)
             if fam is None:
@@ -437,6 +438,10 @@ class BpfProbes:
             raise
         att.links.append((fd, False))
         att.specs += cookies
+
+    def has_family(self, family: tuple) -> bool:
+        """The file (its identity) has a family's link."""
+        return family in self._families
 
     def join_family(self, family: tuple, pid: int) -> bool:
         """`pid` (a fork of a member) is covered by the family's link, if it has one."""

@@ -69,10 +69,11 @@ int usdt_memory(struct pt_regs *ctx)
     bpf_probe_read_kernel(regs, sizeof(regs), ctx);
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
-    /* a family's link (the injected sampler's memfd, any pid) fires in every process that maps
-     * it: only targets count (a fork without --children, or one handed the memfd) */
+    /* a family's link (any pid) fires in every process that maps its file: only the family's
+     * targets count (not a fork without --children, one handed the memfd, or a process recorded
+     * without --children, which has a link of its own) */
     struct target *tg = targets.lookup(&pid);
-    if (!tg)
+    if (!tg || ((spec->fn & USDT_FAMILY_LINK) && !(tg->flags & TGT_FAMILY)))
         return 0;
     u32 kind = spec->kind;
     u32 fn = spec->fn & 31;

@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment, format_errors, open_regular
-from sampler.bpf.abi import USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
+from sampler.bpf.abi import USDT_FAMILY_LINK, USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
 from sampler.bpf.loader import UsdtSite
 
 PROVIDER = "otel_memory"
@@ -112,8 +112,9 @@ REPORTS = {
 }
 
 
-def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
-    """The BPF map value for one probe site: its arguments and what it reports (`kind`)."""
+def pack_spec(args: tuple[UsdtArg, ...], kind: int, family: bool = False) -> bytes:
+    """The BPF map value for one probe site: its arguments and what it reports (`kind`);
+    `family`: a family's link (USDT_FAMILY_LINK: it counts only --children targets)."""
     if len(args) > MAX_ARGS:
         raise UsdtError(f"{len(args)} USDT arguments; at most {MAX_ARGS} are read")
     fields: list[int] = []
@@ -121,7 +122,7 @@ def pack_spec(args: tuple[UsdtArg, ...], kind: int) -> bytes:
         a = args[i] if i < len(args) else UsdtArg(ARG_CONST, 8, False)
         fields += [a.value, a.reg_off, a.kind, a.size, int(a.signed)]
     fn, source = REPORTS[UsdtKind(kind)]
-    return SPEC.pack(*fields, len(args), kind, fn, source)
+    return SPEC.pack(*fields, len(args), kind, fn | (USDT_FAMILY_LINK if family else 0), source)
 
 
 # Files whose probes are remembered, by identity: (device, inode, size, mtime). Not by path: a
@@ -216,6 +217,6 @@ def memory_kind(probe: UsdtProbe) -> int:
     return MEMORY_PROBES[(probe.provider, probe.name)][1]
 
 
-def memory_sites(probes: list[UsdtProbe]) -> list[UsdtSite]:
-    """memory_probes() as the loader attaches them."""
-    return [UsdtSite(p.file_offset, p.semaphore, pack_spec(p.args, memory_kind(p))) for p in probes]
+def memory_sites(probes: list[UsdtProbe], family: bool = False) -> list[UsdtSite]:
+    """memory_probes() as the loader attaches them (`family`: as a family's link)."""
+    return [UsdtSite(p.file_offset, p.semaphore, pack_spec(p.args, memory_kind(p), family)) for p in probes]

@@ -79,27 +79,36 @@ class Attacher:
 
     def adopt_fork(self, t: Target, parent: Target, fork_ns: int) -> bool:
         """A fork of `parent` that BPF registered at the fork (--children, at `fork_ns`): it
-        inherits the parent's sampler, slots and family link with its copy of the address space,
-        so it needs no placement, no link and no read of its files. A child that is gone already is
-        still recorded: its samples until its exit follow this event. False when the parent has no
-        sampler, or had not finished changing itself at the fork (a process that forks as soon as
-        it starts, while its placement runs): the caller attaches the child as usual. Its
-        `targets` entry is BPF's, made at the fork (not written again: a child gone meanwhile
-        would get one back)."""
-        if parent.injection is None or parent.tier != INJECT or not parent.family \
-                or not parent.injection.copied_by(fork_ns):
+        inherits the parent's sampler (inject tier) or preloaded shim (preload tier), its slots
+        and its family links with its copy of the address space, so it needs no placement, no
+        link and no read of its files. A child that is gone already is still recorded: its
+        samples until its exit follow this event. False when the parent has neither, or had not
+        finished changing itself at the fork (a process that forks as soon as it starts, while
+        its placement runs): the caller attaches the child as usual. Its `targets` entry is
+        BPF's, made at the fork (not written again: a child gone meanwhile would get one back)."""
+        if not parent.family:
             return False
-        t.tier = INJECT
+        if parent.tier == INJECT and parent.injection is not None and parent.injection.copied_by(fork_ns):
+            how = "inject"
+        elif parent.tier == PRELOAD and parent.usdt and all(self.probes.has_family(i[:2]) for i in parent.usdt):
+            how = "preload"
+        else:
+            return False
+        t.tier = INJECT if how == "inject" else PRELOAD
         if self.python is not None and self.python.forked(parent.pid, t.pid):
             t.py_checked = True
+        # the family's links cover it already; any other probe file is attached at its rescan
+        t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
+        t.usdt_labels = [label for label in parent.usdt_labels if label.endswith("(usdt, family)")]
+        if how == "preload":
+            self.note(t, "tier", f"preload: otel_memory probes inherited from pid {parent.pid} (forked)")
+            self.note(t, "attach", "")
+            return True
         try:
             t.injection = parent.injection.forked(t.pid)
         except ProcessLookupError:
             self.note(t, "tier", f"inject: inherited from pid {parent.pid} (forked; exited before it was looked at)")
             return True
-        # the family's link covers it already; any other probe file is attached at its rescan
-        t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
-        t.usdt_labels = [label for label in parent.usdt_labels if label.endswith("(usdt, family)")]
         self.note(t, "tier", f"inject: in-process sampler at {t.injection.base:#x} inherited from pid "
                              f"{parent.pid} (forked)")
         self.note(t, "attach", "")
@@ -433,11 +442,12 @@ class Attacher:
                                           "recorded from its own samples, no allocator uprobes")
         for ident, m in found:
             try:
-                # the injected sampler's memfd is its family's under --children: one link, any pid
-                family = ident[:2] if t.family and m.path.startswith(inject.MEMFD_NAME) else None
+                # under --children the file's sites are its family's: one link, any pid (the
+                # injected sampler's memfd, the preload shim, an application's own probes)
+                family = ident[:2] if t.family else None
                 with pinned(t.pid, m) as path:      # parsed from and attached through one descriptor
                     probes = usdt.memory_probes(path)
-                    self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes), family)
+                    self.probes.attach_usdt(t.pid, path, usdt.memory_sites(probes, family is not None), family)
             except (OSError, ValueError) as e:
                 if not os.path.exists(f"/proc/{t.pid}"):
                     raise ProcessLookupError(t.pid) from None

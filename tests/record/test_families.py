@@ -14,6 +14,7 @@ import pytest
 from conftest import WORKLOADS, compile_c, outstanding_through
 
 from analysis.dataset import read_outstanding, read_table
+from sampler.inprocess.preload import preload_env
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
@@ -52,12 +53,13 @@ def test_children_forked_before_and_during_the_recording_are_recorded(record):
         assert found[pid] == pytest.approx(truth, rel=0.35), (pid, tiers[pid])
 
 
-@pytest.mark.parametrize("children", [True, False])
-def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, children):
-    """BPF registers a fork at the fork itself, and the sampler's probe sites are the family's:
-    children that allocate at once and exit within milliseconds are recorded whole (what each
-    says it kept), and without --children no child's allocation counts anywhere."""
-    with Family(0) as fam:
+@pytest.mark.parametrize(("tier", "children"), [("inject", True), ("inject", False), ("preload", True)])
+def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, tier, children):
+    """BPF registers a fork at the fork itself, and the probe sites of the injected sampler (or of
+    the preload shim a service was started with) are the family's: children that allocate at once
+    and exit within milliseconds are recorded whole (what each says it kept), and without
+    --children no child's allocation counts anywhere."""
+    with Family(0, preload=tier == "preload") as fam:
         rec = fam.recorded(record, *(["--children"] if children else []), "--sample-bytes", "128K")
         kept = fam.blink(30)
         stop(rec)
@@ -74,7 +76,8 @@ def test_a_child_is_recorded_from_its_first_call_and_only_with_children(record, 
         return
     assert list(counts) == [30, 30, 0], counts             # the dataset says how many were seen and taken
     assert set(kept) <= set(tiers.index), set(kept) - set(tiers.index)
-    assert all(f"inherited from pid {fam.pid} (forked" in tiers[pid] for pid in kept), tiers
+    assert all(f"inherited from pid {fam.pid} (forked" in tiers[pid] and tiers[pid].startswith(tier)
+               for pid in kept), tiers
     assert found == pytest.approx(sum(kept.values()), rel=0.15)
 
 
@@ -190,9 +193,11 @@ class Family:
     """tests/workloads/family.py for one test (`early` children forked at once): `say` a command,
     read its answers by `line`; the family ends with the block."""
 
-    def __init__(self, early: int = 0):
+    def __init__(self, early: int = 0, preload: bool = False):
+        """`preload`: started under the preload shim (its sampling at the tests' 128 KiB mean)."""
+        env = preload_env(128 << 10) if preload else None
         self.proc = subprocess.Popen([sys.executable, str(WORKLOADS / "family.py"), str(early)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         word, *pids = self.line().split()
         assert word == "ready", word
         self.early = [int(p) for p in pids]
