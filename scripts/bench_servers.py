@@ -181,13 +181,13 @@ def _wait_attached(rec: subprocess.Popen, out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="default 3, --quick 1")
-    ap.add_argument("--seconds", type=float, help="benchmark time per run (default 10, --quick 2)")
+    ap.add_argument("--seconds", type=float, help="benchmark time per run (default 10, --quick 1)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="default %(default)s")
     ap.add_argument("--storm-rate", type=float, help="children forked per second (default 300, --quick 20)")
     ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
     args = ap.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
-    seconds = args.seconds or (2.0 if args.quick else 10.0)
+    seconds = args.seconds or (1.0 if args.quick else 10.0)
     names = args.servers.split(",")
     if unknown := set(names) - set(SERVERS):
         raise SystemExit(f"unknown server {', '.join(sorted(unknown))}: choose from {', '.join(SERVERS)}")
