@@ -314,8 +314,8 @@ class Recorder:
 
     def _add_child(self, pid: int, parent: Target, fork_ns: int) -> bool:
         """A fork of a target, which BPF registered at the fork: until it execs it is a copy of
-        its parent (identity included), and a fork of an injected parent takes its sampler over
-        without reading anything from its files (Attacher.adopt_fork): a few hundred
+        its parent (identity included), and a fork of an injected or preloaded parent takes its
+        sampler or shim over without reading anything from its files (Attacher.adopt_fork): a few hundred
         microseconds, so that a server forking per connection stays cheap to record. It may have
         exited already: its events until then are still recorded. Returns whether it is recorded."""
         info = dataclasses.replace(parent.info, pid=pid, ppid=parent.pid)
