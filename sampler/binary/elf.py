@@ -7,11 +7,12 @@ with numpy, names decoded lazily: iterating a big symbol table with pyelftools t
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from sampler.binary import debuginfod
 from sampler.binary.reader import (
     MALFORMED,
+    MAX_SECTION_BYTES,
     PT_LOAD,
     SHT_NOBITS,
     ElfFormatError,
@@ -113,7 +115,7 @@ class _File:
                 # a table too big to read: the others still name what they cover
                 with contextlib.suppress(SectionTooLarge):
                     tabs.append(self.symtab(i))
-        return [t for t in tabs if len(t.syms) > 1]  # entry 0 is always the null symbol
+        return [t for t in tabs if t.count > 1]  # entry 0 is always the null symbol
 
     def is_symtab(self, i: int) -> bool:
         """Section i is a symbol table this module can read, with a string table."""
@@ -129,16 +131,60 @@ class _File:
         return _SymTab(self, self.sections[i], self.sections[self.sections[i].link], versym)
 
 
+KEEP_SYMS_BYTES = 4 << 20  # symbol tables up to this size are kept whole
+
+
 class _SymTab:
     """One symbol table (.symtab or .dynsym) with its string table."""
 
     def __init__(self, file: _File, sec: Section, strtab: Section, versym: Section | None):
         self.file = file
         self.is_symtab = sec.type == SHT_SYMTAB
-        self.syms = file.array(sec, SYM_DTYPE)
+        self._sec = sec
+        if sec.file_size > MAX_SECTION_BYTES:
+            raise SectionTooLarge(f"{file.elf.path}: symbol table of {sec.file_size} bytes, over {MAX_SECTION_BYTES}")
+        self.count = sec.file_size // SYM_DTYPE.itemsize
+        self._syms = file.array(sec, SYM_DTYPE) if sec.file_size <= KEEP_SYMS_BYTES else None
+        # what naming reads, kept; the rest of a big table is read again, in pieces, when a
+        # whole-table pass needs it (libtorch_cpu's .symtab: 12.7 MiB, of which these columns are 2.5)
+        names, infos = [], []
+        for _, piece in self.pieces():
+            names.append(piece["st_name"])
+            infos.append(piece["st_info"])
+        self.st_name = np.concatenate(names) if names else np.empty(0, np.uint32)
+        self.st_info = np.concatenate(infos) if infos else np.empty(0, np.uint8)
         self.versym = file.array(versym, np.dtype("<u2")) if versym else None
         self._strtab_sec = strtab
         self._strtab: bytes | None = None
+
+    @property
+    def syms(self) -> np.ndarray:
+        """The whole table (read again from the file when it was not kept: take it once per pass)."""
+        return self._syms if self._syms is not None else self.file.array(self._sec, SYM_DTYPE)
+
+    def pieces(self) -> Iterator[tuple[int, np.ndarray]]:
+        """(index of its first entry, entries) of the table in pieces of at most KEEP_SYMS_BYTES
+        when it was not kept: a whole-table pass never holds a big table at once."""
+        if self._syms is not None:
+            yield 0, self._syms
+            return
+        per = KEEP_SYMS_BYTES // SYM_DTYPE.itemsize
+        for first in range(0, self.count, per):
+            n = min(per, self.count - first)
+            raw = self.file.elf.read_at(self._sec.offset + first * SYM_DTYPE.itemsize, n * SYM_DTYPE.itemsize)
+            if len(raw) != n * SYM_DTYPE.itemsize:
+                raise ElfFormatError(f"{self.file.elf.path}: symbol table truncated since read")
+            yield first, np.frombuffer(raw, SYM_DTYPE)
+
+    def rows(self, idx: np.ndarray) -> np.ndarray:
+        """The entries at `idx` (a few: read one by one when the table was not kept)."""
+        if self._syms is not None:
+            return self._syms[idx]
+        size, base = SYM_DTYPE.itemsize, self._sec.offset
+        raw = b"".join(self.file.elf.read_at(base + int(i) * size, size) for i in idx)
+        if len(raw) != len(idx) * size:
+            raise ElfFormatError(f"{self.file.elf.path}: symbol table truncated since read")
+        return np.frombuffer(raw, SYM_DTYPE)
 
     @property
     def strtab(self) -> bytes:
@@ -151,7 +197,7 @@ class _SymTab:
     def raw_name(self, i: int) -> str:
         """The name as stored, at most MAX_SYMBOL_NAME bytes; .symtab names of versioned symbols
         carry '@VER' or '@@VER'."""
-        lo = int(self.syms["st_name"][i])
+        lo = int(self.st_name[i])
         if self._strtab is not None:
             cap = lo + MAX_SYMBOL_NAME
             hi = self._strtab.find(b"\0", lo, cap)
@@ -188,16 +234,20 @@ class _SymTab:
             pos = strtab.find(needle, pos + 1)
         if not offsets:
             return np.empty(0, np.intp)
-        return np.flatnonzero(np.isin(self.syms["st_name"], np.array(offsets, np.uint32)))
+        return np.flatnonzero(np.isin(self.st_name, np.array(offsets, np.uint32)))
 
-    def defined(self) -> np.ndarray:
-        shndx = self.syms["st_shndx"]
+    @staticmethod
+    def defined(syms: np.ndarray) -> np.ndarray:
+        """Which of the entries `syms` (of `syms` or `rows`) are defined here."""
+        shndx = syms["st_shndx"]
         return (shndx != SHN_UNDEF) & (shndx < SHN_LORESERVE)
 
-    def functions(self) -> np.ndarray:
-        stype = self.syms["st_info"] & 0xF
+    @staticmethod
+    def functions(syms: np.ndarray) -> np.ndarray:
+        """Which of the entries `syms` are functions defined here."""
+        stype = syms["st_info"] & 0xF
         is_func = (stype == STT_FUNC) | (stype == STT_GNU_IFUNC)
-        return self.defined() & is_func & (self.syms["st_value"] != 0)
+        return _SymTab.defined(syms) & is_func & (syms["st_value"] != 0)
 
 
 def preferred_names(entries: Iterable[tuple[_SymTab, int]]) -> list[str]:
@@ -206,7 +256,7 @@ def preferred_names(entries: Iterable[tuple[_SymTab, int]]) -> list[str]:
     ranked = []
     for tab, row in entries:
         name = tab.name(row)
-        bind = int(tab.syms["st_info"][row]) >> 4
+        bind = int(tab.st_info[row]) >> 4
         ranked.append(((bind == STB_LOCAL, tab.compat(row), len(name) - len(name.lstrip("_"))), name))
     ranked.sort(key=lambda r: r[0])
     return list(dict.fromkeys(name for _, name in ranked))
@@ -224,17 +274,18 @@ class _ExportIndex:
         sec_hi = np.array([s.addr + s.size for s in secs] or [0], np.uint64)
         starts, ends, members = [np.empty(0, np.uint64)], [np.empty(0, np.uint64)], []
         for tab in tables:
-            bind = tab.syms["st_info"] >> 4
-            shndx = tab.syms["st_shndx"].astype(np.intp)
-            sec = np.minimum(shndx, len(sec_lo) - 1)
-            value = tab.syms["st_value"]
-            keep = tab.functions() & ((bind == STB_GLOBAL) | (bind == STB_WEAK)) & (shndx < len(secs))
-            # only symbols that lie in an executable section bound the addresses they may name
-            keep &= executable[sec] & (value >= sec_lo[sec]) & (value < sec_hi[sec])
-            rows = np.flatnonzero(keep)
-            starts.append(value[rows])
-            ends.append(sec_hi[sec[rows]])
-            members += [(tab, int(r)) for r in rows]
+            for first, syms in tab.pieces():
+                bind = syms["st_info"] >> 4
+                shndx = syms["st_shndx"].astype(np.intp)
+                sec = np.minimum(shndx, len(sec_lo) - 1)
+                value = syms["st_value"]
+                keep = tab.functions(syms) & ((bind == STB_GLOBAL) | (bind == STB_WEAK)) & (shndx < len(secs))
+                # only symbols that lie in an executable section bound the addresses they may name
+                keep &= executable[sec] & (value >= sec_lo[sec]) & (value < sec_hi[sec])
+                rows = np.flatnonzero(keep)
+                starts.append(value[rows])
+                ends.append(sec_hi[sec[rows]])
+                members += [(tab, first + int(r)) for r in rows]
         start = np.concatenate(starts)
         order = np.argsort(start, kind="stable")
         self.start, self.end = start[order], np.concatenate(ends)[order]
@@ -251,6 +302,13 @@ class _ExportIndex:
         return self.members[lo:hi], int(self.start[hi - 1])
 
 
+def _joined(pieces: list[np.ndarray], order: np.ndarray) -> np.ndarray:
+    """The pieces joined then put in `order`; `pieces` is emptied on the way."""
+    whole = np.concatenate(pieces)
+    pieces.clear()
+    return whole[order]
+
+
 class _FuncIndex:
     """Function symbols of all tables, sorted by address, grouped by start address. Kept per image
     for the recording's life: ~30 bytes per function (libtorch_cpu has ~400,000)."""
@@ -260,22 +318,25 @@ class _FuncIndex:
         starts, sizes, ends_cap = [empty], [empty], [empty]
         tab_ids, rows = [np.empty(0, np.uint8)], [np.empty(0, np.uint32)]
         for t, tab in enumerate(tables):
-            idx = np.flatnonzero(tab.functions())
-            starts.append(tab.syms["st_value"][idx])
-            sizes.append(tab.syms["st_size"][idx])
             # A zero-size symbol never reaches past the end of its section.
             sec_end = np.array([x.addr + x.size for x in tab.file.sections] or [0], np.uint64)
-            ends_cap.append(sec_end[np.minimum(tab.syms["st_shndx"][idx], len(sec_end) - 1)])
-            tab_ids.append(np.full(len(idx), t, np.uint8))
-            rows.append(idx.astype(np.uint32))      # MAX_SECTION_BYTES bounds a table's rows
+            for first, syms in tab.pieces():
+                idx = np.flatnonzero(tab.functions(syms))
+                starts.append(syms["st_value"][idx])
+                sizes.append(syms["st_size"][idx])
+                ends_cap.append(sec_end[np.minimum(syms["st_shndx"][idx], len(sec_end) - 1)])
+                tab_ids.append(np.full(len(idx), t, np.uint8))
+                rows.append((idx + first).astype(np.uint32))     # MAX_SECTION_BYTES bounds a table's rows
+        # one column at a time, each list of pieces dropped once joined: a transient of a column or two
         start = np.concatenate(starts)
+        del starts
         order = np.argsort(start, kind="stable")
         start = start[order]
-        self.tab = np.concatenate(tab_ids)[order]
-        self.row = np.concatenate(rows)[order]
-        size = np.concatenate(sizes)[order]
-        cap = np.concatenate(ends_cap)[order]
-        del starts, sizes, ends_cap, tab_ids, rows, order
+        self.tab = _joined(tab_ids, order)
+        self.row = _joined(rows, order)
+        size = _joined(sizes, order)
+        cap = _joined(ends_cap, order)
+        del order
 
         # Group symbols sharing a start address (aliases); group g is members [lo[g], lo[g + 1]).
         first = np.ones(len(start), bool)
@@ -455,6 +516,17 @@ class ElfImage:
                     return sec.addr, f.data(sec)
         return None
 
+    def section_in_file(self, name: str) -> tuple[int, int, Callable[[int, int], bytes]] | None:
+        """(sh_addr, size, read) of section `name` of the file itself, left in the file:
+        `read(offset, n)` gives up to n of its bytes from `offset` (fewer past its end). Sections
+        over MAX_SECTION_BYTES raise SectionTooLarge, as `section` does."""
+        for sec in self._main.sections:
+            if sec.name == name and sec.type != SHT_NOBITS:
+                if sec.file_size > MAX_SECTION_BYTES:
+                    raise SectionTooLarge(f"{self.path}: {name} of {sec.file_size} bytes, over {MAX_SECTION_BYTES}")
+                return sec.addr, sec.file_size, functools.partial(_read_part, self._main.elf, sec.offset, sec.file_size)
+        return None
+
     # Symbols
 
     def symbol(self, name: str) -> Symbol | None:
@@ -469,20 +541,21 @@ class ElfImage:
     def _symbol(self, name: str) -> Symbol | None:
         best, best_rank = None, None
         for t, tab in enumerate(self._tables):
-            defined = tab.defined()
-            for i in tab.find(name):
-                if not defined[i]:
+            found = tab.find(name)
+            entries = tab.rows(found)
+            for i, entry, defined in zip(found.tolist(), entries, tab.defined(entries).tolist(), strict=True):
+                if not defined:
                     continue
-                info = int(tab.syms["st_info"][i])
+                info = int(entry["st_info"])
                 func = info & 0xF in (STT_FUNC, STT_GNU_IFUNC)
                 local = info >> 4 == STB_LOCAL
                 rank = (not (func and not local), tab.compat(i), not func, local, t)
                 if best_rank is None or rank < best_rank:
-                    best, best_rank = (tab, i), rank
+                    best, best_rank = (i, entry), rank
         if best is None:
             return None
-        tab, i = best
-        return Symbol(name, int(tab.syms["st_value"][i]), int(tab.syms["st_size"][i]))
+        _, entry = best
+        return Symbol(name, int(entry["st_value"]), int(entry["st_size"]))
 
     def aliases(self, value: int) -> list[str]:
         """Names of all functions starting at `value`, the preferred one first."""
@@ -579,10 +652,9 @@ class ElfImage:
         return dict(_got_bindings(self._main, slots))
 
 
-def _got_bindings(f: _File, slots: np.ndarray | None = None) -> Iterator[tuple[int, str]]:
-    """(r_offset, symbol name) of each JUMP_SLOT and GLOB_DAT relocation of the file (the GOT slots
-    the dynamic linker binds to a symbol by name), in table order; with `slots`, of those at them.
-    A file's own definitions count too: glibc calls its malloc through its GOT (strdup, stdio)."""
+def _got_relocs(f: _File) -> Iterator[tuple[_SymTab, np.ndarray, np.ndarray]]:
+    """(its .dynsym, r_offset, symbol index) of each relocation table's JUMP_SLOT and GLOB_DAT
+    entries: the GOT slots the dynamic linker binds to a symbol by name."""
     for sec in f.sections:
         if sec.type != SHT_RELA or not (sec.link < len(f.sections) and f.is_symtab(sec.link)):
             continue
@@ -591,18 +663,38 @@ def _got_bindings(f: _File, slots: np.ndarray | None = None) -> Iterator[tuple[i
         rtype = rela["r_info"] & 0xFFFFFFFF
         sym = rela["r_info"] >> np.uint64(32)
         keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
-        keep &= sym < len(dynsym.syms)  # else a malformed relocation
-        if slots is not None:
-            keep &= np.isin(rela["r_offset"], slots)
-        for off, s in np.column_stack((rela["r_offset"][keep], sym[keep])).tolist():
+        keep &= sym < dynsym.count  # else a malformed relocation
+        yield dynsym, rela["r_offset"][keep], sym[keep]
+
+
+def _got_bindings(f: _File, slots: np.ndarray) -> Iterator[tuple[int, str]]:
+    """(r_offset, symbol name) of the JUMP_SLOT and GLOB_DAT relocations at `slots`.
+    A file's own definitions count too: glibc calls its malloc through its GOT (strdup, stdio)."""
+    for dynsym, offs, syms in _got_relocs(f):
+        hit = np.isin(offs, slots)
+        for off, s in zip(offs[hit].tolist(), syms[hit].tolist(), strict=True):
             yield off, dynsym.name(s)
+
+
+def _read_part(elf: ElfReader, base: int, size: int, offset: int, n: int) -> bytes:
+    """Up to `n` bytes from `offset` of the `size` bytes at file offset `base`."""
+    n = min(n, size - offset)
+    return elf.read_at(base + offset, n) if offset >= 0 and n > 0 else b""
 
 
 @format_errors
 def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
     """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
-    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache)."""
-    return [(off, name) for off, name in _got_bindings(_File(elf)) if name in names]
+    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache), in
+    table order. The names' symbols are looked up first: libtorch_cpu has ~100,000 such slots."""
+    out = []
+    for dynsym, offs, syms in _got_relocs(_File(elf)):
+        rows = {name: dynsym.find(name) for name in sorted(names)}
+        want = np.concatenate([np.empty(0, np.intp), *rows.values()]).astype(np.uint64)
+        hit = np.flatnonzero(np.isin(syms, want))
+        name_of = {int(r): name for name, found in rows.items() for r in found}
+        out += [(off, name_of[s]) for off, s in zip(offs[hit].tolist(), syms[hit].tolist(), strict=True)]
+    return out
 
 
 @format_errors
@@ -621,14 +713,16 @@ def data_slot_values(elf: ElfReader, slots: set[int]) -> dict[int, int]:
         if not hit.any():
             continue
         dynsym = f.symtab(sec.link) if sec.link < len(f.sections) and f.is_symtab(sec.link) else None
+        syms = dynsym.syms if dynsym is not None else None
+        defined = dynsym.defined(syms) if syms is not None else None
         for off, info, addend in zip(rela["r_offset"][hit].tolist(), rela["r_info"][hit].tolist(),
                                      rela["r_addend"][hit].tolist(), strict=True):
             rtype, sym = info & 0xFFFFFFFF, info >> 32
             if rtype == R_X86_64_RELATIVE:
                 out[off] = addend % (1 << 64)
-            elif rtype in (R_X86_64_GLOB_DAT, R_X86_64_64) and dynsym is not None and 0 < sym < len(dynsym.syms) \
-                    and dynsym.defined()[sym] and dynsym.syms["st_value"][sym]:
-                out[off] = (int(dynsym.syms["st_value"][sym]) + addend) % (1 << 64)
+            elif rtype in (R_X86_64_GLOB_DAT, R_X86_64_64) and syms is not None and 0 < sym < len(syms) \
+                    and defined[sym] and syms["st_value"][sym]:
+                out[off] = (int(syms["st_value"][sym]) + addend) % (1 << 64)
     return out
 
 
@@ -649,11 +743,13 @@ def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
         if sec.type != SHT_DYNSYM or not f.is_symtab(i) or not sec.addr:
             continue
         tab = f.symtab(i)
-        for row in tab.find(name):
-            info = int(tab.syms["st_info"][row])
-            if (tab.defined()[row] and info & 0xF == STT_FUNC and info >> 4 in (STB_GLOBAL, STB_WEAK)
-                    and not tab.compat(row) and tab.syms["st_value"][row]):
-                return sec.addr + int(row) * SYM_DTYPE.itemsize + 8, int(tab.syms["st_value"][row])
+        found = tab.find(name)
+        entries = tab.rows(found)
+        for row, entry, defined in zip(found.tolist(), entries, tab.defined(entries).tolist(), strict=True):
+            info = int(entry["st_info"])
+            if (defined and info & 0xF == STT_FUNC and info >> 4 in (STB_GLOBAL, STB_WEAK)
+                    and not tab.compat(row) and entry["st_value"]):
+                return sec.addr + row * SYM_DTYPE.itemsize + 8, int(entry["st_value"])
     return None
 
 

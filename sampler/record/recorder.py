@@ -23,6 +23,7 @@ import time
 from collections.abc import Collection
 from typing import NamedTuple
 
+from sampler import heap
 from sampler.bpf import preflight
 from sampler.bpf.abi import EvFlag, EvType, Fn, ProcOp, Source
 from sampler.bpf.events import Event, decode
@@ -76,6 +77,7 @@ class Recorder:
         self._stop = False
         self._hints: dict[int, int | None] = {}
         self._gone: set[int] = set()           # host-wide pids that exited before adoption
+        heap.fixed_mmap_threshold()
         preflight.check_all()
         self._infos = [check_pid(p) for p in dict.fromkeys(opts.pids)]
         # from the start: a stop asked for while loading or attaching ends the recording cleanly once

@@ -27,7 +27,6 @@ and removes them, and keeps the host safe around it:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime as dt
 import gc
 import json
@@ -39,7 +38,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from pathlib import Path
 
-from sampler import files
+from sampler import files, heap
 from sampler.dataset.schema import int64
 from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.dataset.writer import use_system_allocator
@@ -277,7 +276,7 @@ class Daemon(RecorderHooks):
         limit = self.cfg.daemon.max_rss
         now = time.monotonic()
         if now - self._trimmed_at > 30:
-            _malloc_trim()                   # freed heap back to the system
+            heap.trim()                   # freed heap back to the system
             self._trimmed_at = now
         self._rss = self._memory()
         # near the bound, caches go: the cheap ones at most every 10 minutes, the costly ones
@@ -563,7 +562,7 @@ class Daemon(RecorderHooks):
         self.rec.prune(level)
         if level >= 1:
             gc.collect()
-            _malloc_trim()
+            heap.trim()
 
     # -- status ---------------------------------------------------------------------------------
     def _write_status(self, state: str = "running") -> None:
@@ -654,11 +653,6 @@ def _int64(v) -> int | None:
 
 def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
 
 
 def run(config_path: str) -> int:

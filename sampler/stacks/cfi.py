@@ -24,7 +24,7 @@ import logging
 import struct
 import time
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +67,7 @@ _ENTRY_ROW: _Row = (ENTRY, 0, 0, BP_UNKNOWN, 0, 0)
 # than an LRU on the hot path; a steady state refills them in a few samples).
 MEMO_MAX = 1 << 16
 DECODED_MAX = 1 << 15
+DIGEST_PIECE = 1 << 20  # a section left in its file is digested in pieces of this size
 CACHE_VERSION = 2
 # Bounds on the work one file's CFI may ask for (a compiler's FDE runs a few dozen instructions, a
 # remember_state stack two deep).
@@ -431,11 +432,21 @@ class _Frames:
     # Decoding
 
     def _record_header(self, p: int) -> tuple[int, int, int]:
-        (length,) = _U32.unpack_from(self.data, p)
+        head = bytes(self.data[p : p + 12])
+        (length,) = _U32.unpack_from(head, 0)
         if length == 0xFFFFFFFF:  # 64-bit DWARF
-            (length,) = _U64.unpack_from(self.data, p + 4)
+            (length,) = _U64.unpack_from(head, 4)
             return length, p + 12, 8
         return length, p + 4, 4
+
+    def _record(self, off: int, what: str) -> tuple[bytes, int, int]:
+        """The record at `off`, from its length field to its end, with the positions of its id field
+        and the id's size in it. Only that record is read: the section may stay in its file."""
+        length, body, idsz = self._record_header(off)
+        end = body + length
+        if length == 0 or end > len(self.data):
+            raise CfiError(f"{what} at {off:#x} out of bounds")
+        return bytes(self.data[off:end]), body - off, idsz
 
     def _is_cie(self, cie_id: int, idsz: int) -> bool:
         if self.debug:
@@ -453,14 +464,10 @@ class _Frames:
         return cie
 
     def _parse_cie(self, off: int) -> _Cie:
-        data = self.data
-        length, body, idsz = self._record_header(off)
-        end = body + length
-        if length == 0 or end > len(data):
-            raise CfiError(f"CIE at {off:#x} out of bounds")
-        if not self._is_cie(int.from_bytes(data[body : body + idsz], "little"), idsz):
+        rec, body, idsz = self._record(off, "CIE")
+        if not self._is_cie(int.from_bytes(rec[body : body + idsz], "little"), idsz):
             raise CfiError(f"no CIE at {off:#x}")
-        b = bytes(data[body + idsz : end])
+        b = rec[body + idsz :]
         version = b[0]
         nul = b.index(0, 1)
         aug = b[1:nul].decode("ascii", "replace")
@@ -482,7 +489,7 @@ class _Frames:
         if has_z:
             size, p = _uleb(b, p)
             q, p_end = p, p + size
-            vaddr = self.addr + body + idsz  # b[0] is at this address, for pcrel personality
+            vaddr = self.addr + off + body + idsz  # b[0] is at this address, for pcrel personality
             for c in aug[1:]:
                 if c == "R":
                     fde_enc = b[q]
@@ -506,31 +513,28 @@ class _Frames:
         return _Cie(code_align, data_align, ra_reg, fde_enc, has_z, signal, b[p:])
 
     def decode(self, off: int) -> _Fde:
-        data = self.data
         self.decodes += 1
-        length, body, idsz = self._record_header(off)
-        end = body + length
-        if length == 0 or end > len(data):
-            raise CfiError(f"FDE at {off:#x} out of bounds")
-        cie_id = int.from_bytes(data[body : body + idsz], "little")
+        rec, body, idsz = self._record(off, "FDE")
+        cie_id = int.from_bytes(rec[body : body + idsz], "little")
         if self._is_cie(cie_id, idsz):
             raise CfiError(f"CIE where an FDE was expected at {off:#x}")
-        cie = self._cie(self._cie_offset(body, cie_id))
+        cie = self._cie(self._cie_offset(off + body, cie_id))
         p = body + idsz
+        vaddr = self.addr + off     # of rec[0]
         # No indirect pointer is followed (img None): rows depend on this section's bytes alone,
         # which the on-disk cache's key covers. Compilers write direct ones.
-        start, p = _pointer(data, p, cie.fde_enc, self.addr, None)
-        size, p = _pointer(data, p, cie.fde_enc & 0x0F, self.addr, None)
+        start, p = _pointer(rec, p, cie.fde_enc, vaddr, None)
+        size, p = _pointer(rec, p, cie.fde_enc & 0x0F, vaddr, None)
         if cie.has_z:
-            aug, p = _uleb(data, p)
+            aug, p = _uleb(rec, p)
             p += aug
-        if p > end:
+        if p > len(rec):
             raise CfiError(f"FDE at {off:#x} truncated")
         if self.work >= MAX_WORK:
             raise CfiError(f"over {MAX_WORK} CFI instructions run for this file")
-        machine = _Machine(cie, (cie.fde_enc, self.addr + p, None), MAX_WORK - self.work)
+        machine = _Machine(cie, (cie.fde_enc, vaddr + p, None), MAX_WORK - self.work)
         try:
-            return machine.run_fde(bytes(data[p:end]), start, start + size)
+            return machine.run_fde(rec[p:], start, start + size)
         finally:
             self.work += machine.ran
 
@@ -556,7 +560,7 @@ class _Frames:
 class CfiTable:
     """Unwind rules of one ELF image. `memo` maps vaddr -> Rule for the lookups made so far."""
 
-    def __init__(self, img: ElfImage, use_hdr: bool = True):
+    def __init__(self, img: ElfImage, use_hdr: bool = True, in_memory: bool = False):
         self.image = img
         self.memo: dict[int, Rule] = {}
         self.dirty = False  # decoded FDEs not yet saved
@@ -566,19 +570,26 @@ class CfiTable:
         self._sections: list[_Frames] = []
         self._debug_frame_pending = True
         try:
-            eh = img.section(".eh_frame")
+            eh = img.section_in_file(".eh_frame")
             hdr = img.section(".eh_frame_hdr") if use_hdr and eh is not None else None
+            if eh is not None:
+                addr, size, read = eh
+                self.key = f"{img.build_id}-{cfi_digest((addr, size, read), hdr)}" if img.build_id else None
         except (OSError, ElfFormatError):  # truncated since opened, or too big: no CFI
             eh = hdr = None
             self.sources.append("unreadable")
         if eh is not None:
-            frames = _Frames(img, eh[0], eh[1], debug=False)
-            if img.build_id:
-                self.key = f"{img.build_id}-{cfi_digest(eh, hdr)}"
             try:
+                # With .eh_frame_hdr's table the FDEs stay in the file, each read when first decoded
+                # (libtorch_cpu's .eh_frame is 17.7 MiB); a walk of every record (no table, or
+                # `in_memory`: every FDE decoded, as the table worker does) reads it whole.
+                data = read(0, size) if in_memory or hdr is None else _InFile(read, size)
+                frames = _Frames(img, addr, data, debug=False)
                 if hdr is not None and frames.index_hdr(*hdr):
                     self.sources.append(".eh_frame_hdr")
                 else:
+                    if isinstance(data, _InFile):
+                        frames = _Frames(img, addr, read(0, size), debug=False)
                     frames.index_scan()
                     self.sources.append(".eh_frame")
                 self._sections.append(frames)
@@ -721,17 +732,42 @@ class CfiTable:
         return True
 
 
-def cfi_digest(*sections: tuple[int, bytes | memoryview] | None) -> str:
+def cfi_digest(*sections: tuple[int, bytes | memoryview] | tuple[int, int, Callable[[int, int], bytes]] | None) -> str:
     """A digest of CFI sections' addresses and bytes: the rows decoded from them depend on nothing
-    else (no indirect pointer is followed)."""
+    else (no indirect pointer is followed). A section is (addr, bytes), or (addr, size, read) for one
+    left in its file (read in pieces)."""
     h = hashlib.sha256()
     for sec in sections:
         if sec is None:
             h.update(b"-")
-        else:
+        elif len(sec) == 2:
             h.update(f"{sec[0]:x}:{len(sec[1])}:".encode())
             h.update(sec[1])
+        else:
+            addr, size, read = sec
+            h.update(f"{addr:x}:{size}:".encode())
+            for off in range(0, size, DIGEST_PIECE):
+                piece = read(off, DIGEST_PIECE)
+                if not piece:
+                    raise ElfFormatError(f"CFI section at {addr:#x} shorter than {size} bytes (truncated)")
+                h.update(piece)
     return h.hexdigest()[:32]
+
+
+class _InFile:
+    """A section's bytes left in its file, read by slice: the few records a recording decodes."""
+
+    __slots__ = ("_read", "_size")
+
+    def __init__(self, read: Callable[[int, int], bytes], size: int):
+        self._read, self._size = read, size
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __getitem__(self, part: slice) -> bytes:
+        lo, hi, _ = part.indices(self._size)
+        return self._read(lo, hi - lo) if hi > lo else b""
 
 
 class CfiStore:

@@ -69,7 +69,7 @@ def encode(row: tuple[int, ...]) -> tuple[int, int, int]:
 def build(img: ElfImage, cache_dir: Path | None = None) -> FileRows:
     """The rows of `img`, from the cache when it holds them."""
     loads = tuple(img.loads())
-    table = CfiTable(img)
+    table = CfiTable(img, in_memory=True)     # every FDE is decoded on a miss
     key = table.key
     path = cache_dir / f"{key}.rows.npy" if cache_dir and key else None
     if path is not None:
