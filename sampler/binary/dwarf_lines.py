@@ -22,6 +22,7 @@ import numpy as np
 from elftools.dwarf.compileunit import CompileUnit
 from elftools.dwarf.ranges import BaseAddressEntry
 
+from sampler import files
 from sampler.binary.dwarf_info import SECTIONS as _DWARF_SECTIONS
 from sampler.binary.dwarf_info import DwarfInfo, Span
 from sampler.binary.elf import ElfImage
@@ -505,6 +506,31 @@ def _int(attr: Any) -> int:
 # Reading the sections
 
 
+SPILL_BYTES = 256 << 10     # inflated sections from this size on are kept in a file, not in memory
+
+
+def _spilled(data: bytes | memoryview, what: str) -> FileBytes | bytes:
+    """Inflated contents in an unlinked file of the cache directory, read back on demand as a file's
+    sections are (libc6-dbg's inflate to 8.5 MiB, kept for the recording's life): page cache, not
+    the recorder's heap. In memory where there is no such directory or no room."""
+    where = files.cache_dir("inflated") if len(data) >= SPILL_BYTES else None
+    if where is None:
+        return bytes(data)
+    try:
+        fd = os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except OSError:
+        return bytes(data)
+    try:
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        return FileBytes(fd, len(view), what)
+    except OSError:            # full disk
+        return bytes(data)
+    finally:
+        os.close(fd)            # FileBytes holds its own
+
+
 def _read_sections(source: str | ElfReader) -> dict[str, Span] | None:
     """The DWARF sections of a file (inflated where compressed); None when it has no .debug_info."""
     elf = ElfReader.open(source) if isinstance(source, str) else source
@@ -517,5 +543,5 @@ def _read_sections(source: str | ElfReader) -> dict[str, Span] | None:
         if not compressed and isinstance(elf.buf, FileBytes | bytes):  # read on demand, in blocks
             out[key] = Span(elf.buf, sec.offset, sec.size)
         elif (data := elf.contents(sec)) is not None:  # inflated; None: a compression ElfReader cannot read (zstd)
-            out[key] = Span(bytes(data), 0, len(data))
+            out[key] = Span(_spilled(data, f"{elf.path} {sec.name}"), 0, len(data))
     return out if "info" in out and "abbrev" in out else None

@@ -140,6 +140,19 @@ class TableWorker:
             proc.wait()
 
 
+def _read_exactly(out: IO[bytes], n: int) -> bytearray | None:
+    """`n` bytes into one buffer (read(n) of a pipe joins its pieces: twice the answer at once,
+    40 MiB for libtorch_cpu's rows); None at an early end."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = out.readinto(view[got:])
+        if not k:
+            return None
+        got += k
+    return buf
+
+
 def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
     try:
         while line := out.readline():
@@ -150,8 +163,8 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
             nbytes = int(doc["rows"])
             if not 0 <= nbytes <= MAX_ANSWER_BYTES or nbytes % ROW.itemsize:
                 break
-            data = out.read(nbytes)
-            if len(data) != nbytes:
+            data = _read_exactly(out, nbytes)
+            if data is None:
                 break
             rows = np.frombuffer(data, ROW)
             answers.put((doc["id"], FileRows(doc["key"], rows, tuple(map(tuple, doc["loads"])), bool(doc["fits"]))))
