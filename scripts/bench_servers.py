@@ -7,6 +7,8 @@ interleaved in rounds: the benchmark's own throughput, and the recorder's CPU ov
   redis:   Redis SET, redis-benchmark -P 8 (pipelined), 200-byte values
   gunicorn: gunicorn's pre-fork server, 2 sync workers, GET / from 4 client threads (each request
            on a new connection, over a unix socket)
+  pg-S-beside: pg-S unrecorded, while a recorder starts beside it (its target an idle Python
+           process, launched with the benchmark: its whole start-up falls in the run)
 
 Each run starts a fresh server (scripts/servers.py: as nobody, on a unix socket); a recorded run
 starts the recorder first and waits for its `attach` row.
@@ -74,7 +76,8 @@ def gunicorn_get(g: Gunicorn, seconds: float) -> float:
 SERVERS = {"pg-S": (lambda: Postgres(scale=4), pgbench(False)),
            "pg-S-C": (lambda: Postgres(scale=4), pgbench(True)),
            "redis": (Redis, redis_set),
-           "gunicorn": (Gunicorn, gunicorn_get)}
+           "gunicorn": (Gunicorn, gunicorn_get),
+           "pg-S-beside": (lambda: Postgres(scale=4), pgbench(False))}
 
 
 STORM = """
@@ -144,6 +147,8 @@ def _cpu_s(pid: int) -> float:
 
 def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
     start, load = SERVERS[name]
+    if name.endswith("-beside"):
+        return _beside(start, load, recorded, seconds, work)
     with start() as server:
         rec = None
         if recorded:
@@ -161,6 +166,33 @@ def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, 
             result["recorder_cpu"] = 100 * (_cpu_s(rec.pid) - cpu0) / wall
             rec.send_signal(signal.SIGINT)
             rec.wait(120)
+    return result
+
+
+def _beside(start, load, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
+    """The server's rate while a recorder of another (idle) process starts with the load."""
+    idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(1e6)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        idle.stdout.readline()
+        with start() as server:
+            rec = None
+            if recorded:
+                rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(idle.pid),
+                                        "-o", str(Path(tempfile.mkdtemp(dir=work))), "-q"], cwd=ROOT,
+                                       stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            t0 = time.monotonic()
+            rate = load(server, seconds)
+            result = {"rate": rate}
+            if rec is not None:
+                if rec.poll() is not None:
+                    raise SystemExit(f"recorder exited: {rec.stderr.read()}")
+                result["recorder_cpu"] = 100 * _cpu_s(rec.pid) / (time.monotonic() - t0)
+                rec.send_signal(signal.SIGINT)
+                rec.wait(120)
+    finally:
+        idle.kill()
+        idle.wait()
     return result
 
 

@@ -18,7 +18,7 @@ from sampler.binary import dwarf_lines
 from sampler.binary.dwarf_info import DwarfInfo
 from sampler.binary.dwarf_lines import LineTables, SourceFrame
 from sampler.binary.elf import ElfImage
-from sampler.binary.reader import SHF_COMPRESSED
+from sampler.binary.reader import SHF_COMPRESSED, FileBytes
 
 SRC = WORKLOADS / "inline_chain.c"
 
@@ -100,6 +100,28 @@ def test_dwarf_versions_and_compressed_sections(tmp_path, flags):
     img = ElfImage.open(str(binary))
     [(call, _)] = calls_to(img, "outer", "touch")
     assert LineTables.for_image(img).lookup(call) == expected_chain()
+
+
+@pytest.mark.parametrize("cache", ["private", "none"])
+def test_inflated_sections_are_kept_in_a_file_of_the_cache(tmp_path, monkeypatch, cache):
+    """Inflated DWARF is read back from an unlinked file of the cache directory (off the heap), and
+    gives the same frames; with no private cache directory it stays in memory."""
+    root = tmp_path / "cache"
+    if cache == "none":
+        root.mkdir(mode=0o777)
+        root.chmod(0o777)                   # not ours alone: no cache
+    monkeypatch.setenv("ALLOCSAMPLER_CACHE_DIR", str(root))
+    monkeypatch.setattr(dwarf_lines, "SPILL_BYTES", 0)
+    binary = build(tmp_path, f"spill-{cache}", "-gz")
+    img = ElfImage.open(str(binary))
+    [(call, _)] = calls_to(img, "outer", "touch")
+    tables = LineTables.for_image(img)
+    assert tables.lookup(call) == expected_chain()
+    info = tables._sections["info"].buf                            # compressed in the file
+    assert isinstance(info, FileBytes if cache == "private" else bytes), type(info)
+    assert info is not img.elf.buf
+    if cache == "private":
+        assert list((root / "inflated").iterdir()) == []         # unlinked: nothing left behind
 
 
 def test_gnu_zdebug_sections(tmp_path):

@@ -158,6 +158,29 @@ def test_symbol_size_rules(tmp_path):
     assert img.read_vaddr(base, 4) == b"\xc3\x90\xcc\xcc"
 
 
+def test_big_symbol_tables_are_read_in_pieces(monkeypatch):
+    """A symbol table over KEEP_SYMS_BYTES keeps only the columns naming reads and is read again in
+    pieces when needed: names, sizes, enclosing functions and definitions as with the whole table."""
+    bid = build_id_of(LIBC)
+    if not os.path.exists(f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug"):
+        pytest.skip("libc6-dbg is not installed")
+
+    def answers() -> tuple[list, list]:
+        ElfImage.forget()
+        img = ElfImage.open(LIBC)
+        names = ["malloc", "_int_malloc", "free", "printf", "qsort", "no_such_function"]
+        syms = [img.symbol(n) for n in names]
+        starts = [s.value for s in syms if s is not None]
+        return syms, [img.lookup(v + k) for v in starts for k in (0, 1, 17, 4096)]
+
+    whole = answers()
+    monkeypatch.setattr(elf, "KEEP_SYMS_BYTES", 4096)     # 170 symbols a piece
+    pieces = answers()
+    ElfImage.forget()
+    assert pieces == whole and whole[0][1] is not None and whole[0][-1] is None
+    assert sum(a is not None for a in whole[1]) > 10
+
+
 # Segments
 
 

@@ -192,7 +192,7 @@ def test_bench_servers_quick(bpf_ready: None) -> None:
     header, rows = md_table(text, "server")
     assert header == ["server", "unrecorded (per s)", "recorded (per s)", "ratio", "per-round ratios",
                       "recorder CPU (% of a core)"]
-    assert [r["server"] for r in rows] == ["pg-S", "pg-S-C", "redis", "gunicorn"]
+    assert [r["server"] for r in rows] == ["pg-S", "pg-S-C", "redis", "gunicorn", "pg-S-beside"]
     for r in rows:
         assert num(r["unrecorded (per s)"]) > 0 and num(r["recorded (per s)"]) > 0 and num(r["ratio"]) > 0, r
     header, rows = md_table(text, "fork storm")
