@@ -21,6 +21,8 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
+import stat
 import struct
 import time
 from bisect import bisect_right
@@ -34,7 +36,7 @@ from sampler import files
 from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
-from sampler.binary.reader import MALFORMED, ElfFormatError
+from sampler.binary.reader import MALFORMED, ElfFormatError, FileBytes
 
 # Rule kinds (Rule[0]).
 MAX_TABLE_BYTES = 256 << 20  # a saved table; libtorch_cpu's is a few MiB
@@ -564,6 +566,7 @@ class CfiTable:
         self.image = img
         self.memo: dict[int, Rule] = {}
         self.dirty = False  # decoded FDEs not yet saved
+        self.persist = True  # decoded FDEs may be saved under `key`
         self.sources: list[str] = []  # how each CFI section was indexed
         self.key: str | None = None  # for the on-disk cache: build-id and digest of .eh_frame(_hdr)
         t0 = time.perf_counter()
@@ -572,9 +575,12 @@ class CfiTable:
         try:
             eh = img.section_in_file(".eh_frame")
             hdr = img.section(".eh_frame_hdr") if use_hdr and eh is not None else None
+            whole = None
             if eh is not None:
                 addr, size, read = eh
-                self.key = f"{img.build_id}-{cfi_digest((addr, size, read), hdr)}" if img.build_id else None
+                # decoded from the very bytes digested: read once, or (left in the file) never saved
+                whole = read(0, size) if in_memory or hdr is None else None
+                self.key = self._key(img, (addr, whole) if whole is not None else (addr, size, read), hdr)
         except (OSError, ElfFormatError):  # truncated since opened, or too big: no CFI
             eh = hdr = None
             self.sources.append("unreadable")
@@ -583,13 +589,17 @@ class CfiTable:
                 # With .eh_frame_hdr's table the FDEs stay in the file, each read when first decoded
                 # (libtorch_cpu's .eh_frame is 17.7 MiB); a walk of every record (no table, or
                 # `in_memory`: every FDE decoded, as the table worker does) reads it whole.
-                data = read(0, size) if in_memory or hdr is None else _InFile(read, size)
-                frames = _Frames(img, addr, data, debug=False)
+                frames = _Frames(img, addr, whole if whole is not None else _InFile(read, size), debug=False)
                 if hdr is not None and frames.index_hdr(*hdr):
                     self.sources.append(".eh_frame_hdr")
+                    # FDEs read after the digest may not be the bytes it covers if the file is
+                    # changed in place: saved under its key only where none but root can do that
+                    self.persist = whole is not None or _only_root_writes(img)
                 else:
-                    if isinstance(data, _InFile):
-                        frames = _Frames(img, addr, read(0, size), debug=False)
+                    if whole is None:
+                        whole = read(0, size)
+                        self.key = self._key(img, (addr, whole), hdr)
+                        frames = _Frames(img, addr, whole, debug=False)
                     frames.index_scan()
                     self.sources.append(".eh_frame")
                 self._sections.append(frames)
@@ -597,6 +607,10 @@ class CfiTable:
                 self.key = None
                 self.sources.append("malformed")
         self.index_seconds = time.perf_counter() - t0
+
+    @staticmethod
+    def _key(img: ElfImage, eh: tuple, hdr: tuple[int, bytes | memoryview] | None) -> str | None:
+        return f"{img.build_id}-{cfi_digest(eh, hdr)}" if img.build_id else None
 
     @property
     def decodes(self) -> int:
@@ -661,7 +675,7 @@ class CfiTable:
         else:
             if self._debug_frame_pending and self._add_debug_frame():
                 fde = self._sections[-1].find(vaddr)
-        if self.decodes != before:
+        if self.decodes != before and self.persist:
             self.dirty = True
         return fde
 
@@ -752,6 +766,19 @@ def cfi_digest(*sections: tuple[int, bytes | memoryview] | tuple[int, int, Calla
                     raise ElfFormatError(f"CFI section at {addr:#x} shorter than {size} bytes (truncated)")
                 h.update(piece)
     return h.hexdigest()[:32]
+
+
+def _only_root_writes(img: ElfImage) -> bool:
+    """The image's file can be changed in place by root alone (owned by root, writable by no one
+    else), or is bytes in memory."""
+    buf = img.elf.buf
+    if not isinstance(buf, FileBytes):
+        return True
+    try:
+        st = os.fstat(buf.fd)
+    except OSError:
+        return False
+    return st.st_uid == 0 and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 class _InFile:

@@ -9,6 +9,7 @@ copies.
 from __future__ import annotations
 
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -334,6 +335,23 @@ def test_scanned_index_equals_header_index():
         for s in hdr.fde_starts()[::7].tolist():
             assert hdr.rule(s + 1) == scanned.rule(s + 1) == whole.rule(s + 1)
         assert list(hdr.every_fde()) == list(whole.every_fde())
+
+
+def test_rows_read_after_the_digest_are_saved_only_for_files_root_alone_can_change(tmp_path):
+    """FDEs left in the file are read after the cache key's digest: a file another user can write
+    could change in between, so what they decode to is not saved under that key."""
+    for mode, saved in ((0o644, True), (0o664, False), (0o666, False)):
+        copy = tmp_path / f"libc-{mode:o}.so"
+        shutil.copyfile(LIBC, copy)
+        with open(copy, "ab") as f:             # files with the same bytes share one image
+            f.write(bytes(mode))
+        copy.chmod(mode)
+        img = ElfImage.open(str(copy))
+        lazy, whole = cfi.CfiTable(img), cfi.CfiTable(img, in_memory=True)
+        assert lazy.key == whole.key is not None
+        assert (lazy.persist, whole.persist) == (saved, True), mode
+        lazy.rule(int(lazy.fde_starts()[5]) + 1)
+        assert lazy.dirty == saved
 
 
 # A Python process with the libraries of the brief (and torch when importable). It captures its
