@@ -170,19 +170,18 @@ class _SymTab:
             return
         per = KEEP_SYMS_BYTES // SYM_DTYPE.itemsize
         for first in range(0, self.count, per):
-            n = min(per, self.count - first)
-            raw = self.file.elf.read_at(self._sec.offset + first * SYM_DTYPE.itemsize, n * SYM_DTYPE.itemsize)
-            if len(raw) != n * SYM_DTYPE.itemsize:
-                raise ElfFormatError(f"{self.file.elf.path}: symbol table truncated since read")
-            yield first, np.frombuffer(raw, SYM_DTYPE)
+            yield first, self._read_entries(first, min(per, self.count - first))
 
     def rows(self, idx: np.ndarray) -> np.ndarray:
         """The entries at `idx` (a few: read one by one when the table was not kept)."""
         if self._syms is not None:
             return self._syms[idx]
-        size, base = SYM_DTYPE.itemsize, self._sec.offset
-        raw = b"".join(self.file.elf.read_at(base + int(i) * size, size) for i in idx)
-        if len(raw) != len(idx) * size:
+        return np.concatenate([np.empty(0, SYM_DTYPE), *(self._read_entries(int(i), 1) for i in idx)])
+
+    def _read_entries(self, first: int, n: int) -> np.ndarray:
+        size = SYM_DTYPE.itemsize
+        raw = self.file.elf.read_at(self._sec.offset + first * size, n * size)
+        if len(raw) != n * size:
             raise ElfFormatError(f"{self.file.elf.path}: symbol table truncated since read")
         return np.frombuffer(raw, SYM_DTYPE)
 
