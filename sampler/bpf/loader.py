@@ -266,12 +266,9 @@ class BpfProbes:
             self._walker(PROG_TRACEPOINT)
             self.bpf.attach_tracepoints()
             stage = "programs"
-            if self.session:
-                self._alloc_fd = self._load_prog("alloc_session", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION)
-                self._free_fd = self._load_prog("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI)
-            else:
-                # perf mode's programs; in session mode, a fallback loads those it needs (with the
-                # walker of their kind)
+            if not self.session:
+                # perf mode's programs, so that a kernel refusing them fails here with advice;
+                # session mode's come at the first uprobe-tier attach (_session_progs)
                 for name in {*_PERF_ENTRY.values(), *(n.replace("_enter", "_d_enter") for n in _PERF_ENTRY.values()
                                                       if not n.startswith(("free", "delete"))), "alloc_return"}:
                     self._load_prog(name, PROG_KPROBE)
@@ -340,11 +337,12 @@ class BpfProbes:
         modes: dict[str, str] = {}
         failed: dict[str, str] = {}
         rest = [p for p in lib.points if not (allocs_only and p.fn.frees)]
-        if self.session:
+        progs = self._session_progs() if self.session else None
+        if progs is not None:
             rest = []
             allocs = [p for p in lib.points if not p.fn.frees]
             frees = [] if allocs_only else [p for p in lib.points if p.fn.frees]
-            for prog_fd, points, session in ((self._alloc_fd, allocs, True), (self._free_fd, frees, False)):
+            for prog_fd, points, session in ((progs[0], allocs, True), (progs[1], frees, False)):
                 groups = [points, *([p] for p in points)] if len(points) > 1 else [points]
                 for group in groups if points else ():
                     try:
@@ -369,6 +367,17 @@ class BpfProbes:
                     raise
                 failed[p.name] = _EINVAL_HINT
         return modes, failed
+
+    def _session_progs(self) -> tuple[int, int] | None:
+        """Session mode's allocation and free programs, loaded at the first uprobe-tier attach: a
+        recording of injected samplers never needs them (~0.1 s of verifier CPU at every start,
+        2026-11-28). None, and perf mode from then on, when the kernel refuses them."""
+        try:
+            return (self._load_prog("alloc_session", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_SESSION),
+                    self._load_prog("free_multi", PROG_KPROBE, uprobe_multi.BPF_TRACE_UPROBE_MULTI))
+        except OSError:
+            self.session = False
+            return None
 
     def _attach_perf(self, att: _Attachment, pid: int, lib: UprobeLibrary, p: UprobePoint) -> None:
         """Classic uprobe (+ uretprobe for allocation functions) through libbcc, passing

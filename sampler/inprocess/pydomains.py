@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sampler import blas
 from sampler.binary.elf import data_slot_values, exported_function
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, open_regular
 
@@ -67,13 +68,28 @@ def locate(path: str) -> Domains | None:
         if key not in _found:
             if len(_found) >= 64:
                 _found.pop(next(iter(_found)))
-            _found[key] = _decode_apart(fd)
+            # a file that does not export the entry points (an extension module, most files called
+            # *python*) is answered here, by the bounded reader, without starting a child
+            _found[key] = _decode_apart(fd) if _exports_entry(fd, path) else None
         return _found[key]
     finally:
         os.close(fd)
 
 
 _found: dict[tuple, Domains | None] = {}        # by the file's identity
+
+
+def _exports_entry(fd: int, path: str) -> bool:
+    try:
+        elf = ElfReader.from_fd(fd, path)
+    except (OSError, ElfFormatError):
+        return False
+    try:
+        return exported_function(elf, "PyObject_Malloc") is not None
+    except (OSError, ElfFormatError):
+        return False
+    finally:
+        elf.buf.close()
 
 
 NOBODY = 65534
@@ -86,7 +102,8 @@ def _decode_apart(fd: int) -> Domains | None:
     try:
         r = subprocess.run([sys.executable, "-m", "sampler.inprocess.pydomains", str(fd)], pass_fds=(fd,),
                            capture_output=True, text=True, timeout=DECODER_TIMEOUT_S, cwd=Path(__file__).parents[2],
-                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2])})
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2]),
+                                **dict.fromkeys(blas.VARS, "1")})
     except (OSError, subprocess.SubprocessError):
         return None
     parts = r.stdout.split()

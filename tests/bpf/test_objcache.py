@@ -20,6 +20,7 @@ import pytest
 from sampler.bpf import abi, btf, events, objcache
 from sampler.bpf.loader import BpfProbes, ProbeConfig, program_source
 from sampler.control.weights import weight_table
+from sampler.probes.allocators import find_allocators
 
 WEIGHTS = tuple(weight_table())
 
@@ -150,18 +151,49 @@ def test_a_cached_spec_the_kernel_refuses_is_compiled_again(cache, tmp_path):
     once; the recorder starts anyway and the entry is good again."""
     _, spec, _ = cache
     text, flags = program_source(ProbeConfig())
-    bad = dataclasses.replace(spec, progs=tuple(
-        dataclasses.replace(p, insns=bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), relocs=())
-        if p.name == "alloc_session" else p for p in spec.progs))
     d = tmp_path / "cache"
     d.mkdir(mode=0o700)
-    objcache._store(d / f"{objcache.cache_key(text, flags)}.json", bad.to_json())
+    objcache._store(d / f"{objcache.cache_key(text, flags)}.json",
+                    _broken(spec, "tracepoint__task__task_newtask").to_json())
     p = BpfProbes(ProbeConfig(cache_dir=d, mode="session", weight_table=WEIGHTS))
     try:
         assert p.compiled and p.bpf.spec == spec
     finally:
         p.close()
     assert objcache.build(text, flags, d) == (spec, False)
+
+
+def _broken(spec: objcache.ObjectSpec, name: str) -> objcache.ObjectSpec:
+    """`spec` with program `name` reduced to one instruction (no exit: the verifier refuses it)."""
+    return dataclasses.replace(spec, progs=tuple(
+        dataclasses.replace(p, insns=bytes([0xb7, 0, 0, 0, 0, 0, 0, 0]), relocs=())
+        if p.name == name else p for p in spec.progs))
+
+
+@pytest.mark.bpf
+def test_session_programs_load_at_the_first_uprobe_attach_and_a_refusal_falls_back_to_perf(cache, tmp_path):
+    """A recording of injected samplers never loads the uprobe tier's programs; when the kernel
+    refuses session mode's at the first attach, that process is probed in perf mode, not lost."""
+    _, spec, _ = cache
+    text, flags = program_source(ProbeConfig())
+    d = tmp_path / "cache"
+    d.mkdir(mode=0o700)
+    objcache._store(d / f"{objcache.cache_key(text, flags)}.json", _broken(spec, "alloc_session").to_json())
+    p = BpfProbes(ProbeConfig(cache_dir=d, mode="session", weight_table=WEIGHTS))
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; print('ready', flush=True); sys.stdin.read()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert not p.compiled and p.session          # the broken program was not loaded at start
+        p.add_target(proc.pid)
+        libs, _ = find_allocators(proc.pid, ())
+        modes, failed = p.attach(proc.pid, libs[0])
+        assert not failed and modes and set(modes.values()) == {"perf"}
+        assert not p.session
+    finally:
+        proc.kill()
+        proc.wait()
+        p.close()
 
 
 @pytest.mark.bpf
@@ -237,6 +269,7 @@ import signal, sys
 from pathlib import Path
 from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control.weights import weight_table
+from sampler.probes.allocators import find_allocators
 got = []
 signal.signal(signal.SIGUSR1, lambda *a: got.append(1))
 print("ready", flush=True)

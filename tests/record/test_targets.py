@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -11,6 +12,7 @@ import pytest
 from conftest import WORKLOADS, compile_c, final_by_site
 
 from analysis.dataset import read_table
+from sampler import blas
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
@@ -31,6 +33,16 @@ def test_launched_command_with_children(tmp_path, record):
     df = final_by_site(rec.out, child)
     est = df[df["site_fn"] == "child_leak"]["outstanding_bytes"].sum()
     assert est == pytest.approx(32 * MiB, rel=0.35)
+
+
+def test_a_launched_command_gets_the_environment_it_was_given(tmp_path, record):
+    """The recorder runs its own numpy on one BLAS thread (sampler/blas.py); a command it starts
+    gets the user's environment: those variables as they were, absent when they were absent."""
+    seen = tmp_path / "env"
+    rec = record("--", "sh", "-c", f"env > {seen}")
+    assert rec.proc.wait(120) == 0, rec.proc.stderr.read()
+    env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
+    assert {v: env.get(v) for v in blas.VARS} == {v: os.environ.get(v) for v in blas.VARS}
 
 
 def test_threads_started_after_attach_are_covered(workload, record):
