@@ -8,7 +8,8 @@ interleaved in rounds: the benchmark's own throughput, and the recorder's CPU ov
   gunicorn: gunicorn's pre-fork server, 2 sync workers, GET / from 4 client threads (each request
            on a new connection, over a unix socket)
   pg-S-beside: pg-S unrecorded, while a recorder starts beside it (its target an idle Python
-           process, launched with the benchmark: its whole start-up falls in the run)
+           process): one server, one pgbench run, the window in which the recorder starts and
+           runs against the windows before and after it (see _beside)
 
 Each run starts a fresh server (scripts/servers.py: as nobody, on a unix socket); a recorded run
 starts the recorder first and waits for its `attach` row.
@@ -147,8 +148,6 @@ def _cpu_s(pid: int) -> float:
 
 def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
     start, load = SERVERS[name]
-    if name.endswith("-beside"):
-        return _beside(start, load, recorded, seconds, work)
     with start() as server:
         rec = None
         if recorded:
@@ -169,31 +168,40 @@ def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, 
     return result
 
 
-def _beside(start, load, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
-    """The server's rate while a recorder of another (idle) process starts with the load."""
+def _beside(start, seconds: float, work: Path) -> tuple[float, float, float]:
+    """One server under one `pgbench -P 1` run in three windows of `seconds`: unrecorded, a
+    recorder of another (idle) process launched at the second's start and stopped at its end,
+    unrecorded again after a 2 s gap. Returns (unrecorded rate: the mean of the first and third
+    windows, rate in the second, the recorder's CPU in % of a core over the second). Within one
+    server: fresh servers differ by up to 20% from each other here, more than what is measured."""
     idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(1e6)"],
                             stdout=subprocess.PIPE, text=True)
+    win = max(1, round(seconds))
     try:
         idle.stdout.readline()
         with start() as server:
-            rec = None
-            if recorded:
-                rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(idle.pid),
-                                        "-o", str(Path(tempfile.mkdtemp(dir=work))), "-q"], cwd=ROOT,
-                                       stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            bench = server.tool("pgbench", "-S", "-c", "4", "-j", "2", "-T", str(3 * win + 2), "-n", "-P", "1",
+                                "postgres", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             t0 = time.monotonic()
-            rate = load(server, seconds)
-            result = {"rate": rate}
-            if rec is not None:
-                if rec.poll() is not None:
-                    raise SystemExit(f"recorder exited: {rec.stderr.read()}")
-                result["recorder_cpu"] = 100 * _cpu_s(rec.pid) / (time.monotonic() - t0)
-                rec.send_signal(signal.SIGINT)
-                rec.wait(120)
+            time.sleep(win)
+            rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(idle.pid),
+                                    "-o", str(Path(tempfile.mkdtemp(dir=work))), "-q"], cwd=ROOT,
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            time.sleep(max(0.0, 2 * win - (time.monotonic() - t0)))
+            if rec.poll() is not None:
+                raise SystemExit(f"recorder exited: {rec.stderr.read()}")
+            cpu = 100 * _cpu_s(rec.pid) / win
+            rec.send_signal(signal.SIGINT)
+            rec.wait(120)
+            _, err = bench.communicate(timeout=3 * win + 120)
     finally:
         idle.kill()
         idle.wait()
-    return result
+    per_s = [float(x) for x in re.findall(r"progress: [\d.]+ s, ([\d.]+) tps", err)]
+    if len(per_s) < 3 * win + 1:
+        raise SystemExit(f"pgbench reported {len(per_s)} of {3 * win + 2} seconds")
+    before, during, after = per_s[:win], per_s[win:2 * win], per_s[2 * win + 2:3 * win + 2] or per_s[-win:]
+    return (statistics.mean(before) + statistics.mean(after)) / 2, statistics.mean(during), cpu
 
 
 def _wait_attached(rec: subprocess.Popen, out: Path) -> None:
@@ -227,6 +235,11 @@ def main() -> None:
     runs: dict[tuple[str, bool], list[dict[str, float]]] = {}
     for r in range(rounds):
         for name in names:
+            if name.endswith("-beside"):
+                base, rate, cpu = _beside(SERVERS[name][0], seconds, work)
+                runs.setdefault((name, False), []).append({"rate": base})
+                runs.setdefault((name, True), []).append({"rate": rate, "recorder_cpu": cpu})
+                continue
             for recorded in ((False, True) if r % 2 == 0 else (True, False)):     # neither always first
                 runs.setdefault((name, recorded), []).append(measure(name, recorded, seconds, work))
     print(f"| server | unrecorded (per s) | recorded (per s) | ratio | per-round ratios | recorder CPU (% of a core) "

@@ -25,6 +25,7 @@ import sampler.bpf as bpf_sources
 from sampler.bpf import btf, objcache, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, runtime
+from sampler.bpf.ringbuf import RingReader
 from sampler.errors import EnvironmentProblem
 
 SOURCES = ("alloc.bpf.c", "usdt.bpf.c", "cuda.bpf.c", "vm.bpf.c", "fault.bpf.c", "proc.bpf.c", "walk.bpf.c")
@@ -225,6 +226,7 @@ class BpfProbes:
         self._faults_on = False
         self._seq = 0
         self._closing: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._ring: RingReader | None = None
         self._closers: list[threading.Thread] = []
         self.swept = tracefs.sweep_stale_events()     # what SIGKILLed recorders left (no uprobe PMU)
         try:
@@ -685,54 +687,27 @@ class BpfProbes:
 
     # events and counters -------------------------------------------------------------------
     def open_events(self, handle: Callable[[bytes], None]) -> None:
-        def _cb(data, size):
-            try:
-                handle(ctypes.string_at(data, size))
-            except BaseException as e:  # noqa: BLE001  (ctypes would print it and go on: raised after the read)
-                self._cb_error = e
-                return -1
-            self._read += 1
-            # libbpf keeps consuming while records arrive: under a burst faster than Python
-            # reads, poll would never return (no snapshots, no stop). Bail out after the budget;
-            # this record is consumed, the rest waits for the next poll.
-            if time.monotonic() > self._poll_deadline:
-                self._cut = True
-                return -1
-            return 0
-        self._cb = _cb
-        self._cb_error: BaseException | None = None
-        self._poll_deadline = float("inf")
-        self._read = 0
-        self._cut = False
-        self.bpf.open_ring_buffer("events", _cb)
-
-    def _raise_callback_error(self) -> None:
-        e, self._cb_error = self._cb_error, None
-        if e is not None:
-            raise e
+        events = self.bpf["events"]
+        self._ring = RingReader(events.fd, events.max_entries)
+        self._handle = handle
 
     def poll(self, timeout_ms: int) -> None:
         """Read what is there, then wait up to `timeout_ms` for the programs to wake the reader
         (they do once an eighth of the ring buffer waits: common.h rb_flags) and read again: one
-        pass per batch of records, not per record. Records left behind by a bail-out (the time
-        budget) are read at the next call, which then does not wait."""
+        pass per batch of records, not per record. Under a burst faster than Python reads, a read
+        stops after the time budget (else no snapshot and no stop would come); the rest is read at
+        the next call, which then does not wait."""
         if self._exited_mappings:
             exited, self._exited_mappings = self._exited_mappings, set()
             self.forget_mappings(*exited)
-        self._poll_deadline = time.monotonic() + max(timeout_ms, 50) / 1000
-        self._read = 0
-        self._cut = False
-        self.bpf.ring_buffer_consume()
-        self._raise_callback_error()
-        if not self._cut:
-            self.bpf.ring_buffer_poll(timeout_ms)
-            self._raise_callback_error()
+        deadline = time.monotonic() + max(timeout_ms, 50) / 1000
+        if not self._ring.read(self._handle, deadline):
+            self._ring.wait(timeout_ms)
+            self._ring.read(self._handle, deadline)
 
     def drain(self, budget_s: float = 1.0) -> None:
         """Read what is in the ring buffer now (bounded in time, like poll)."""
-        self._poll_deadline = time.monotonic() + budget_s
-        self.bpf.ring_buffer_consume()
-        self._raise_callback_error()
+        self._ring.read(self._handle, time.monotonic() + budget_s)
 
     def counters(self) -> list[int]:
         tab = self.bpf["counters"]
@@ -759,6 +734,8 @@ class BpfProbes:
             self._closing.put(None)
         for t in self._closers:
             t.join()
+        if self._ring is not None:
+            self._ring.close()
         self.bpf.close()
 
 

@@ -27,7 +27,7 @@ import mmap
 import os
 import resource
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -243,8 +243,6 @@ class BpfObject:
         self._progs: dict[tuple[str, int, int], int] = {}
         self._slots: set[tuple[str, int]] = set()      # program array slots filled
         self._perf_fds: list[int] = []
-        self._ringbuf = None
-        self._ringbuf_cbs: list = []
         self._fds: list[int] = []
         self._prog_specs = {p.name: p for p in spec.progs}
         try:
@@ -330,34 +328,8 @@ class BpfObject:
             fds.append(fd)
         self._perf_fds += fds
 
-    def open_ring_buffer(self, name: str, callback: Callable[[int, int], int]) -> None:
-        """callback(data address, size) -> 0 to go on, < 0 to stop consuming for now."""
-        lib = runtime()
-        cb = _RINGBUF_CB(lambda _ctx, data, size: callback(data, size))
-        self._ringbuf_cbs.append(cb)         # referenced while libbpf may call it
-        fd = self._maps[name].fd
-        if self._ringbuf is None:
-            self._ringbuf = lib.bpf_new_ringbuf(fd, cb, None)
-            if not self._ringbuf:
-                raise OSError(22, f"could not open ring buffer {name}")
-        elif lib.bpf_add_ringbuf(self._ringbuf, fd, cb, None) < 0:
-            raise OSError(22, f"could not add ring buffer {name}")
-
-    def ring_buffer_poll(self, timeout_ms: int) -> None:
-        if self._ringbuf is None:
-            raise RuntimeError("no ring buffer is open")      # libbpf would dereference NULL
-        runtime().bpf_poll_ringbuf(self._ringbuf, timeout_ms)
-
-    def ring_buffer_consume(self) -> None:
-        if self._ringbuf is None:
-            raise RuntimeError("no ring buffer is open")
-        runtime().bpf_consume_ringbuf(self._ringbuf)
-
     def close(self) -> None:
         lib = runtime()
-        if self._ringbuf is not None:
-            lib.bpf_free_ringbuf(self._ringbuf)
-            self._ringbuf = None
         for fd in self._perf_fds:
             lib.bpf_close_perf_event_fd(fd)
         self._perf_fds = []
@@ -471,7 +443,6 @@ class Map:
 
 _libbcc = None
 _runtime = None
-_RINGBUF_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 
 
 def runtime():
@@ -508,11 +479,6 @@ _RUNTIME = (
     ("bpf_attach_perf_event", _c_int, [_c_int, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
                                        _c_int, _c_int, _c_int]),
     # libbpf's ring buffer, as bcc builds it in
-    ("bpf_new_ringbuf", _c_p, [_c_int, _RINGBUF_CB, _c_p]),
-    ("bpf_add_ringbuf", _c_int, [_c_p, _c_int, _RINGBUF_CB, _c_p]),
-    ("bpf_poll_ringbuf", _c_int, [_c_p, _c_int]),
-    ("bpf_consume_ringbuf", _c_int, [_c_p]),
-    ("bpf_free_ringbuf", None, [_c_p]),
 )
 _COMPILER = (           # the compiled module
     ("bpf_module_create_c_from_string", _c_p, [_c_s, ctypes.c_uint, ctypes.POINTER(_c_s), _c_int, ctypes.c_bool, _c_s]),

@@ -42,7 +42,7 @@ class RecordOptions:
     preload: bool = False                 # start the command with the preload shim
     cpu_budget: float = 0.03              # governor: fraction of one CPU per process (0: off)
     probe_cost_ns: float | None = None    # per probe hit; None: calibrate at start-up
-    ringbuf_bytes: int = 8 << 20          # BPF ring buffer (mapped twice: counts 2x in RSS); read in
+    ringbuf_bytes: int = 8 << 20          # BPF ring buffer (mapped once: sampler/bpf/ringbuf.py); read in
                                           # batches of an eighth of it, or every 100 ms
     daemon: bool = False                  # sampler/service/daemon.py: runs without targets, adds its own
     quiet: bool = False

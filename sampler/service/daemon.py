@@ -56,7 +56,7 @@ from sampler.service.watchdog import Watchdog
 from sampler.service.writer import DaemonWriter
 from sampler.text import printable
 
-RINGBUF_BYTES = 8 << 20         # the recorder's default: mapped twice, it counts 2x in RSS
+RINGBUF_BYTES = 8 << 20         # the recorder's default
 LIVE_MAX = 65536                # sampled live blocks (32 GiB of sampled heap at 512K): ~25 MB of Python at most
 STATUS_FILE = ".status.json"
 STATUS_VERSION = 1
