@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from sampler import __version__, blas
+from sampler import __version__, environ
 from sampler.cli import analyze, check, daemon, diff, export, import_torch, preload_path, record, report, status, top
 from sampler.cli.args import Parser
 from sampler.errors import AllocsamplerError
@@ -27,7 +27,7 @@ def build_parser() -> Parser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    blas.one_thread()           # before any command loads numpy
+    environ.one_blas_thread()   # before any command loads numpy
     try:
         return COMMANDS[args.command].run(args)
     except AllocsamplerError as e:

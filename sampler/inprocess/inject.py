@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sampler import files
+from sampler import environ, files
 from sampler.binary.elf import SHT_RELA, ElfImage, dynsym_entry, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.errors import EnvironmentProblem
@@ -595,7 +595,7 @@ def _helper(argv: list[str], stdin: str = "") -> list[str]:
     with _running_lock:
         _running[:] = [p for p in _running if p.poll() is None]
     p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True, env=environ.worker_environ())
     try:
         out, err = p.communicate(stdin, timeout=PLACE_WAIT_S)
     except subprocess.TimeoutExpired:

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sampler import blas
+from sampler import environ
 from sampler.binary.elf import data_slot_values, exported_function
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, open_regular
 
@@ -102,8 +102,8 @@ def _decode_apart(fd: int) -> Domains | None:
     try:
         r = subprocess.run([sys.executable, "-m", "sampler.inprocess.pydomains", str(fd)], pass_fds=(fd,),
                            capture_output=True, text=True, timeout=DECODER_TIMEOUT_S, cwd=Path(__file__).parents[2],
-                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[2]),
-                                **dict.fromkeys(blas.VARS, "1")})
+                           env={**environ.worker_environ(PYTHONPATH=str(Path(__file__).parents[2])),
+                                "PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.SubprocessError):
         return None
     parts = r.stdout.split()

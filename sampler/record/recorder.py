@@ -23,7 +23,7 @@ import time
 from collections.abc import Collection
 from typing import NamedTuple
 
-from sampler import blas, heap
+from sampler import environ, heap
 from sampler.bpf import preflight
 from sampler.bpf.abi import EvFlag, EvType, Fn, ProcOp, Source
 from sampler.bpf.events import Event, decode
@@ -95,7 +95,7 @@ class Recorder:
         infos = list(self._infos)
         try:
             if o.command:
-                env = blas.user_environ()
+                env = environ.user_environ()
                 if o.preload:
                     from sampler.inprocess.preload import preload_env
                     env = preload_env(o.sample_mean, env)

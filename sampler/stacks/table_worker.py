@@ -31,6 +31,7 @@ from typing import IO
 import numpy as np
 import psutil
 
+from sampler import environ
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import MALFORMED
 from sampler.lifetime import die_with_parent
@@ -119,7 +120,7 @@ class TableWorker:
     def _start(self) -> None:
         self.close()
         argv = [sys.executable, "-m", "sampler.stacks.table_worker", str(os.getpid()), self.cache_dir]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env = environ.worker_environ(PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       close_fds=True, cwd="/", env=env)
         threading.Thread(target=_read_answers, args=(self._proc.stdout, self._answers), daemon=True,

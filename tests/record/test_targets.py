@@ -12,7 +12,7 @@ import pytest
 from conftest import WORKLOADS, compile_c, final_by_site
 
 from analysis.dataset import read_table
-from sampler import blas
+from sampler import environ
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
@@ -36,13 +36,13 @@ def test_launched_command_with_children(tmp_path, record):
 
 
 def test_a_launched_command_gets_the_environment_it_was_given(tmp_path, record):
-    """The recorder runs its own numpy on one BLAS thread (sampler/blas.py); a command it starts
+    """The recorder runs its own numpy on one BLAS thread (sampler/environ.py); a command it starts
     gets the user's environment: those variables as they were, absent when they were absent."""
     seen = tmp_path / "env"
     rec = record("--", "sh", "-c", f"env > {seen}")
     assert rec.proc.wait(120) == 0, rec.proc.stderr.read()
     env = dict(line.split("=", 1) for line in seen.read_text().splitlines() if "=" in line)
-    assert {v: env.get(v) for v in blas.VARS} == {v: os.environ.get(v) for v in blas.VARS}
+    assert {v: env.get(v) for v in environ.BLAS_VARS} == {v: os.environ.get(v) for v in environ.BLAS_VARS}
 
 
 def test_threads_started_after_attach_are_covered(workload, record):

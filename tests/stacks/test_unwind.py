@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from conftest import WORKLOADS, compile_c
 
@@ -26,6 +27,7 @@ from sampler.binary import elf
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
 from sampler.stacks import cfi
+from sampler.stacks.table_worker import TableWorker
 from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
 STOPS = {"entry", "no_cfi", "stack_end", "max_frames", "bad_frame"}
@@ -537,3 +539,19 @@ def test_disk_cache_avoids_decoding_again(cfi_run, py_run, tmp_path, monkeypatch
     monkeypatch.setattr(cfi, "DECODED_MAX", 2)
     small = Unwinder()
     assert [small.unwind(loc, regs, stack) for loc, regs, stack in samples] == results
+
+
+def test_the_table_worker_gets_our_settings_and_no_credentials(monkeypatch):
+    """The table worker parses target-controlled files: it gets our settings and one BLAS thread,
+    never the upload credentials a daemon's environment holds (sampler/environ.py)."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-workers")
+    monkeypatch.setenv("ALLOCSAMPLER_RUN_DIR", "/run/allocsampler-test")
+    w = TableWorker(None)
+    try:
+        w.submit(1, "/bin/true", "/bin/true", "/")
+        [child] = [c for c in psutil.Process().children() if "sampler.stacks.table_worker" in c.cmdline()]
+        env = child.environ()
+    finally:
+        w.close()
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert env["ALLOCSAMPLER_RUN_DIR"] == "/run/allocsampler-test" and env["OPENBLAS_NUM_THREADS"] == "1"

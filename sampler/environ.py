@@ -1,0 +1,41 @@
+"""The environments of allocsampler's own processes and of the commands it starts.
+
+numpy's OpenBLAS starts a thread per CPU when it loads, and each spins (sched_yield) for a while
+between jobs before it sleeps. Our processes do no linear algebra, and those spins were ~0.3 s of
+CPU in a recorder's start on 2 vCPUs (perf, 2026-11-28), taken from the workload beside it:
+`one_blas_thread` sets the variables before numpy loads. A command started for the user gets the
+environment it was given (`user_environ`). Workers that read target-controlled files (the table
+worker) or touch target processes (the placement helper) get `worker_environ`: nothing beyond
+what they need, so that the upload credentials of a daemon's environment never reach them.
+"""
+
+from __future__ import annotations
+
+import os
+
+BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_WORKER_VARS = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", *BLAS_VARS)
+_WORKER_PREFIXES = ("ALLOCSAMPLER_", "DEBUGINFOD_")      # our settings; debug files by build-id
+_added: set[str] = set()
+
+
+def one_blas_thread() -> None:
+    """Before numpy loads: one BLAS thread, unless the environment already says how many."""
+    for name in BLAS_VARS:
+        if name not in os.environ:
+            os.environ[name] = "1"
+            _added.add(name)
+
+
+def user_environ() -> dict[str, str]:
+    """The environment without what one_blas_thread() added."""
+    return {k: v for k, v in os.environ.items() if k not in _added}
+
+
+def worker_environ(**extra: str) -> dict[str, str]:
+    """A worker's environment: the locale, PATH, temporary directory, our settings and BLAS's,
+    plus `extra`; never credentials, proxies or anything else the recorder was given."""
+    env = {k: v for k, v in os.environ.items() if k in _WORKER_VARS or k.startswith(_WORKER_PREFIXES)}
+    env.update(dict.fromkeys(BLAS_VARS, "1"))
+    env.update(extra)
+    return env
