@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from sampler.errors import EnvironmentProblem
+from sampler.files import UnsafePath
 
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE.parents[1] / "build"     # <repo>/build
@@ -48,13 +50,31 @@ def build(a: Artifact, source_dir: Path = HERE, build_dir: Path = BUILD_DIR) -> 
         fresh = False
     if not fresh:
         _compile(a, sources[0], out)
+    _check_trusted(a, out)
     return out
+
+
+def _check_trusted(a: Artifact, out: Path) -> None:
+    """Root runs the placement helper and puts the other two into processes of every user: the
+    directory and file must be changeable only by root, by us, or by whoever owns allocsampler's
+    own code (who could change the recorder itself anyway); never by anyone else."""
+    trusted = {0, os.geteuid(), HERE.stat().st_uid}
+    for path, kind in ((out.parent, stat.S_ISDIR), (out, stat.S_ISREG)):
+        st = os.lstat(path)
+        why = ("is not a " + ("directory" if kind is stat.S_ISDIR else "regular file")) if not kind(st.st_mode) \
+            else f"belongs to uid {st.st_uid}" if st.st_uid not in trusted \
+            else f"is writable by other users (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022 \
+            else ""
+        if why:
+            raise UnsafePath(f"{path} ({a.what}) {why}: root would run it in other processes; make it root's "
+                             f"and not group- or world-writable (chown root; chmod go-w), or rebuild it with "
+                             f"scripts/setup.sh")
 
 
 def _compile(a: Artifact, source: Path, out: Path) -> None:
     cc = compiler()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True, mode=0o755)     # not group-writable whatever the umask
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{a.name}.", suffix=".tmp")
     except OSError as e:
         raise EnvironmentProblem(f"cannot write {a.what} into {out.parent} ({e.strerror}): make it writable, "

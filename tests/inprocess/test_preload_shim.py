@@ -1161,3 +1161,27 @@ def test_estimate_stays_unbiased_while_the_cap_moves_the_mean(unbiased_exe):
     assert samples > 300
     assert se / truth < 0.05, (se, truth)          # power: a bias of 20% would show
     assert abs(weighted - truth) < 4 * se, (weighted, truth, se, samples, changes)
+
+
+def test_in_process_code_that_others_could_replace_is_refused(scratch_source, tmp_path):
+    """Root puts this code into other users' processes: a build directory or file that another
+    user could change is refused with one line naming the path and the fix, never used."""
+    out = preload.shim_path()
+    out.parent.chmod(0o777)
+    with pytest.raises(EnvironmentProblem, match=r"build .*writable by other users .*chmod go-w") as e:
+        preload.shim_path()
+    assert "\n" not in str(e.value)
+    out.parent.chmod(0o755)
+    os.chown(out, 65534, 65534)                 # nobody's file, fresh: it would be used as is
+    with pytest.raises(EnvironmentProblem, match=r"belongs to uid 65534.*chown root"):
+        preload.shim_path()
+    os.unlink(out)
+    planted = tmp_path / "planted.so"
+    planted.write_bytes(b"")
+    t = scratch_source.stat().st_mtime + 10      # newer than the source: it would not be rebuilt
+    os.utime(planted, (t, t))
+    os.symlink(planted, out)
+    with pytest.raises(EnvironmentProblem, match="is not a regular file"):
+        preload.shim_path()
+    os.unlink(out)
+    assert preload.shim_path() == out and out.stat().st_uid == os.geteuid()
