@@ -197,6 +197,9 @@ def check_own_dir(path: str | os.PathLike, what: str = "output directory") -> No
     if st.st_mode & 0o022:
         raise UnsafePath(f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}): "
                          f"run chmod go-w {path}, or give a new path")
+    if st.st_mode & stat.S_ISGID and st.st_gid != os.getegid():
+        raise UnsafePath(f"{what} {path} is setgid to group {st.st_gid}: what we write there would belong "
+                         f"to that group; run chmod g-s {path}, or give a new path")
 
 
 def output_dir(path: str | os.PathLike, mode: int = OUTPUT_DIR_MODE, what: str = "output directory") -> Path:

@@ -173,12 +173,7 @@ def put(fs, dest: Destination, key: str, data: bytes) -> None:
         out.write(data)
         out.close()
     else:
-        parent, _, name = key.rpartition("/")
-        fs.create_dir(parent, recursive=True)
-        tmp = f"{parent}/.{name}.upload"
-        with fs.open_output_stream(tmp) as out:
-            out.write(data)
-        fs.move(tmp, key)
+        _put_local(dest.uri[len("file://"):], key, data)
     try:
         info = fs.get_file_info(key)
     except OSError as e:
@@ -189,8 +184,26 @@ def put(fs, dest: Destination, key: str, data: bytes) -> None:
         raise OSError(f"{key}: {info.size} bytes in the store after the upload, {len(data)} expected")
 
 
+def _put_local(base: str, key: str, data: bytes) -> None:
+    """A file:// destination under the policy of every output (sampler/files.py): the base a
+    directory of ours that no one else can change (its ancestors too, no foreign setgid), each
+    directory below it ours and real, the file written beside its place without following links
+    and renamed over it: a link planted in a shared destination is refused, never written
+    through. Raises UnsafePath (a DestinationError for the caller: waiting will not fix it)."""
+    root = files.output_dir(base, what="upload destination")
+    rel = Path(os.path.relpath(key, base)).parts
+    if not rel or ".." in rel:
+        raise files.UnsafePath(f"upload key {key} is outside the destination {base}")
+    d = root
+    for part in rel[:-1]:
+        d = files.subdir(d, part, files.OUTPUT_DIR_MODE)
+    files.write_output(d / rel[-1], data)
+
+
 def classify(e: BaseException, dest: Destination) -> DestinationError | None:
     """A DestinationError for what waiting will not fix, else None (a transient failure)."""
+    if isinstance(e, files.UnsafePath):
+        return DestinationError(f"upload.uri {dest.uri}: {e}")
     msg = " ".join(str(e).split())
     low = msg.lower()
     creds = ("AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY in the daemon's environment (systemd: Environment= or "

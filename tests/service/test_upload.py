@@ -424,3 +424,35 @@ def test_upload_run_to_a_directory_is_atomic_and_idempotent(tmp_path):
     assert (dest / recs.relative_to(data)).read_bytes() == recs.read_bytes()
     assert json.loads((data / ".upload" / "state.json").read_text())["uri"] == f"file://{dest}"
     assert U.run(data, U.Destination(f"file://{tmp_path / 'elsewhere'}"), 30).uploaded_files == 3   # a new URI
+
+
+def test_a_directory_destination_gets_the_output_policy(tmp_path):
+    """file:// goes through the checks of every output (sampler/files.py): a link planted where
+    an uploaded file goes is refused, not written through (the root-owned file it points at is
+    untouched), and so is a destination setgid to another group (its members could read every
+    dataset) or writable by others. Each is one line that names the cause, and uploads nothing."""
+    data = tmp_path / "data"
+    old_recording(data, 1, 0.1)
+    [rel] = sealed(data)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root's file")
+    dest = tmp_path / "dest"
+    (dest / rel).parent.mkdir(parents=True, mode=0o700)
+    for d in [dest, *(dest / rel).parents]:
+        if d.is_relative_to(dest):
+            d.chmod(0o700)
+    (dest / rel).symlink_to(victim)
+    rep = U.run(data, U.Destination(f"file://{dest}"), 30)
+    assert rep.uploaded_files == 0 and "symbolic link" in rep.error and "\n" not in rep.error
+    assert victim.read_bytes() == b"root's file"
+    (dest / rel).unlink()
+    os.chown(dest, -1, 65534)
+    dest.chmod(0o2700)
+    rep = U.run(data, U.Destination(f"file://{dest}"), 30)
+    assert rep.uploaded_files == 0 and "setgid to group 65534" in rep.error
+    dest.chmod(0o777)
+    rep = U.run(data, U.Destination(f"file://{dest}"), 30)
+    assert rep.uploaded_files == 0 and "writable by other users" in rep.error
+    dest.chmod(0o700)
+    assert U.run(data, U.Destination(f"file://{dest}"), 30).uploaded_files == 1
+    assert (dest / rel).stat().st_mode & 0o077 == 0
