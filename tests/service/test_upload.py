@@ -246,13 +246,13 @@ def test_daemon_uploads_sealed_files_identical_to_local(tmp_path, moto, work_bin
 
 @pytest.mark.bpf
 def test_kill9_mid_upload_then_restart_loses_and_duplicates_nothing(tmp_path, moto, bpf_ready):
-    """kill -9 of the daemon while its upload child sends 96 MiB (files of 12 MiB, multipart, and
+    """kill -9 of the daemon while its upload child sends 156 MiB (files of 12 MiB, multipart, and
     2 MiB): no partial object is visible; after a restart every sealed file is in the
     bucket once, under its own path, with its bytes."""
     moto.start()
     data = tmp_path / "data"
     old_recording(data, 3, 12, rec="20240101T000000Z-2-bcdefa")     # first: uploaded first (multipart)
-    old_recording(data, 30, 2)
+    old_recording(data, 60, 2)             # enough that the kill lands mid-upload (96 MiB once ended first)
     total = len(sealed(data))
     d = start_daemon(tmp_path, moto)
     wait_for(lambda: moto.objects(), 60, "the upload to be under way", every=0.05)
