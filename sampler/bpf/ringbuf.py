@@ -92,7 +92,6 @@ class RingReader:
                     read += 1
                     if not read & 31 and time.monotonic() > deadline:
                         return True
-                self._cons.value = cons
         finally:
             self._cons.value = cons
 

@@ -59,12 +59,17 @@ class Destination:
     def is_s3(self) -> bool:
         return self.uri.startswith("s3://")
 
+    @property
+    def local_root(self) -> str:
+        """The directory of a file:// destination."""
+        return self.uri[len("file://"):]
+
     def filesystem(self):
         """(pyarrow filesystem, base path) of the destination. Nothing is sent yet."""
         import pyarrow.fs as pafs
 
         if not self.is_s3:
-            return pafs.LocalFileSystem(), self.uri[len("file://"):]
+            return pafs.LocalFileSystem(), self.local_root
         kw = {}
         if self.endpoint:
             scheme, _, hostport = self.endpoint.partition("://")
@@ -173,7 +178,7 @@ def put(fs, dest: Destination, key: str, data: bytes) -> None:
         out.write(data)
         out.close()
     else:
-        _put_local(dest.uri[len("file://"):], key, data)
+        _put_local(dest.local_root, key, data)
     try:
         info = fs.get_file_info(key)
     except OSError as e:
