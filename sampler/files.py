@@ -101,6 +101,16 @@ def private_dir(path: str | os.PathLike, *, create: bool = True) -> Path | None:
     return path if stat.S_ISDIR(st.st_mode) and is_private(st) else None
 
 
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def identity(st: os.stat_result) -> FileIdentity:
+    """What tells one file's contents from another's without reading them: device and inode,
+    plus size, mtime and ctime. An inode number is reused once its file is deleted (and btrfs
+    subvolumes repeat them), but a new file gets a new ctime, which no user can set."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def cache_dir(sub: str, path: str | None = None) -> Path | None:
     """Where unwind tables, compiled BPF programs, the probe cost and fetched debug files persist
     across runs: the given directory, else `sub` of $ALLOCSAMPLER_CACHE_DIR or of a root-only

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sampler import files
 from sampler.binary import debuginfod
 from sampler.binary.reader import (
     MALFORMED,
@@ -389,14 +390,14 @@ MAX_SYMBOL_MEMO = 4096     # names whose definitions an image remembers (a fixed
 class ElfImage:
     """One ELF file: path, debug_path, build_id, elf_type ('DYN', 'EXEC'), has_symtab.
 
-    Cached process-wide by file identity (device, inode, size, mtime), and shared between files
+    Cached process-wide by file identity (files.identity), and shared between files
     with the same build-id only when their contents are identical (a digest of the whole file,
     taken only then): anyone can write a file that claims another's build-id, and nothing read
     from it may describe the other. Symbols come from the separate debug file's .symtab when there
     is one, then the file's own .symtab and .dynsym; addresses and code always come from the file itself.
     """
 
-    _by_file: dict[tuple[int, int, int, int], ElfImage] = {}
+    _by_file: dict[files.FileIdentity, ElfImage] = {}
     _by_build_id: dict[str, list[ElfImage]] = {}  # a few per build-id: anyone can claim one
     _lock = threading.Lock()
 
@@ -458,7 +459,7 @@ class ElfImage:
         fd = open_regular(path)
         try:
             st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            key = files.identity(st)
             with cls._lock:
                 img = cls._by_file.get(key)
             if img is not None:

@@ -29,7 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sampler import environ
+from sampler import environ, files
 from sampler.binary.elf import data_slot_values, exported_function
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, open_regular
 
@@ -64,7 +64,7 @@ def locate(path: str) -> Domains | None:
         return None
     try:
         st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = files.identity(st)
         if key not in _found:
             if len(_found) >= 64:
                 _found.pop(next(iter(_found)))

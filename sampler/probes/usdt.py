@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sampler import files
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader, Segment, format_errors, open_regular
 from sampler.bpf.abi import USDT_FAMILY_LINK, USDT_MAX_ARGS, USDT_SPEC, Fn, Source, UsdtArgKind, UsdtKind
 from sampler.bpf.loader import UsdtSite
@@ -142,7 +143,7 @@ def read_probes(path: str) -> tuple[UsdtProbe, ...]:
         return ()
     try:
         st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = files.identity(st)
         with _probes_lock:
             found = _probes.get(key)
         if found is None:

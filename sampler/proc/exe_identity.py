@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from sampler import files
+
 DPKG_DIR = "/var/lib/dpkg"
 MAX_CACHED = 1024               # executables (inodes) and paths remembered
 MAX_LIST_BYTES = 64 << 20       # one package's file list; larger is not dpkg's
@@ -148,7 +150,7 @@ class ExeIdentities:
             st = os.stat(f"/proc/{pid}/exe")        # the inode it runs, in whatever namespace
         except OSError:
             return ExeIdentity()
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, exe)
+        key = (*files.identity(st), exe)
         if (known := self._by_inode.get(key)) is not None:
             return known
         package = None

@@ -1,12 +1,19 @@
 """The unwind tables BPF walks stacks with: files' rows in `uw_rows`, processes' mappings in
 `uw_maps` (sampler/bpf/abi.h, common.h walk_native).
 
-A file's rows are built once (sampler/stacks/table_worker.py, cached on disk by CFI key), loaded
-once into a range of `uw_rows` and shared by every process that maps the file. A process's
-executable mappings are written to a fresh slot of `uw_maps`, then `uw_procs` is pointed at it
-in one map update, so that BPF never reads a half-written table; the old slot is reused last.
-Mappings of files not built yet are marked pending, where BPF hands the walk over to user space.
-Rows of files no process maps stay loaded until their room is needed.
+A file's rows are built once (sampler/stacks/table_worker.py, cached on disk by CFI key) and
+loaded once into a range of `uw_rows`, shared by every file whose rows have the same content
+(their digest). A mapping is tied to a file by files.identity of what its map_files link reaches
+(device, inode, size, mtime, ctime), never by the device and inode /proc/PID/maps shows: btrfs
+subvolumes share the device there while inode numbers repeat, and a deleted file's inode number
+is reused, so that another user's file could otherwise lend its rows to a victim's mapping. The
+worker answers the identity of the descriptor it read, and rows are used only for mappings whose
+file has that identity.
+
+A process's executable mappings are written to a fresh slot of `uw_maps`, then `uw_procs` is
+pointed at it in one map update, so that BPF never reads a half-written table; the old slot is
+reused last. Mappings of files not built yet are marked pending, where BPF hands the walk over to
+user space. Rows no mapping uses are dropped after IDLE_ROWS_S, or sooner when their room is needed.
 
 Everything runs on the recorder's thread: `track` and `changed` note work, `poll` does it.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import struct
 import time
 from collections import OrderedDict, deque
@@ -22,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from sampler import files
 from sampler.bpf.abi import UW_MAP, UW_MAPS, UW_PAGE_SHIFT, UW_PENDING, UW_PROC
 from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.stacks.table_worker import BuildFailed, TableWorker
@@ -31,25 +40,37 @@ log = logging.getLogger(__name__)
 
 UNKNOWN_CODE_S = 1.0        # code in no known mapping (JIT, or a dlopen not seen): maps re-read at most this often
 BUILD_ATTEMPTS = 3          # a build lost with a crashed worker, or opened through a mapping gone since
+IDLE_ROWS_S = 60.0          # rows no mapping uses are kept this long (a process restarting finds them)
+
+Ident = files.FileIdentity
+
+
+@dataclass
+class _Rows:
+    """One rows table in uw_rows, by content."""
+    digest: str
+    lo: int = 0                             # uw_rows[lo, lo + n)
+    n: int = 0
+    page_lo: int = 0                        # uw_pages[page_lo, page_lo + page_n)
+    page_n: int = 0
+    page_first: int = 0                     # vaddr >> UW_PAGE_SHIFT of its first row
+    files: set[Ident] = field(default_factory=set)
 
 
 @dataclass
 class _File:
-    ident: tuple[str, int]                  # (dev, inode)
+    ident: Ident
     state: str = "building"                 # building, ready, failed
-    rows: FileRows | None = None
-    lo: int = 0                             # its rows in uw_rows[lo, lo + n) when loaded
-    n: int = -1                             # -1: not loaded
-    page_lo: int = 0                        # its page index in uw_pages[page_lo, page_lo + page_n)
-    page_n: int = 0
-    page_first: int = 0                     # vaddr >> UW_PAGE_SHIFT of its first row
+    built: FileRows | None = None           # how its mappings translate (its rows are in `table`)
+    table: _Rows | None = None              # None when ready: no rows in BPF (none, or no room)
+    no_cfi: bool = False                    # ready with no rows at all: frame pointers only
     pids: set[int] = field(default_factory=set)
 
 
 @dataclass
 class _Proc:
     slot: int
-    maps: list[Mapping]
+    maps: list[tuple[Mapping, Ident | None]]   # None: its file could not be identified (gone)
     due: float = 0.0                        # re-read its maps at this time (0: not due)
     read_at: float = 0.0
     written_ns: int = 0                     # CLOCK_MONOTONIC after its uw_procs entry last changed
@@ -97,13 +118,14 @@ class KernelTables:
         self._procs_map = probes.bpf["uw_procs"]
         self.worker = worker
         self._ranges = _Ranges(rows_capacity)
-        self._files: dict[tuple[str, int], _File] = {}
-        self._idle: OrderedDict[tuple[str, int], None] = OrderedDict()   # loaded, mapped by no process
+        self._files: dict[Ident, _File] = {}
+        self._tables: dict[str, _Rows] = {}
+        self._idle: OrderedDict[str, float] = OrderedDict()    # digest -> when its last file went
         self._procs: dict[int, _Proc] = {}
         self._slots: deque[int] = deque(range(procs_capacity))
         self._shared: dict[int, int] = {}   # slot -> how many more processes' tables it is (forks)
-        self._dirty_files: set[tuple[str, int]] = set()
-        self._retries: dict[tuple[str, int], int] = {}
+        self._dirty_files: set[Ident] = set()
+        self._retries: dict[Ident, int] = {}
         self.full_warned = False
 
     # processes -------------------------------------------------------------------------------
@@ -133,8 +155,8 @@ class KernelTables:
             return self.track(child)     # the parent's table moved since the fork: read its own
         self._procs[child] = _Proc(p.slot, list(p.maps))
         self._shared[p.slot] = self._shared.get(p.slot, 0) + 1
-        for m in p.maps:
-            if (f := self._files.get((m.dev, m.inode))) is not None:
+        for _, ident in p.maps:
+            if ident is not None and (f := self._files.get(ident)) is not None:
                 f.pids.add(child)
         return True
 
@@ -186,33 +208,42 @@ class KernelTables:
         return self.worker.pending > 0
 
     def poll(self) -> None:
-        """Load the builds that finished and re-read the maps of processes that mapped code."""
+        """Load the builds that finished, re-read the maps of processes that mapped code, and
+        drop rows idle for IDLE_ROWS_S."""
         for ident, result in self.worker.done():
             f = self._files.get(ident)       # type: ignore[arg-type]
             if f is None:
                 continue
+            if isinstance(result, FileRows) and result.file != ident:
+                # the worker read another file than the mapping's (replaced, remapped): try again
+                result = BuildFailed("the file changed before it was read", gone=True)
             if isinstance(result, BuildFailed):
-                self._retries[ident] = self._retries.get(ident, 1) + 1      # type: ignore[index]
-                if (result.worker_died or result.gone) and self._retries[ident] <= BUILD_ATTEMPTS and f.pids:
+                tries = self._retries[f.ident] = self._retries.get(f.ident, 1) + 1
+                if (result.worker_died or result.gone) and tries <= BUILD_ATTEMPTS and f.pids:
                     # not the file's doing: built again from the processes' current maps
-                    del self._files[ident]                                # type: ignore[arg-type]
+                    del self._files[f.ident]
                     for pid in f.pids:
                         self.changed(pid)
                     continue
                 f.state = "failed"
-                log.info("unwind rows of %s not built: %s", ident, result)
+                log.info("unwind rows of %s not built: %s", f.ident, result)
                 continue
-            f.state, f.rows = "ready", result
-            self._load(f)
+            self._retries.pop(f.ident, None)
+            f.state, f.no_cfi = "ready", result.fits and not len(result.rows)
+            f.table = self._attach(f, result)
             # in uw_rows now (or never, when full): only how its mappings translate is needed
-            f.rows = replace(result, rows=result.rows[:0].copy())
+            f.built = replace(result, rows=result.rows[:0].copy())
+            if not f.pids:
+                self._release_file(f)
             self._dirty_files.add(f.ident)
         now = time.monotonic()
+        while self._idle and now - next(iter(self._idle.values())) > IDLE_ROWS_S:
+            self._evict(next(iter(self._idle)))
         for pid, p in list(self._procs.items()):
             if p.due and now >= p.due:
                 self.refresh(pid)
         if self._dirty_files:
-            pids = {pid for ident in self._dirty_files for pid in self._files[ident].pids}
+            pids = {pid for ident in self._dirty_files if (f := self._files.get(ident)) for pid in f.pids}
             self._dirty_files.clear()
             for pid in pids:
                 if pid in self._procs:
@@ -226,58 +257,77 @@ class KernelTables:
         states = [f.state for f in self._files.values()]
         return {"files_ready": states.count("ready"), "files_building": states.count("building"),
                 "files_failed": states.count("failed"), "rows_used": self._ranges.used,
-                "pages_used": self._page_ranges.used,
+                "pages_used": self._page_ranges.used, "tables": len(self._tables), "tables_idle": len(self._idle),
                 "rows_capacity": self._ranges.capacity, "processes": len(self._procs)}
 
     def close(self) -> None:
         self.worker.close()
 
     # internals -------------------------------------------------------------------------------
-    def _set_maps(self, pid: int, maps: list[Mapping]) -> None:
+    def _set_maps(self, pid: int, maps: list[tuple[Mapping, Ident | None]]) -> None:
         p = self._procs[pid]
         old = p.maps
         p.maps = maps
-        for m in sorted(maps, key=lambda m: m.end - m.start):     # small files first: ready sooner
-            ident = (m.dev, m.inode)
+        for m, ident in sorted(maps, key=lambda e: e[0].end - e[0].start):     # small files first: ready sooner
+            if ident is None:
+                continue
             f = self._files.get(ident)
             if f is None:
                 f = self._files[ident] = _File(ident)
                 self._submit(f, pid, m)
             f.pids.add(pid)
-            self._idle.pop(ident, None)
-        self._release(pid, old, keep={(m.dev, m.inode) for m in maps})
+            if f.table is not None:
+                self._idle.pop(f.table.digest, None)
+        self._release(pid, old, keep={ident for _, ident in maps})
         self._write(pid)
 
     def _submit(self, f: _File, pid: int, m: Mapping) -> None:
         f.state = "building"
         self.worker.submit(f.ident, open_path(pid, m), m.path, f"/proc/{pid}/root")
 
-    def _release(self, pid: int, maps: list[Mapping], keep: set[tuple[str, int]] = frozenset()) -> None:
-        for m in maps:
-            ident = (m.dev, m.inode)
-            f = self._files.get(ident)
+    def _release(self, pid: int, maps: list[tuple[Mapping, Ident | None]], keep: set = frozenset()) -> None:
+        for _, ident in maps:
+            f = self._files.get(ident) if ident is not None else None
             if f is None or ident in keep:
                 continue
             f.pids.discard(pid)
             if not f.pids:
-                if f.n >= 0:
-                    self._idle[ident] = None           # loaded: kept until its room is needed
-                elif f.state != "building":
-                    del self._files[ident]
+                self._release_file(f)
 
-    def _load(self, f: _File) -> None:
-        rows = f.rows
-        if rows is None or not rows.fits or not len(rows.rows):
-            f.n = 0 if rows is not None and rows.fits else -1
-            return
-        pcs = rows.rows["pc"]
+    def _release_file(self, f: _File) -> None:
+        """`f` is mapped by no process: kept while its rows are loaded (a process restarting finds
+        them), which are idle once no file using them is mapped."""
+        t = f.table
+        if t is None:
+            if f.state != "building":
+                del self._files[f.ident]
+        elif not any(g.pids for i in t.files if (g := self._files.get(i)) is not None):
+            self._idle[t.digest] = time.monotonic()
+
+    def _attach(self, f: _File, built: FileRows) -> _Rows | None:
+        """The loaded rows of `built` (shared by content: loaded only when no file has the same),
+        with `f` among their files; None when they cannot be loaded."""
+        t = self._tables.get(built.digest) if built.digest else None
+        if t is None:
+            t = self._load(built)
+            if t is None:
+                return None
+            self._tables[t.digest] = t
+        t.files.add(f.ident)
+        self._idle.pop(t.digest, None)
+        return t
+
+    def _load(self, built: FileRows) -> _Rows | None:
+        if not built.fits or not len(built.rows) or not built.digest:
+            return None
+        pcs = built.rows["pc"]
         first = int(pcs[0]) >> UW_PAGE_SHIFT
         starts = (np.arange(first, (int(pcs[-1]) >> UW_PAGE_SHIFT) + 2, dtype=np.int64) << UW_PAGE_SHIFT)
         # the row in force at each page's start (0 before the first row: its search then finds none);
         # entry i: that of page i and of page i + 1
         at = np.maximum(np.searchsorted(pcs, starts, "right") - 1, 0).astype(np.uint64)
         pages = at[:-1] | at[1:] << np.uint64(32)
-        n, npages = len(rows.rows), len(pages)
+        n, npages = len(built.rows), len(pages)
         lo, plo = self._take(self._ranges, n), self._take(self._page_ranges, npages)
         if lo is None or plo is None:
             if lo is not None:
@@ -286,27 +336,36 @@ class KernelTables:
                 self._page_ranges.give(plo, npages)
             if not self.full_warned:
                 self.full_warned = True
-                log.warning("the unwind tables are full (%d rows, %d pages): stacks in %s are unwound in user "
-                            "space; raise unwind_rows", self._ranges.capacity, self._page_ranges.capacity, f.ident)
-            return
-        self._rows.write_array(lo, memoryview(np.ascontiguousarray(rows.rows)).cast("B"))   # no copy
+                log.warning("the unwind tables are full (%d rows, %d pages): stacks in files whose rows do not fit "
+                            "are unwound in user space; raise unwind_rows", self._ranges.capacity,
+                            self._page_ranges.capacity)
+            return None
+        self._rows.write_array(lo, memoryview(np.ascontiguousarray(built.rows)).cast("B"))   # no copy
         self._pages.write_array(plo, memoryview(pages).cast("B"))
-        f.lo, f.n, f.page_lo, f.page_n, f.page_first = lo, n, plo, npages, first
+        return _Rows(built.digest, lo, n, plo, npages, first)
 
     def _take(self, ranges: _Ranges, n: int) -> int | None:
-        """Room for n entries, evicting files no process maps (oldest first) until there is."""
+        """Room for n entries, evicting rows no mapping uses (oldest first) until there is."""
         lo = ranges.take(n)
         while lo is None and self._idle:
             self._evict(next(iter(self._idle)))
             lo = ranges.take(n)
         return lo
 
-    def _evict(self, ident: tuple[str, int]) -> None:
-        self._idle.pop(ident, None)
-        f = self._files.pop(ident, None)
-        if f is not None and f.n > 0:
-            self._ranges.give(f.lo, f.n)
-            self._page_ranges.give(f.page_lo, f.page_n)
+    def _evict(self, digest: str) -> None:
+        """Rows no mapping uses leave uw_rows, and the unmapped files that used them are forgotten."""
+        self._idle.pop(digest, None)
+        t = self._tables.pop(digest, None)
+        if t is None:
+            return
+        self._ranges.give(t.lo, t.n)
+        self._page_ranges.give(t.page_lo, t.page_n)
+        for ident in t.files:
+            f = self._files.get(ident)
+            if f is not None and f.table is t:
+                f.table = None
+                if not f.pids and f.state != "building":
+                    del self._files[ident]
 
     def _write(self, pid: int) -> None:
         """A fresh slot with pid's mappings, then uw_procs pointed at it."""
@@ -315,14 +374,16 @@ class KernelTables:
             return
         slot = self._slots.popleft()
         entries = []
-        for m in p.maps[:UW_MAPS]:
-            f = self._files.get((m.dev, m.inode))
+        for m, ident in p.maps[:UW_MAPS]:
+            f = self._files.get(ident) if ident is not None else None
             lo, n, bias, pages = UW_PENDING, 0, 0, (0, 0, 0)
-            if f is not None and f.state == "ready" and f.rows is not None and f.n >= 0:
-                vaddr = f.rows.vaddr(m.offset)
+            if f is not None and f.state == "ready" and f.built is not None and (f.table or f.no_cfi):
+                vaddr = f.built.vaddr(m.offset)
                 if vaddr is not None:
-                    lo, n, bias = (f.lo if f.n else 0), f.n, (m.start - vaddr) & (1 << 64) - 1
-                    pages = (f.page_lo, f.page_n, f.page_first)
+                    bias = (m.start - vaddr) & (1 << 64) - 1
+                    t = f.table
+                    lo, n = (t.lo, t.n) if t else (0, 0)
+                    pages = (t.page_lo, t.page_n, t.page_first) if t else (0, 0, 0)
             entries.append(UW_MAP.struct.pack(m.start, m.end, bias, lo, n, *pages))
         if entries:
             keys = struct.pack(f"<{len(entries)}I", *range(slot * UW_MAPS, slot * UW_MAPS + len(entries)))
@@ -342,9 +403,19 @@ class KernelTables:
             self._slots.append(slot)
 
 
-def _code_maps(pid: int) -> list[Mapping]:
-    """pid's executable file mappings, sorted by start."""
-    return sorted((m for m in read_maps(pid) if m.executable and m.file_backed), key=lambda m: m.start)
+def _code_maps(pid: int) -> list[tuple[Mapping, Ident | None]]:
+    """pid's executable file mappings, sorted by start, each with the identity of its file."""
+    maps = sorted((m for m in read_maps(pid) if m.executable and m.file_backed), key=lambda m: m.start)
+    return [(m, _identify(pid, m)) for m in maps]
+
+
+def _identify(pid: int, m: Mapping) -> Ident | None:
+    """files.identity of the file behind `m`, through its map_files link (the mapped inode
+    itself); None when it cannot be reached (gone since)."""
+    try:
+        return files.identity(os.stat(open_path(pid, m)))
+    except OSError:
+        return None
 
 
 def _key(pid: int) -> ctypes.c_uint32:

@@ -7,8 +7,10 @@ starts another). Samples whose files are not built yet are unwound in user space
 hands them over), so nothing waits for it.
 
 Protocol: one JSON line per request on the child's stdin ({"id", "path", "seen_as", "root"}),
-one JSON line per answer on its stdout ({"id", "key", "loads", "fits", "rows"} or {"id",
-"error"}), followed by `rows` bytes of `uw_row`s. A reader thread turns answers into a queue.
+one JSON line per answer on its stdout ({"id", "key", "loads", "fits", "digest", "file", "rows"} or
+{"id", "error"}), followed by `rows` bytes of `uw_row`s. `file` is files.identity of the very
+descriptor the rows were read from: the recorder ties a mapping to them only when its own file
+has that identity. A reader thread turns answers into a queue.
 
     python -m sampler.stacks.table_worker PARENT_PID [CACHE_DIR]
 """
@@ -31,9 +33,9 @@ from typing import IO
 import numpy as np
 import psutil
 
-from sampler import environ
+from sampler import environ, files
 from sampler.binary.elf import ElfImage
-from sampler.binary.reader import MALFORMED
+from sampler.binary.reader import MALFORMED, open_regular
 from sampler.lifetime import die_with_parent
 from sampler.stacks.unwind_rows import ROW, FileRows, build
 
@@ -168,7 +170,8 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
             if data is None:
                 break
             rows = np.frombuffer(data, ROW)
-            answers.put((doc["id"], FileRows(doc["key"], rows, tuple(map(tuple, doc["loads"])), bool(doc["fits"]))))
+            answers.put((doc["id"], FileRows(doc["key"], rows, tuple(map(tuple, doc["loads"])), bool(doc["fits"]),
+                                             str(doc["digest"]), tuple(int(x) for x in doc["file"]))))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     answers.put((None, None))
@@ -186,7 +189,13 @@ def child_main(argv: list[str]) -> int:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            fr = build(ElfImage.open(req["path"], req["seen_as"], req["root"]), cache)
+            fd = open_regular(req["path"])
+            try:
+                ident = files.identity(os.fstat(fd))
+                # through this descriptor: the file whose identity is answered, whatever the path names now
+                fr = build(ElfImage.open(f"/proc/self/fd/{fd}", req["seen_as"], req["root"]), cache)
+            finally:
+                os.close(fd)
         except (OSError, MemoryError, *MALFORMED) as e:
             gone = isinstance(e, (FileNotFoundError, ProcessLookupError))
             out.write(json.dumps({"id": req["id"], "error": f"{type(e).__name__}: {e}", "gone": gone}).encode()
@@ -195,7 +204,7 @@ def child_main(argv: list[str]) -> int:
             continue
         data = fr.rows.tobytes()
         out.write(json.dumps({"id": req["id"], "key": fr.key, "loads": fr.loads, "fits": fr.fits,
-                              "rows": len(data)}).encode() + b"\n")
+                              "digest": fr.digest, "file": ident, "rows": len(data)}).encode() + b"\n")
         out.write(data)
         out.flush()
     return 0

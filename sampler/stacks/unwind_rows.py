@@ -15,6 +15,7 @@ has 335k FDEs and ~2M rows, seconds of Python. Results are cached on disk under 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 from array import array
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ class FileRows:
     rows: np.ndarray         # ROW, sorted by pc; empty: no CFI (frame pointers only)
     loads: tuple[tuple[int, int, int], ...]    # PT_LOAD (file offset, vaddr, file size)
     fits: bool = True        # False: vaddrs beyond 32 bits or too many rows; BPF hands over
+    digest: str = ""         # of the rows themselves: files with equal digests share one loaded copy
+    file: tuple[int, ...] = ()   # files.identity of the file they were built from (the table worker's)
 
     def vaddr(self, file_offset: int) -> int | None:
         for off, vaddr, size in self.loads:
@@ -75,7 +78,7 @@ def build(img: ElfImage, cache_dir: Path | None = None) -> FileRows:
     if path is not None:
         rows = _load(path)
         if rows is not None:
-            return FileRows(key, rows, loads, _fits(rows, loads))
+            return FileRows(key, rows, loads, _fits(rows, loads), rows_digest(rows))
     rows = _rows(table)
     fits = rows is not None and _fits(rows, loads)
     if rows is None:
@@ -84,7 +87,12 @@ def build(img: ElfImage, cache_dir: Path | None = None) -> FileRows:
         with contextlib.suppress(OSError, ValueError), files.atomic_file(path, durable=False) as f:
             np.save(f, np.concatenate([np.array([CACHE_VERSION, len(rows)], np.int64).view(np.uint8),
                                        rows.view(np.uint8)]), allow_pickle=False)
-    return FileRows(key, rows, loads, fits)
+    return FileRows(key, rows, loads, fits, rows_digest(rows))
+
+
+def rows_digest(rows: np.ndarray) -> str:
+    """What identifies a rows table by content (libtorch_cpu's 2M rows: ~10 ms)."""
+    return hashlib.blake2b(np.ascontiguousarray(rows).data, digest_size=16).hexdigest()
 
 
 def _fits(rows: np.ndarray, loads: tuple[tuple[int, int, int], ...]) -> bool:

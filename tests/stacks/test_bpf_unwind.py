@@ -11,7 +11,9 @@ Python, torch CPU tensor allocations, and both again with every CPU kept busy.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -23,11 +25,12 @@ import pytest
 from conftest import WORKLOADS
 
 from sampler.binary.elf import ElfImage
-from sampler.bpf.abi import EvType, UwKind, UwStop
+from sampler.bpf.abi import UW_MAPS, UW_PENDING, EvType, UwKind, UwStop
 from sampler.bpf.events import decode
 from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control.weights import weight_table
 from sampler.probes.allocators import find_allocators
+from sampler.proc.maps import read_maps
 from sampler.stacks import cfi, unwind_rows
 from sampler.stacks.kernel_tables import KernelTables
 from sampler.stacks.symbolize import Symbolizer
@@ -216,3 +219,86 @@ def test_a_file_the_worker_cannot_read_fails_alone(tmp_path):
         w.close()
     assert isinstance(results["bad"], BuildFailed) and not results["bad"].worker_died
     assert results["good"].fits and len(results["good"].rows) > 10_000
+
+
+LIB_C = """
+#include <stdlib.h>
+static volatile long sink;
+__attribute__((noinline)) static long step(long x) {
+    char b[64]; b[x & 63] = (char)x; sink += b[(x * 7) & 63]; return x * 3 + 1;
+}
+__attribute__((noinline)) long walk(long n) { long t = 0; for (long i = 0; i < n; i++) t += step(i); return t; }
+__attribute__((noinline)) void *grab(long n) { void *p = malloc((size_t)n); sink += walk(n & 15); return p; }
+"""
+HOLD_LIB = "import ctypes, sys; ctypes.CDLL(sys.argv[1]); print('ready', flush=True); sys.stdin.readline()"
+
+
+def _loaded_rows(probes: BpfProbes, pid: int, path: str) -> np.ndarray:
+    """The rows BPF walks `pid`'s mapping of `path` with, read back from uw_procs/uw_maps/uw_rows."""
+    start = next(m.start for m in read_maps(pid) if m.path == path and m.executable)
+    proc = probes.bpf["uw_procs"][ctypes.c_uint32(pid)]
+    for i in range(proc.n):
+        m = probes.bpf["uw_maps"][ctypes.c_int(proc.slot * UW_MAPS + i)]
+        if m.start == start:
+            assert m.row_lo != UW_PENDING, "the mapping's rows are loaded"
+            rows = [bytes(probes.bpf["uw_rows"][ctypes.c_int(m.row_lo + k)]) for k in range(m.row_n)]
+            return np.frombuffer(b"".join(rows), unwind_rows.ROW)
+    raise AssertionError(f"no uw_maps entry of {path} in {pid}")
+
+
+def test_a_reused_inode_number_never_lends_another_files_rows(probes, tmp_path):
+    """Rows are tied to a file's identity (device, inode, size, mtime, ctime), not to the
+    (device, inode) that /proc/PID/maps shows: a library deleted after a process used it, and
+    another written under the same inode number (ext4 reuses it at once), gets its own rows,
+    although the first one's are still loaded."""
+    src = tmp_path / "lib.c"
+    src.write_text(LIB_C)
+    evil, good = tmp_path / "evil.so", tmp_path / "good.so"
+    subprocess.run(["gcc", "-O0", "-fno-omit-frame-pointer", "-shared", "-fPIC", "-o", str(evil), str(src)], check=True)
+    subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", "-o", str(good), str(src)], check=True)
+    want = {p: unwind_rows.build(ElfImage.open(str(p))).rows for p in (evil, good)}
+    assert want[evil].tobytes() != want[good].tobytes()
+    image, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", str(image)], check=True)
+    mnt.mkdir()
+    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    tables = KernelTables(probes, TableWorker(None))
+    procs: list[subprocess.Popen] = []
+    try:
+        lib = mnt / "libshared.so"
+
+        def hold() -> int:
+            p = subprocess.Popen([sys.executable, "-c", HOLD_LIB, str(lib)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "ready"
+            assert tables.track(p.pid)
+            deadline = time.monotonic() + 60
+            while tables.busy and time.monotonic() < deadline:
+                tables.poll()
+                time.sleep(0.02)
+            tables.poll()
+            return p.pid
+
+        shutil.copy(evil, lib)
+        inode = lib.stat().st_ino
+        first = hold()
+        assert np.array_equal(_loaded_rows(probes, first, str(lib)), want[evil])
+        loaded = tables.stats()["tables"]
+        procs[0].communicate("bye\n", timeout=10)
+        tables.untrack(first)
+        tables.worker.close()           # its cached image holds the file open
+        lib.unlink()
+        shutil.copy(good, lib)
+        assert lib.stat().st_ino == inode, "the premise: ext4 gave the new file the old inode number"
+        second = hold()
+        assert np.array_equal(_loaded_rows(probes, second, str(lib)), want[good])
+        assert tables.stats()["tables"] == loaded + 1       # the first file's rows are still loaded (idle)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        tables.close()
+        subprocess.run(["umount", str(mnt)], check=False)
