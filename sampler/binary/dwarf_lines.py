@@ -5,8 +5,9 @@ address comes from a sorted index of .debug_aranges (of CU top DIEs for CUs it l
 CU's line program and the DIEs on the way to the address are parsed. pyelftools parses the DIEs, through
 dwarf_info.DwarfInfo (CUs and caches this module can let go); line programs are decoded here, 4x faster
 than through its per-row objects. Uncompressed sections are read from the file on demand (pread, no
-mapping: see reader.FileBytes); compressed ones (SHF_COMPRESSED, .zdebug_*) are inflated once, up to
-reader.MAX_INFLATED bytes. Every walk is bounded: children in offset order (dwarf_info), line programs
+mapping: see reader.FileBytes); compressed ones (SHF_COMPRESSED, .zdebug_*) are inflated once, each up to
+reader.MAX_INFLATED bytes and within the file's reader.Budget, into unlinked cache files (INFLATED_HELD_MAX
+for all files together). Every walk is bounded: children in offset order (dwarf_info), line programs
 to MAX_LINE_PROGRAM bytes and MAX_LINE_ROWS rows, DIEs per CU to DIE_BUDGET.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,7 @@ from sampler.binary.dwarf_info import DwarfInfo, Span
 from sampler.binary.elf import ElfImage
 from sampler.binary.leb128 import sleb as _sleb
 from sampler.binary.leb128 import uleb as _uleb
-from sampler.binary.reader import SHF_COMPRESSED, SHT_NOBITS, ElfFormatError, ElfReader, FileBytes
+from sampler.binary.reader import SHT_NOBITS, ElfFormatError, ElfReader, FileBytes, OverBudget
 
 # .debug_<name> sections read: those pyelftools parses, and the aranges indexed here.
 _SECTIONS = (*_DWARF_SECTIONS, "aranges")
@@ -100,9 +102,15 @@ class LineTables:
             if not path or source is None:
                 continue
             try:
-                sections = _read_sections(source)
-                if sections is not None:
-                    tables = cls(path, sections)
+                found = read_sections(source)
+                if found is not None:
+                    sections, held = found
+                    try:
+                        tables = cls(path, sections)
+                    except BaseException:
+                        _release(held)
+                        raise
+                    weakref.finalize(tables, _release, held)    # what it inflated is let go with it
                     break
             except OSError:
                 transient = True  # e.g. /proc/PID/map_files of a process that exited: try again later
@@ -507,41 +515,114 @@ def _int(attr: Any) -> int:
 
 
 SPILL_BYTES = 256 << 10     # inflated sections from this size on are kept in a file, not in memory
+# Inflated bytes held by every image's tables together (in files or memory): a recorded process that
+# maps many files, each within its own budget, cannot fill the disk or the heap with them.
+INFLATED_HELD_MAX = 1 << 30
+# ... and in memory, with no private cache directory to keep them in (libc6-dbg's: 8.5 MiB)
+INFLATED_IN_MEMORY_MAX = 64 << 20
+_held = [0]
+_held_lock = threading.Lock()
 
 
-def _spilled(data: bytes | memoryview, what: str) -> FileBytes | bytes:
-    """Inflated contents in an unlinked file of the cache directory, read back on demand as a file's
-    sections are (libc6-dbg's inflate to 8.5 MiB, kept for the recording's life): page cache, not
-    the recorder's heap. In memory where there is no such directory or no room."""
-    where = files.cache_dir("inflated") if len(data) >= SPILL_BYTES else None
-    if where is None:
-        return bytes(data)
-    try:
-        fd = os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600)
-    except OSError:
-        return bytes(data)
-    try:
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        return FileBytes(fd, len(view), what)
-    except OSError:            # full disk
-        return bytes(data)
-    finally:
-        os.close(fd)            # FileBytes holds its own
+def _release(n: int) -> None:
+    with _held_lock:
+        _held[0] -= n
 
 
-def _read_sections(source: str | ElfReader) -> dict[str, Span] | None:
-    """The DWARF sections of a file (inflated where compressed); None when it has no .debug_info."""
+class _Spill:
+    """Inflated contents as they come: in memory up to SPILL_BYTES, then in an unlinked file of the
+    cache directory read back on demand as a file's sections are (libc6-dbg's inflate to 8.5 MiB,
+    kept for the recording's life): page cache, not the recorder's heap. In memory where there is
+    no such directory or no room. Counts what it holds against INFLATED_HELD_MAX."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.pieces: list[bytes] = []
+        self.fd = -1
+        self.size = 0
+        self.tried = False              # to make a file
+
+    def write(self, piece: bytes) -> None:
+        with _held_lock:
+            if _held[0] + len(piece) > INFLATED_HELD_MAX:
+                raise OverBudget(f"{self.what}: inflated DWARF of all files over {INFLATED_HELD_MAX} bytes")
+            _held[0] += len(piece)
+        self.size += len(piece)
+        if self.fd < 0 and self.size >= SPILL_BYTES and not self.tried:
+            self.tried = True
+            self._to_file()
+        if self.fd < 0 and self.size > INFLATED_IN_MEMORY_MAX:
+            raise OverBudget(f"{self.what}: over {INFLATED_IN_MEMORY_MAX} bytes inflated, and no private cache "
+                             "directory to keep them in")
+        if self.fd >= 0:
+            try:
+                _write_all(self.fd, piece)
+                return
+            except OSError as e:     # a full disk: this file's DWARF is not read
+                raise OverBudget(f"{self.what}: no room to keep what was inflated ({e})") from None
+        self.pieces.append(piece)
+
+    def _to_file(self) -> None:
+        where = files.cache_dir("inflated")
+        if where is None:
+            return
+        try:
+            fd = os.open(where, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:
+            return
+        try:
+            for piece in self.pieces:
+                _write_all(fd, piece)
+        except OSError:
+            os.close(fd)
+            return
+        self.fd, self.pieces = fd, []
+
+    def result(self) -> FileBytes | bytes:
+        if self.fd < 0:
+            return b"".join(self.pieces)
+        fd, self.fd = self.fd, -1
+        try:
+            return FileBytes(fd, self.size, self.what)
+        finally:
+            os.close(fd)        # FileBytes holds its own
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        _release(self.size)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+
+
+def read_sections(source: str | ElfReader) -> tuple[dict[str, Span], int] | None:
+    """The DWARF sections of a file (inflated where compressed) and the bytes inflated; None when
+    it has no .debug_info."""
     elf = ElfReader.open(source) if isinstance(source, str) else source
     out: dict[str, Span] = {}
-    for sec in elf.sections:
-        key = next((sec.name[len(p) :] for p in (".debug_", ".zdebug_") if sec.name.startswith(p)), "")
-        if key not in _SECTIONS or key in out or sec.type == SHT_NOBITS:
-            continue
-        compressed = sec.flags & SHF_COMPRESSED or sec.name.startswith(".zdebug_")
-        if not compressed and isinstance(elf.buf, FileBytes | bytes):  # read on demand, in blocks
-            out[key] = Span(elf.buf, sec.offset, sec.size)
-        elif (data := elf.contents(sec)) is not None:  # inflated; None: a compression ElfReader cannot read (zstd)
-            out[key] = Span(_spilled(data, f"{elf.path} {sec.name}"), 0, len(data))
-    return out if "info" in out and "abbrev" in out else None
+    spills: list[_Spill] = []
+    try:
+        for sec in elf.sections:
+            key = next((sec.name[len(p) :] for p in (".debug_", ".zdebug_") if sec.name.startswith(p)), "")
+            if key not in _SECTIONS or key in out or sec.type == SHT_NOBITS:
+                continue
+            spill = _Spill(f"{elf.path} {sec.name}")
+            spills.append(spill)
+            size = elf.inflate_into(sec, spill.write)
+            if size is False:       # not compressed: read on demand, in blocks
+                out[key] = Span(elf.buf, sec.offset, sec.size)
+            elif size is not None:  # None: a compression ElfReader cannot read (zstd)
+                out[key] = Span(spill.result(), 0, size)
+    except BaseException:
+        for spill in spills:
+            spill.discard()
+        raise
+    held = sum(spill.size for spill in spills)
+    if "info" in out and "abbrev" in out:
+        return out, held
+    _release(held)
+    return None

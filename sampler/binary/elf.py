@@ -181,6 +181,7 @@ class _SymTab:
 
     def _read_entries(self, first: int, n: int) -> np.ndarray:
         size = SYM_DTYPE.itemsize
+        self.file.elf.budget.charge(n * size, self.file.elf.path, "a symbol table piece")
         raw = self.file.elf.read_at(self._sec.offset + first * size, n * size)
         if len(raw) != n * size:
             raise ElfFormatError(f"{self.file.elf.path}: symbol table truncated since read")
@@ -402,6 +403,8 @@ class ElfImage:
     _lock = threading.Lock()
 
     def __init__(self, main: _File, debug: _File | None):
+        if debug is not None:
+            debug.elf.budget = main.elf.budget      # one budget for what naming the file reads
         self.path = main.path
         self.debug_path = debug.path if debug else None
         self.build_id = main.build_id

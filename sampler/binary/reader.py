@@ -74,11 +74,18 @@ MAX_SEGMENTS = 65535
 # Compressed sections are inflated into memory: a declared size above this is refused, and the stream is
 # never inflated past the size it declares (a zlib bomb stops there).
 MAX_INFLATED = 256 << 20
+INFLATE_PIECE = 1 << 20
 # A file is opened up to this size (debug files of big binaries run to gigabytes; only the sections
 # used are read); one section is read into memory up to MAX_SECTION_BYTES (libtorch_cpu's biggest
 # read, .strtab, is 72 MiB).
 MAX_FILE_BYTES = 16 << 30
 MAX_SECTION_BYTES = 256 << 20
+# What one file (with its separate debug file) may have read into memory or inflated, all its sections
+# and symbol tables together: a file of many compressed sections, each under MAX_INFLATED, or of many
+# symbol tables cannot take the recorder past its memory ceiling (a unit's MemoryMax) this way.
+# libtorch_cpu, the biggest file we read, is charged 119 MiB (symbols, PLT and CFI).
+FILE_BUDGET = 320 << 20
+CHARGED_FROM = 64 << 10  # smaller reads are blocks and single names, not tables kept
 MAX_NOTES = 4096  # per note section or segment (libc's stapsdt: ~60)
 MAX_NAME_TABLE = 1 << 20  # .shstrtab: a few KiB in practice
 MAX_SECTION_NAME = 1024
@@ -90,6 +97,27 @@ class ElfFormatError(ValueError):
 
 class SectionTooLarge(ElfFormatError):
     """A section over MAX_SECTION_BYTES: refused, while the rest of the file stays readable."""
+
+
+class OverBudget(ElfFormatError):
+    """A read or an inflation that would take a file past its Budget: refused before it is made."""
+
+
+class Budget:
+    """Bytes one file (and its debug file: ElfImage gives both one Budget) has read into memory or
+    inflated so far, charged before each read of a section or table piece and each inflation."""
+
+    def __init__(self, limit: int = FILE_BUDGET):
+        self.limit = limit
+        self.used = 0
+
+    def charge(self, n: int, path: str, what: str) -> None:
+        if n < CHARGED_FROM:
+            return
+        if self.used + n > self.limit:
+            raise OverBudget(f"{path}: {what} of {n} bytes is over the file's budget ({self.used} of "
+                             f"{self.limit} bytes used)")
+        self.used += n
 
 
 P = ParamSpec("P")
@@ -227,6 +255,7 @@ class ElfReader:
     def __init__(self, buf: FileBytes | bytes, path: str = "<bytes>"):
         self.buf = buf
         self.path = path
+        self.budget = Budget()
         self._view = memoryview(buf) if isinstance(buf, bytes | bytearray) else None
         size = len(buf)
         buf = bytes(buf[:EHDR_SIZE])  # the header, read once
@@ -343,6 +372,7 @@ class ElfReader:
         over MAX_SECTION_BYTES, ElfFormatError when the file was truncated since."""
         if part.file_size > MAX_SECTION_BYTES:
             raise SectionTooLarge(f"{self.path}: {part.file_size} bytes at {part.offset:#x}, over {MAX_SECTION_BYTES}")
+        self.budget.charge(part.file_size, self.path, f"a read at {part.offset:#x}")
         return self._bytes(part.offset, part.file_size)
 
     def read_at(self, offset: int, n: int) -> bytes:
@@ -352,35 +382,57 @@ class ElfReader:
 
     @format_errors
     def contents(self, sec: Section) -> memoryview | bytes | None:
-        """The bytes of a section, inflated where compressed: SHF_COMPRESSED (an Elf64_Chdr, then the
-        stream) or GNU's .zdebug_* ("ZLIB", the size as 8 big-endian bytes, then the stream). None for a
-        compression this module cannot read: zstd (binutils >= 2.40 can write it) needs a module the
-        project lacks."""
-        data = self.data(sec)
+        """The bytes of a section, inflated where compressed (see inflate_into); None for a
+        compression this module cannot read."""
+        pieces: list[bytes] = []
+        size = self.inflate_into(sec, pieces.append)
+        if size is False:
+            return self.data(sec)
+        return None if size is None else b"".join(pieces)
+
+    @format_errors
+    def inflate_into(self, sec: Section, write: Callable[[bytes], object]) -> int | None | bool:
+        """Inflate a compressed section into `write`, INFLATE_PIECE bytes at a time (never whole in
+        memory here), after charging its declared size to the file's budget: SHF_COMPRESSED (an
+        Elf64_Chdr, then the stream) or GNU's .zdebug_* ("ZLIB", the size as 8 big-endian bytes, then
+        the stream). Its size; None for a compression this module cannot read (zstd, which binutils
+        >= 2.40 can write, needs a module the project lacks); False when it is not compressed."""
         if sec.flags & SHF_COMPRESSED:
+            data = self.data(sec)
             if len(data) < CHDR_SIZE:
                 raise ElfFormatError(f"{self.path}: {sec.name}: truncated compression header")
             kind, size = int.from_bytes(data[:4], "little"), int.from_bytes(data[8:16], "little")
-            return self._inflate(sec, data[CHDR_SIZE:], size) if kind == ELFCOMPRESS_ZLIB else None
+            if kind != ELFCOMPRESS_ZLIB:
+                return None
+            return self._inflate(sec, data[CHDR_SIZE:], size, write)
         if sec.name.startswith(".zdebug_"):
+            data = self.data(sec)
             if len(data) < 12 or data[:4] != b"ZLIB":
                 raise ElfFormatError(f"{self.path}: {sec.name}: no ZLIB header")
-            return self._inflate(sec, data[12:], int.from_bytes(data[4:12], "big"))
-        return data
+            return self._inflate(sec, data[12:], int.from_bytes(data[4:12], "big"), write)
+        return False
 
-    def _inflate(self, sec: Section, stream: memoryview, size: int) -> bytes:
+    def _inflate(self, sec: Section, stream: memoryview | bytes, size: int, write: Callable[[bytes], object]) -> int:
         if size > MAX_INFLATED:
             raise ElfFormatError(f"{self.path}: {sec.name}: {size} bytes inflated, above {MAX_INFLATED}")
+        self.budget.charge(size, self.path, f"{sec.name} inflated")
         inflater = zlib.decompressobj()
+        total, pending = 0, stream
         try:
-            # One byte more than declared at most: a stream that goes on past its size is refused
-            # without inflating the rest.
-            out = inflater.decompress(stream, size + 1)
+            while not inflater.eof:
+                # one byte more than declared at most: a stream that goes on past its size is
+                # refused without inflating the rest
+                piece = inflater.decompress(pending, min(INFLATE_PIECE, size + 1 - total))
+                pending = inflater.unconsumed_tail
+                total += len(piece)
+                if total > size or not piece:
+                    break
+                write(piece)
         except zlib.error as e:
             raise ElfFormatError(f"{self.path}: {sec.name}: {e}") from e
-        if len(out) != size or not inflater.eof:
+        if total != size or not inflater.eof:
             raise ElfFormatError(f"{self.path}: {sec.name}: inflates to other than its declared {size} bytes")
-        return out
+        return size
 
     def notes(self, part: Section | Segment) -> Iterator[Note]:
         """The notes of a note section or PT_NOTE segment (at most MAX_NOTES)."""

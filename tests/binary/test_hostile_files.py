@@ -6,6 +6,7 @@ and in bounded memory; then the real recorder runs next to a process mapping the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import pytest
 from conftest import ROOT, final_by_site
 
 from analysis.dataset import read_table
+from sampler import files
 from sampler.binary import reader
 from sampler.binary.dwarf_lines import LineTables
 from sampler.binary.elf import ElfImage
@@ -653,3 +655,104 @@ def test_recorder_survives_a_target_mapping_hostile_files(base, tmp_path, worklo
     assert abs(est - truth) < 4 * se + 0.02 * truth, (est, se, truth)
     assert peak < 1024, peak
     print(f"recorder peak RSS {peak:.0f} MiB")
+
+
+def zdebug_bomb(data: bytes, declared: int = 200 << 20) -> bytes:
+    """Every DWARF section compressed, each honestly declaring `declared` bytes (under the per-
+    section cap): ~800 KiB of file that inflates to 800 MiB."""
+    bomb = struct.pack("<IIQQ", reader.ELFCOMPRESS_ZLIB, 0, declared, 1) + zlib_bomb(declared)
+    for name in (".debug_info", ".debug_abbrev", ".debug_str", ".debug_line"):
+        data = replace_section(data, name, bomb, SHF_COMPRESSED)
+    return data
+
+
+def write_symtab_bomb(data: bytes, path: Path, count: int = 6, size: int = 128 << 20) -> None:
+    """`data` with `count` more symbol tables of `size` bytes each (all over one hole of the file,
+    sparse on disk): 768 MiB of symbol tables for a file of a few KiB on disk."""
+    secs = sections(data)
+    shoff, shnum = struct.unpack_from("<Q", data, 0x28)[0], struct.unpack_from("<H", data, 0x3C)[0]
+    symtab = list(SHDR.unpack_from(data, shdr_at(data, secs[".symtab"][0])))
+    head = data + b"\0" * (-len(data) % 16)
+    hole_at = len(head)
+    extra = b"".join(SHDR.pack(symtab[0], 2, 0, 0, hole_at, size, symtab[6], 0, 8, 24) for _ in range(count))
+    with open(path, "wb") as f:
+        f.write(head)
+        f.seek(hole_at + size)
+        table_at = f.tell()
+        f.write(data[shoff : shoff + shnum * SHDR.size] + extra)
+        f.seek(0x28)
+        f.write(struct.pack("<Q", table_at))
+        f.seek(0x3C)
+        f.write(struct.pack("<H", shnum + count))
+
+
+@pytest.fixture
+def memory_ceiling():
+    """A cgroup (v1 memory controller) whose limit is the unit's MemoryMax (576M): processes put in
+    it are killed by the kernel, not warned, when they pass it."""
+    cg = Path(f"/sys/fs/cgroup/memory/allocsampler-test-{os.getpid()}")
+    cg.mkdir(exist_ok=True)
+    (cg / "memory.limit_in_bytes").write_text(str(576 << 20))
+    yield cg
+    for pid in (cg / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), 9)
+    deadline = time.monotonic() + 10
+    while (cg / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cg.rmdir()
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("inflated", ["in a file", "in memory"])
+def test_bombs_in_aggregate_cost_one_file_never_the_recorder(base, tmp_path, workload, record, memory_ceiling,
+                                                             inflated, monkeypatch):
+    """A file of four compressed DWARF sections of 200 MiB each and one of six 128 MiB symbol
+    tables, loaded and called by a recorded process (so that its samples are named through them),
+    with the recorder under the unit's memory ceiling: each file's budget stops it, the kernel kills
+    nothing, and the other target's leak is recorded. Inflated sections go to unlinked files of the
+    cache, or stay in memory where there is no private cache directory."""
+    if inflated == "in memory":
+        cache = tmp_path / "cache"
+        cache.mkdir(mode=0o700)
+        (cache / "inflated").write_text("not a directory")
+        if (compiled := Path(files.cache_dir("bpf") or "/nonexistent")).is_dir():
+            shutil.copytree(compiled, cache / "bpf")       # no BPF compile under the ceiling
+            (cache / "bpf").chmod(0o700)
+        monkeypatch.setenv("ALLOCSAMPLER_CACHE_DIR", str(cache))
+    lib, data, _ = base
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    zdebug, symtabs = hostile / "libzdebug.so", hostile / "libsymtabs.so"
+    zdebug.write_bytes(with_build_id(zdebug_bomb(data), 1))
+    write_symtab_bomb(with_build_id(data, 2), symtabs)
+    assert zdebug.stat().st_size < 1 << 20 and symtabs.stat().st_blocks * 512 < 1 << 20
+    exe = tmp_path / "mapper"
+    (tmp_path / "mapper.c").write_text(MAPPER_SRC)
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(tmp_path / "mapper.c"), "-ldl"], check=True)
+    mapper = subprocess.Popen([str(exe), f"dl:{zdebug}", f"dl:{symtabs}"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert mapper.stdout.readline().strip() == "mapped"
+        w = workload()
+        rec = record("--pid", str(mapper.pid), "--pid", str(w.pid), "-i", "0.5", "--sample-bytes", "64K")
+        (memory_ceiling / "cgroup.procs").write_text(str(rec.proc.pid))     # it and the children it starts
+        rec.wait_attached()
+        truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
+        rec.wait_snapshots(6)
+        assert rec.proc.poll() is None
+        peak = rss_mib(rec.proc.pid)
+        code, _, err = rec.stop()
+        assert code == 0, err[-3000:]
+    finally:
+        mapper.kill()
+        mapper.wait()
+    oom = dict(line.split() for line in (memory_ceiling / "memory.oom_control").read_text().splitlines())
+    assert int(oom.get("oom_kill", 0)) == 0
+    hostile_sites = final_by_site(rec.out, mapper.pid)
+    assert len(hostile_sites) > 0                   # sampled, and its stacks named as far as they could be
+    df = final_by_site(rec.out, w.pid)
+    est, se = df[df["site_fn"] == "leak_malloc"][["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
+    assert abs(est - truth) < 4 * se + 0.02 * truth, (est, se, truth)
+    print(f"recorder peak RSS {peak:.0f} MiB, cgroup peak "
+          f"{int((memory_ceiling / 'memory.max_usage_in_bytes').read_text()) / 2**20:.0f} MiB")
+    assert peak < 340, peak          # 399-455 MiB before budgets (b2e353d)
