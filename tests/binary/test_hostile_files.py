@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, final_by_site
+from conftest import ROOT, Recording, final_by_site
 
 from analysis.dataset import read_table
 from sampler import files
@@ -604,6 +604,44 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+def start_mapper(tmp_path: Path, paths: list[str]) -> subprocess.Popen:
+    exe = tmp_path / "mapper"
+    (tmp_path / "mapper.c").write_text(MAPPER_SRC)
+    subprocess.run(["gcc", "-O1", "-o", str(exe), str(tmp_path / "mapper.c"), "-ldl"], check=True)
+    return subprocess.Popen([str(exe), *paths], stdout=subprocess.PIPE, text=True)
+
+
+def record_beside(record, workload, mapper: subprocess.Popen, snapshots: int,
+                  ceiling: Path | None = None) -> tuple[Recording, int, int, float]:
+    """The mapper and a workload recorded together (the recorder put in `ceiling`, a memory cgroup,
+    with the children it starts) while the workload leaks 16 MiB, until `snapshots` snapshots:
+    (the recording, the workload's pid, the bytes it leaked, the recorder's peak RSS in MiB). The
+    mapper is killed after."""
+    try:
+        assert mapper.stdout.readline().strip() == "mapped"
+        w = workload()
+        rec = record("--pid", str(mapper.pid), "--pid", str(w.pid), "-i", "0.5", "--sample-bytes", "64K")
+        if ceiling is not None:
+            (ceiling / "cgroup.procs").write_text(str(rec.proc.pid))
+        rec.wait_attached()
+        deadline = time.monotonic() + 60             # both attached (the first row may be the mapper's)
+        while time.monotonic() < deadline:
+            t = read_table(rec.out, "targets")
+            if {mapper.pid, w.pid} <= set(t[t["event"] == "attach"]["pid"]):
+                break
+            time.sleep(0.1)
+        truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
+        rec.wait_snapshots(snapshots)
+        assert rec.proc.poll() is None
+        peak = rss_mib(rec.proc.pid)
+        code, _, err = rec.stop()
+        assert code == 0, err[-3000:]
+    finally:
+        mapper.kill()
+        mapper.wait()
+    return rec, w.pid, truth, peak
+
+
 @pytest.mark.bpf
 def test_recorder_survives_a_target_mapping_hostile_files(base, tmp_path, workload, record):
     _, data, victim = base
@@ -619,35 +657,13 @@ def test_recorder_survives_a_target_mapping_hostile_files(base, tmp_path, worklo
     for tag, (name, kind) in enumerate({**loaded, **mapped}.items()):
         (hostile / name).write_bytes(with_build_id(files[kind], tag) if name in loaded else files[kind])
         paths.append(("dl:" if name in loaded else "") + str(hostile / name))
-    exe = tmp_path / "mapper"
-    (tmp_path / "mapper.c").write_text(MAPPER_SRC)
-    subprocess.run(["gcc", "-O1", "-o", str(exe), str(tmp_path / "mapper.c"), "-ldl"], check=True)
-    mapper = subprocess.Popen([str(exe), *paths], stdout=subprocess.PIPE, text=True)
-    try:
-        assert mapper.stdout.readline().strip() == "mapped"
-        w = workload()
-        rec = record("--pid", str(mapper.pid), "--pid", str(w.pid), "-i", "0.5", "--sample-bytes", "64K")
-        rec.wait_attached()
-        deadline = time.monotonic() + 60             # both attached (the first row may be the mapper's)
-        while time.monotonic() < deadline:
-            t = read_table(rec.out, "targets")
-            if {mapper.pid, w.pid} <= set(t[t["event"] == "attach"]["pid"]):
-                break
-            time.sleep(0.1)
-        truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
-        rec.wait_snapshots(4)
-        assert rec.proc.poll() is None
-        peak = rss_mib(rec.proc.pid)
-        code, _, err = rec.stop()
-        assert code == 0, err[-3000:]
-    finally:
-        mapper.kill()
-        mapper.wait()
+    mapper = start_mapper(tmp_path, paths)
+    rec, leaker, truth, peak = record_beside(record, workload, mapper, snapshots=4)
     # the hostile process was sampled, and unwound through the bombs (its leaks are in victim_fn)
     hostile_sites = final_by_site(rec.out, mapper.pid)
     print("hostile process's sites:", sorted(set(hostile_sites["site_fn"].astype(str)))[:10])
     assert len(hostile_sites) > 0
-    df = final_by_site(rec.out, w.pid)
+    df = final_by_site(rec.out, leaker)
     events = read_table(rec.out, "targets")
     assert "leak_malloc" in set(df["site_fn"]), (df, events[["pid", "event", "detail"]].to_string())
     est, se = df[df["site_fn"] == "leak_malloc"][["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
@@ -727,30 +743,13 @@ def test_bombs_in_aggregate_cost_one_file_never_the_recorder(base, tmp_path, wor
     zdebug.write_bytes(with_build_id(zdebug_bomb(data), 1))
     write_symtab_bomb(with_build_id(data, 2), symtabs)
     assert zdebug.stat().st_size < 1 << 20 and symtabs.stat().st_blocks * 512 < 1 << 20
-    exe = tmp_path / "mapper"
-    (tmp_path / "mapper.c").write_text(MAPPER_SRC)
-    subprocess.run(["gcc", "-O1", "-o", str(exe), str(tmp_path / "mapper.c"), "-ldl"], check=True)
-    mapper = subprocess.Popen([str(exe), f"dl:{zdebug}", f"dl:{symtabs}"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert mapper.stdout.readline().strip() == "mapped"
-        w = workload()
-        rec = record("--pid", str(mapper.pid), "--pid", str(w.pid), "-i", "0.5", "--sample-bytes", "64K")
-        (memory_ceiling / "cgroup.procs").write_text(str(rec.proc.pid))     # it and the children it starts
-        rec.wait_attached()
-        truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
-        rec.wait_snapshots(6)
-        assert rec.proc.poll() is None
-        peak = rss_mib(rec.proc.pid)
-        code, _, err = rec.stop()
-        assert code == 0, err[-3000:]
-    finally:
-        mapper.kill()
-        mapper.wait()
+    mapper = start_mapper(tmp_path, [f"dl:{zdebug}", f"dl:{symtabs}"])
+    rec, leaker, truth, peak = record_beside(record, workload, mapper, snapshots=6, ceiling=memory_ceiling)
     oom = dict(line.split() for line in (memory_ceiling / "memory.oom_control").read_text().splitlines())
     assert int(oom.get("oom_kill", 0)) == 0
     hostile_sites = final_by_site(rec.out, mapper.pid)
     assert len(hostile_sites) > 0                   # sampled, and its stacks named as far as they could be
-    df = final_by_site(rec.out, w.pid)
+    df = final_by_site(rec.out, leaker)
     est, se = df[df["site_fn"] == "leak_malloc"][["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
     assert abs(est - truth) < 4 * se + 0.02 * truth, (est, se, truth)
     print(f"recorder peak RSS {peak:.0f} MiB, cgroup peak "
