@@ -14,6 +14,9 @@ by nobody else. A refusal is an `UnsafePath`: one line naming the cause and the 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import logging
 import os
 import secrets
 import stat
@@ -22,6 +25,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sampler.errors import EnvironmentProblem
+
+log = logging.getLogger(__name__)
 
 OUTPUT_DIR_MODE = 0o700
 OUTPUT_FILE_MODE = 0o600
@@ -129,28 +134,109 @@ def is_magic_link(path: str | os.PathLike) -> bool:
         parts[3] == "map_files" or (parts[2:4] == ["self", "fd"] and parts[4].isdigit()))
 
 
-def open_untrusted(path: str | os.PathLike, max_bytes: int) -> tuple[int, os.stat_result]:
-    """(read-only fd, its fstat) of a file another user may control, the one open policy for
-    them: a last component that is a link is refused (but for map_files' magic links), anything
-    but a regular file is refused before open() (device files have side effects on open) and
-    again on the descriptor (swapped in since: O_NONBLOCK, so a FIFO never blocks), and so is a
-    file over `max_bytes`. Raises OSError or ValueError."""
-    magic = is_magic_link(path)
-    st = os.stat(path, follow_symlinks=magic)
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{path} is not a regular file")
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if magic else os.O_NOFOLLOW)
-    fd = os.open(path, flags)
+def split_proc_root(path: str | os.PathLike) -> tuple[str, str] | None:
+    """('/proc/PID/root', the rest) of a path inside a process's root (how a target's files, a
+    container's included, are named from here), else None."""
+    parts = os.fspath(path).split("/", 4)
+    if len(parts) == 5 and parts[:2] == ["", "proc"] and parts[3] == "root" and (
+            parts[2].isdigit() or parts[2] == "self") and parts[4]:
+        return "/".join(parts[:4]), parts[4]
+    return None
+
+
+# openat2(2), Linux 5.6: 437 on every architecture (the syscall table is shared since 5.1)
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+OPENAT2_RETRIES = 4         # EAGAIN: a rename or mount raced a '..' walk
+_warned_enosys = False
+
+
+class OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    """openat2(dirfd, path, {flags, 0, resolve}): an fd, or OSError (ENOSYS before Linux 5.6)."""
+    how = OpenHow(flags, 0, resolve)
+    for _ in range(OPENAT2_RETRIES):
+        fd = _libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dirfd), os.fsencode(path),
+                           ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        if fd >= 0:
+            return fd
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
+
+
+def open_in_root(root: str, path: str, max_bytes: int) -> tuple[int, os.stat_result]:
+    """open_untrusted of `path` resolved inside `root` (a process's /proc/PID/root), never out of
+    it: the kernel resolves an absolute link on the way, or '..', against the magic link's
+    target (RESOLVE_IN_ROOT), where a plain open of /proc/PID/root/<path> would resolve them
+    against ours, so a container could have root open any of the host's files. No magic link
+    (/proc/self/...) is followed inside. Raises OSError (ENOSYS: no openat2, nothing opened)
+    or ValueError."""
+    rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
+        pathfd = openat2(rootfd, path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    except OSError as e:
+        if e.errno != errno.ENOSYS:
+            raise
+        # never the plain open instead: it is the escape this refuses
+        message = (f"{root}/{path} is not opened: resolving it inside the process's root needs "
+                   "openat2 (Linux 5.6, not blocked by seccomp)")
+        global _warned_enosys
+        if not _warned_enosys:
+            _warned_enosys = True
+            log.warning("%s; files inside other processes' roots are not read", message)
+        raise OSError(errno.ENOSYS, message) from e
+    finally:
+        os.close(rootfd)
+    return open_regular_at(pathfd, f"{root}/{path}", max_bytes)
+
+
+def open_regular_at(pathfd: int, path: str, max_bytes: int) -> tuple[int, os.stat_result]:
+    """The file behind an O_PATH descriptor (closed here) opened for reading, as open_untrusted
+    returns it: refused unless a regular file before anything opens it (a device's open has side
+    effects), reopened through the descriptor (the same inode, whatever `path` names now)."""
+    try:
+        st = os.fstat(pathfd)
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        if st.st_size > max_bytes:
-            raise ValueError(f"{path} is {st.st_size} bytes, over the {max_bytes} expected at most")
+            kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise ValueError(f"{path} is {kind}")
+        fd = os.open(f"/proc/self/fd/{pathfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(pathfd)
+    try:
+        st2 = os.fstat(fd)
+        if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(st2.st_mode):
+            raise ValueError(f"{path} changed while opened")
+        if st2.st_size > max_bytes:
+            raise ValueError(f"{path} is {st2.st_size} bytes, over the {max_bytes} expected at most")
     except BaseException:
         os.close(fd)
         raise
-    return fd, st
+    return fd, st2
+
+
+def open_untrusted(path: str | os.PathLike, max_bytes: int) -> tuple[int, os.stat_result]:
+    """(read-only fd, its fstat) of a file another user may control, the one open policy for
+    them: a last component that is a link is refused (but for map_files' magic links), anything
+    but a regular file is refused before it is opened for reading (O_PATH first: device files
+    have side effects on open), and so is a file over `max_bytes`. A path under /proc/PID/root
+    is resolved inside that root (open_in_root). Raises OSError or ValueError."""
+    in_root = split_proc_root(path)
+    if in_root is not None:
+        return open_in_root(*in_root, max_bytes)
+    magic = is_magic_link(path)
+    pathfd = os.open(path, os.O_PATH | os.O_CLOEXEC | (0 if magic else os.O_NOFOLLOW))
+    return open_regular_at(pathfd, os.fspath(path), max_bytes)
 
 
 def open_private(path: str | os.PathLike, max_bytes: int) -> int:

@@ -66,14 +66,14 @@ def open_path(pid: int, m: Mapping) -> str:
     """A path that opens the file behind `m` as the process sees it.
 
     map_files reaches the mapped inode itself, so it works for deleted or replaced files and
-    across mount namespaces; it needs CAP_SYS_ADMIN. /proc/PID/root resolves the path in the
-    process's root (containers) and is the fallback.
-    The path is only checked to resolve (stat, never open: a mapped device's open has side
-    effects); it is opened by sampler.files.open_untrusted's policy (reader.open_regular).
+    across mount namespaces; it needs CAP_SYS_ADMIN. /proc/PID/root plus the mapped path is the
+    fallback (containers): returned unresolved, since resolving it here (stat, open) would follow
+    the process's absolute links and '..' out of its root into ours; sampler.files.open_untrusted
+    (reader.open_regular) resolves it inside the root, and opens only a regular file.
     """
     mf = f"/proc/{pid}/map_files/{m.start:x}-{m.end:x}"
     try:
-        os.stat(mf)  # follows the magic link: needs the same capability as opening it
+        os.stat(mf)  # follows the magic link to the inode (no path walked): needs the capability opening it does
         return mf
     except OSError:
         return f"/proc/{pid}/root{m.path}"
