@@ -126,12 +126,13 @@ def cache_dir(sub: str, path: str | None = None) -> Path | None:
 
 
 def is_magic_link(path: str | os.PathLike) -> bool:
-    """/proc/PID/map_files/<range>, or /proc/self/fd/N of a descriptor opened through one: links
-    the kernel resolves to the inode itself, not through a path anyone can change; the kinds of
-    link a target's file is opened through."""
+    """/proc/PID/map_files/<range>, or /proc/PID/fd/N of a descriptor opened through one (ours, or
+    the recorder's from its name worker): links the kernel resolves to the inode itself, not through
+    a path anyone can change; the kinds of link a target's file is opened through."""
     parts = os.fspath(path).split("/")
     return len(parts) == 5 and parts[:2] == ["", "proc"] and (
-        parts[3] == "map_files" or (parts[2:4] == ["self", "fd"] and parts[4].isdigit()))
+        parts[3] == "map_files" or (parts[3] == "fd" and (parts[2] == "self" or parts[2].isdigit())
+                                    and parts[4].isdigit()))
 
 
 def split_proc_root(path: str | os.PathLike) -> tuple[str, str] | None:

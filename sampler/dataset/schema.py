@@ -59,7 +59,8 @@ SCHEMA_VERSION = 6
 #   unwind_rows, processes.recorder_cpu_s, stacks.unwind_stop `unreadable`; stack ids no longer
 #   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
 #   version 5's; diff matches stacks by names, not ids).
-#   Later, compatible: recorder.children_forked/_recorded/_skipped (families registered at fork).
+#   Later, compatible: recorder.children_forked/_recorded/_skipped (families registered at fork),
+#   recorder.name_worker_cpu_s.
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -411,6 +412,8 @@ RECORDER = Table(
                                                  "were being built, code in no known mapping, a signal frame)."),
         Column("unwind_worker_cpu_s", pa.float64(), "CPU time of the table worker in the interval (building "
                                                     "files' unwind rows, once per file and host; not in `cpu_s`)."),
+        Column("name_worker_cpu_s", pa.float64(), "CPU time of the name worker in the interval (reading symbol "
+                                                  "tables and DWARF to name new stacks' frames; not in `cpu_s`)."),
         Column("unwind_rows", pa.int64(), "Unwind rows loaded into BPF at the end of the interval (8 bytes each)."),
         Column("vm_events_dropped", pa.int64(), "`vm_events` rows not written in the interval because "
                                                 "of the per-interval cap (the syscalls were still applied)."),

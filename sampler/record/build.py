@@ -29,6 +29,7 @@ from sampler.record.overhead import Controls
 from sampler.record.snapshot import Clock, Recording, Snapshots
 from sampler.record.target import Target
 from sampler.stacks.kernel_tables import KernelTables
+from sampler.stacks.name_worker import NameWorker
 from sampler.stacks.symbolize import Symbolizer
 from sampler.stacks.table import StackTable
 from sampler.stacks.table_worker import TableWorker
@@ -58,6 +59,7 @@ class Parts:
                 self.gpu.close()
             if self.tables is not None:
                 self.tables.close()
+            self.symbolizer.close()
         finally:
             self.probes.close()
 
@@ -75,7 +77,7 @@ def build(opts: RecordOptions, hooks: RecorderHooks, recording_id: str, host: st
     tables: KernelTables | None = None
     gpu: GpuTracer | None = None
     try:
-        symbolizer = Symbolizer()
+        symbolizer = Symbolizer(namer=NameWorker())
         python = PythonTargets(probes) if o.python else None
         unwinder = Unwinder(files.cache_dir("unwind", o.unwind_cache))
         if o.unwind == "bpf":

@@ -117,7 +117,7 @@ class Snapshots:
         self.disk_full: DiskFull | None = None     # the write that ended the recording
         self._proc = psutil.Process()
         self._snap_at: dict[int, float] = {}       # pid -> its last snapshot (monotonic)
-        self._last_walks: tuple[int, int, float] = (0, 0, 0.0)
+        self._last_walks: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         self._last_snap = self._prev_full = 0.0
         self._last_counters: list[int] = []
         self._last_cpu = 0.0
@@ -290,15 +290,16 @@ class Snapshots:
         cpu = sum(self._proc.cpu_times()[:2])
         cpu_d, self._last_cpu = cpu - self._last_cpu, cpu
         st, n = self.stacks, self.counts
-        walks = (st.in_bpf, st.handed_over, self.tables.worker.cpu_seconds() if self.tables is not None else 0.0)
-        in_bpf, handed, worker_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
+        walks = (st.in_bpf, st.handed_over, self.tables.worker.cpu_seconds() if self.tables is not None else 0.0,
+                 st.symbolizer.worker_cpu_seconds())
+        in_bpf, handed, worker_s, namer_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
         self._last_walks = walks
         self.write(RECORDER, [rows.recorder_row(
             now, interval, [a - b for a, b in zip(c, last, strict=True)],
             targets=len(targets), events=n.events, stacks_unwound=n.samples,
             stacks_complete=n.complete, live_entries=sum(len(t.table.blocks) for t in targets.values()),
             cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self.mappings.dropped,
-            stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s,
+            stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s, name_worker_cpu_s=namer_s,
             children_forked=n.children_forked, children_recorded=n.children_recorded,
             children_skipped=n.children_skipped,
             unwind_rows=self.tables.rows_used if self.tables is not None else None)])

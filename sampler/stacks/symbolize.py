@@ -9,11 +9,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 from sampler.binary.dwarf_lines import LineTables
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import MALFORMED, ElfFormatError
 from sampler.proc.maps import Mapping, find_mapping, open_path, read_maps
+
+if TYPE_CHECKING:
+    from sampler.stacks.name_worker import NameWorker
+
+NAME_TIMEOUT_S = 5.0        # naming what one snapshot needs (with a name worker)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,9 @@ class _ProcessView:
 class Symbolizer:
     """Turns (pid, addresses) into Frames, caching maps, ELF images and results (one thread)."""
 
-    def __init__(self, memo_size: int = 200_000, maps_refresh_interval: float = 0.1):
+    def __init__(self, memo_size: int = 200_000, maps_refresh_interval: float = 0.1, namer: NameWorker | None = None):
+        """`namer`: symbol tables and DWARF are read there (sampler/stacks/name_worker.py), not here."""
+        self._namer = namer
         self._procs: dict[int, _ProcessView] = {}
         self._generations: dict[int, int] = {}
         self._memo: OrderedDict[tuple[int, int, int, bool], Place] = OrderedDict()
@@ -106,38 +114,49 @@ class Symbolizer:
             out.append(place)
         return out
 
+    def prepare(self, places: Sequence[Place], budget_s: float = NAME_TIMEOUT_S) -> None:
+        """Name the places `describe` will be asked for, in one request per file to the name
+        worker (when there is one), within `budget_s`: what is not named by then is described by
+        file and offset."""
+        if self._namer is None:
+            return
+        todo: dict[ElfImage, dict[int, None]] = {}
+        for p in places:
+            if p.image is not None and (p.image, p.offset) not in self._names and self._namer.can_name(p.image):
+                todo.setdefault(p.image, {})[p.offset] = None
+        deadline = time.monotonic() + budget_s
+        for img, offsets in todo.items():
+            found = self._namer.name(img, list(offsets), deadline)
+            if found is None:
+                continue
+            for vaddr, named in zip(offsets, found, strict=True):
+                self._remember((img, vaddr), _frame(named, "", "", vaddr, img.build_id))
+
     def describe(self, place: Place) -> Frame:
         """The named frame of a place: function, file and line, inlined calls (memoised per file
-        and offset, whatever process mapped it)."""
+        and offset, whatever process mapped it). With a name worker, only what `prepare` named
+        has names."""
         img = place.image
         if img is None:
             return Frame(None, place.module, place.path, place.offset, place.build_id)
         key = (img, place.offset)
         frame = self._names.get(key)
-        if frame is not None:
-            self._names.move_to_end(key)
-            if frame.module == place.module and frame.path == place.path:
-                return frame
-            return replace(frame, module=place.module, path=place.path,
-                           inlined=tuple(replace(f, module=place.module, path=place.path) for f in frame.inlined))
-        vaddr, module, path = place.offset, place.module, place.path
-        try:
-            src = _source(img, vaddr)
-            name = function_name(img, vaddr, src[-1].function if src else None)
-        except (OSError, *MALFORMED):      # the target's file: truncated since, or hostile
-            src, name = [], None
-        if not src:
-            frame = Frame(name, module, path, vaddr, img.build_id)
+        if frame is None:
+            if self._namer is not None:         # not named in time, or the file failed there
+                return Frame(None, place.module, place.path, place.offset, img.build_id)
+            frame = _frame(name_at(img, place.offset), place.module, place.path, place.offset, img.build_id)
+            self._remember(key, frame)
         else:
-            # DWARF: the innermost entries are inlined calls; the last is the function itself
-            inlined = tuple(Frame(demangle(x.function) if x.function else None, module, path, vaddr, img.build_id,
-                                  x.file, x.line, inline=True) for x in src[:-1])
-            outer = src[-1]
-            frame = Frame(name, module, path, vaddr, img.build_id, outer.file, outer.line, inlined=inlined)
+            self._names.move_to_end(key)
+        if frame.module == place.module and frame.path == place.path:
+            return frame
+        return replace(frame, module=place.module, path=place.path,
+                       inlined=tuple(replace(f, module=place.module, path=place.path) for f in frame.inlined))
+
+    def _remember(self, key: tuple[ElfImage, int], frame: Frame) -> None:
         self._names[key] = frame
         if len(self._names) > self._memo_size:
             self._names.popitem(last=False)
-        return frame
 
     def locate(self, pid: int, addr: int) -> tuple[ElfImage, int] | None:
         """(image, bias) of the executable file mapping holding `addr` (vaddr = addr - bias), for
@@ -171,6 +190,16 @@ class Symbolizer:
         LineTables.prune(shed)
         if shed >= 2:
             demangle.cache_clear()
+        if self._namer is not None:
+            self._namer.idle()
+
+    def worker_cpu_seconds(self) -> float:
+        """CPU time of the name worker's children so far (0 without one)."""
+        return self._namer.cpu_seconds() if self._namer is not None else 0.0
+
+    def close(self) -> None:
+        if self._namer is not None:
+            self._namer.close()
 
     def images(self) -> set[ElfImage]:
         """The ELF images of the processes known now (what the unwinder's tables may keep)."""
@@ -267,6 +296,36 @@ class Symbolizer:
         return view.images[key]
 
 
+class Named(NamedTuple):
+    """What naming an address finds: its function, source line and inlined calls (innermost first)."""
+    function: str | None
+    file: str | None
+    line: int | None
+    inlined: tuple[tuple[str | None, str | None, int | None], ...]
+
+
+def name_at(img: ElfImage, vaddr: int) -> Named:
+    """The names of the code at `vaddr` in `img`, from its symbol tables and DWARF (the name
+    worker's job; in-process where there is none). A file that is malformed, truncated since or
+    over its read budget names nothing."""
+    try:
+        tables = LineTables.for_image(img)
+        src = tables.lookup(vaddr) if tables is not None else []
+        name = function_name(img, vaddr, src[-1].function if src else None)
+    except (OSError, *MALFORMED):
+        return Named(None, None, None, ())
+    if not src:
+        return Named(name, None, None, ())
+    inlined = tuple((demangle(x.function) if x.function else None, x.file, x.line) for x in src[:-1])
+    return Named(name, src[-1].file, src[-1].line, inlined)
+
+
+def _frame(named: Named, module: str, path: str, vaddr: int, build_id: str | None) -> Frame:
+    inlined = tuple(Frame(fn, module, path, vaddr, build_id, file, line, inline=True)
+                    for fn, file, line in named.inlined)
+    return Frame(named.function, module, path, vaddr, build_id, named.file, named.line, inlined=inlined)
+
+
 def function_name(img: ElfImage, vaddr: int, dwarf_name: str | None = None) -> str | None:
     """The name of the function at `vaddr` (demangled): the symbol covering it, else DWARF's
     subprogram, else the nearest exported function before it in its section as `name+0xOFF`
@@ -278,12 +337,6 @@ def function_name(img: ElfImage, vaddr: int, dwarf_name: str | None = None) -> s
         return demangle(dwarf_name)
     near = img.nearest_export(vaddr)
     return f"{demangle(near[0])}+{near[1]:#x}" if near is not None else None
-
-
-def _source(img: ElfImage, vaddr: int) -> list:
-    """File, line and inlined calls at vaddr when the binary or its debug file has DWARF."""
-    tables = LineTables.for_image(img)
-    return tables.lookup(vaddr) if tables is not None else []
 
 
 def _unknown(addr: int) -> Place:

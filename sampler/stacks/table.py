@@ -219,6 +219,7 @@ class StackTable:
         """The stacks first seen since the last call, named now (symbol tables and DWARF are read
         here, at the snapshot, not per sample)."""
         new, self._new = self._new, []
+        self.symbolizer.prepare([x for _, merged, *_ in new for x in merged if isinstance(x, Place)])
         out = []
         for sid, merged, truncated, ts, stop in new:
             frames = []

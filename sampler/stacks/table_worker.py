@@ -1,10 +1,10 @@
 """Builds files' unwind rows (sampler/stacks/unwind_rows.py) in a child process.
 
 Decoding every FDE of a big library takes seconds of CPU; in the recorder it would stall the
-ring buffer's reader (and the GIL) that long. The child parses untrusted files under an address
-space limit and at a lower priority, dies with the recorder, and exits when idle (the next build
-starts another). Samples whose files are not built yet are unwound in user space meanwhile (BPF
-hands them over), so nothing waits for it.
+ring buffer's reader (and the GIL) that long. The child (sampler/stacks/worker.py: an address-space
+limit, a lower priority) dies with the recorder and exits when idle (the next build starts
+another). Samples whose files are not built yet are unwound in user space meanwhile (BPF hands
+them over), so nothing waits for it.
 
 Protocol: one JSON line per request on the child's stdin ({"id", "path", "seen_as", "root"}),
 one JSON line per answer on its stdout ({"id", "key", "loads", "fits", "digest", "file", "rows"} or
@@ -17,13 +17,9 @@ has that identity. A reader thread turns answers into a queue.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import queue
-import resource
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -31,16 +27,13 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
-import psutil
 
-from sampler import environ, files
+from sampler import files
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import MALFORMED, open_regular
-from sampler.lifetime import die_with_parent
 from sampler.stacks.unwind_rows import ROW, FileRows, build
+from sampler.stacks.worker import IDLE_S, Child, child_setup
 
-ADDRESS_SPACE = 4 << 30     # a child decoding a hostile file stops here, not at the host's memory
-IDLE_S = 30.0               # the child exits after this long without work
 MAX_ANSWER_BYTES = (1 << 23) * ROW.itemsize + (1 << 20)
 
 
@@ -59,8 +52,7 @@ class TableWorker:
     builds: (ident, FileRows) or (ident, BuildFailed)."""
 
     def __init__(self, cache_dir: Path | None = None):
-        self.cache_dir = str(cache_dir) if cache_dir else ""
-        self._proc: subprocess.Popen | None = None
+        self._child = Child("sampler.stacks.table_worker", str(cache_dir) if cache_dir else "")
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[int, object] = {}
         self._seq = 0
@@ -71,26 +63,21 @@ class TableWorker:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) of every child so far, the running one included."""
-        running = 0.0
-        if self._proc is not None:
-            with contextlib.suppress(psutil.Error):
-                running = sum(psutil.Process(self._proc.pid).cpu_times()[:2])
-        return self._exited_cpu_s + running
+        return self._child.cpu_seconds()
 
     @property
     def pending(self) -> int:
         return len(self._jobs)
 
     def submit(self, ident: object, path: str, seen_as: str, root: str) -> None:
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
+        if not self._child.running:
+            out = self._child.start()
+            threading.Thread(target=_read_answers, args=(out, self._answers), daemon=True,
+                             name="table-worker").start()
         self._seq += 1
         self._jobs[self._seq] = ident
         line = json.dumps({"id": self._seq, "path": path, "seen_as": seen_as, "root": root}) + "\n"
-        try:
-            self._proc.stdin.write(line.encode())
-            self._proc.stdin.flush()
-        except OSError:
+        if not self._child.send(line.encode()):
             self._answers.put((self._seq, BuildFailed("the table worker exited", worker_died=True)))
 
     def done(self) -> list[tuple[object, FileRows | BuildFailed]]:
@@ -115,32 +102,12 @@ class TableWorker:
         now = time.monotonic()
         if self._jobs:
             self._idle_since = now
-        elif self._proc is not None and now - self._idle_since > IDLE_S:
+        elif self._child.running and now - self._idle_since > IDLE_S:
             self.close()
         return out
 
-    def _start(self) -> None:
-        self.close()
-        argv = [sys.executable, "-m", "sampler.stacks.table_worker", str(os.getpid()), self.cache_dir]
-        env = environ.worker_environ(PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      close_fds=True, cwd="/", env=env)
-        threading.Thread(target=_read_answers, args=(self._proc.stdout, self._answers), daemon=True,
-                         name="table-worker").start()
-
     def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(psutil.Error):
-            self._exited_cpu_s += sum(psutil.Process(proc.pid).cpu_times()[:2])
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-        try:
-            proc.wait(2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        self._child.close()
 
 
 def _read_exactly(out: IO[bytes], n: int) -> bytearray | None:
@@ -180,10 +147,7 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
 # -- the child's side ------------------------------------------------------------------------------
 
 def child_main(argv: list[str]) -> int:
-    die_with_parent(int(argv[0]))
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)       # the recorder's Ctrl-C is the recorder's
+    child_setup(argv)
     cache = Path(argv[1]) if len(argv) > 1 and argv[1] else None
     out = sys.stdout.buffer
     for line in sys.stdin:
