@@ -11,6 +11,7 @@ import functools
 import hashlib
 import os
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from sampler.binary.reader import (
     SHT_NOBITS,
     ElfFormatError,
     ElfReader,
+    FileBytes,
     Section,
     SectionTooLarge,
     format_errors,
@@ -47,6 +49,9 @@ MAX_SYMBOL_NAME = 1024
 # Images cached process-wide: older ones are let go past this (their fds close when unused).
 MAX_IMAGES = 1024
 MAX_CLAIMS = 4  # distinct files kept per build-id
+# A debug file debuginfod was asked for when an image was opened arrives later (it is downloaded
+# off the caller's thread): the image looks again when names are first needed, then at most this often.
+DEBUGINFOD_RECHECK_S = 5.0
 
 SYM_DTYPE = np.dtype(
     [
@@ -418,15 +423,36 @@ class ElfImage:
         self._symbols: dict[str, Symbol | None] = {}     # symbol()'s answers: asked per process, per fork
         self._plt: dict[int, str] | None = None
         self._digest: str | None = None
+        # debuginfod was asked for the debug file and has not answered: looked for again (_late_debug)
+        self._debug_recheck_at = 0.0 if debug is None and main.build_id and debuginfod.pending(main.build_id) else None
 
     @property
     def _tables(self) -> list[_SymTab]:
         """Symbol tables in search order for names: debug .symtab, own .symtab, .dynsym (read on
         first use: a stack's identity needs the ELF headers only)."""
         if self._symtabs is None:
+            self._late_debug()
             tables = (self._debug.symtabs() if self._debug else []) + self._main.symtabs()
             self._symtabs = sorted(tables, key=lambda t: not t.is_symtab)
         return self._symtabs
+
+    def _late_debug(self) -> None:
+        """Attach the debug file debuginfod was asked for, once it is in the cache: looked for at
+        most every DEBUGINFOD_RECHECK_S (the first time at once) while debuginfod may still give it;
+        a request refused by a limit is made again here. Names read before are dropped."""
+        at = self._debug_recheck_at
+        if at is None or time.monotonic() < at:
+            return
+        self._debug_recheck_at = time.monotonic() + DEBUGINFOD_RECHECK_S
+        found = ask_debuginfod(self._main)
+        if found is None:
+            if not debuginfod.pending(self.build_id):
+                self._debug_recheck_at = None
+            return
+        self._debug_recheck_at = None
+        self._debug = _File(found)
+        self.debug_path = self._debug.path
+        self._symtabs, self._index, self._names, self._symbols = None, None, {}, {}
 
     @property
     def has_symtab(self) -> bool:
@@ -543,6 +569,7 @@ class ElfImage:
 
     def symbol(self, name: str) -> Symbol | None:
         """The definition of `name`; a GLOBAL/WEAK function wins over other kinds and bindings."""
+        self._late_debug()
         if name in self._symbols:
             return self._symbols[name]
         found = self._symbol(name)
@@ -571,11 +598,13 @@ class ElfImage:
 
     def aliases(self, value: int) -> list[str]:
         """Names of all functions starting at `value`, the preferred one first."""
+        self._late_debug()
         g = self.index.group_of_start(value)
         return [] if g is None else self._group_names(g)
 
     def lookup(self, vaddr: int) -> tuple[str, int] | None:
         """(function containing `vaddr`, offset into it), or None when no symbol covers it."""
+        self._late_debug()
         idx = self.index
         g = idx.group_at(vaddr)
         if g is None:
@@ -767,18 +796,41 @@ def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
 
 def find_debug_file(main: _File, seen_as: str, root: str = "") -> _File | None:
     """The separate debug file of `main`, verified to belong to it: by build-id under DEBUG_ROOTS,
-    else through its .gnu_debuglink (CRC and build-id checked), else from debuginfod (only where
-    $DEBUGINFOD_URLS is set, and only for a file without its own .symtab)."""
+    else through its .gnu_debuglink (CRC and build-id checked), else from debuginfod's cache (only
+    where $DEBUGINFOD_URLS is set, and for the files ask_debuginfod allows; one not cached yet is
+    downloaded in the background and attached later: ElfImage._late_debug)."""
     bid = main.build_id
     found = build_id_debug_file(bid) if bid else None
     if found is None:
         link = debuglink(main.elf)
         if link is not None:
             found = debuglink_file(link, bid, debuglink_dirs(os.path.dirname(seen_as), root))
-    if found is None and bid and not any(s.type == SHT_SYMTAB for s in main.sections):
-        elf = debuginfod.debug_file(bid)
+    if found is None:
+        elf = ask_debuginfod(main)
         found = _File(elf) if elf is not None else None
     return found
+
+
+def ask_debuginfod(main: _File) -> ElfReader | None:
+    """debuginfod.debug_file of `main` (cached, else queued), for a file with a build-id and no
+    .symtab of its own that root alone can change (owned by root, writable by nobody else): another
+    user's file would make root download what they chose, so theirs only with
+    $ALLOCSAMPLER_DEBUGINFOD_ANY=1, each owner then a requester with its own limit (root's files
+    have the global limits only). Bytes in memory have no owner to check: with the opt-in only."""
+    if not main.build_id or not debuginfod.servers() or any(s.type == SHT_SYMTAB for s in main.sections):
+        return None
+    buf = main.elf.buf
+    try:
+        st = os.fstat(buf.fd) if isinstance(buf, FileBytes) else None
+    except OSError:
+        return None
+    if st is not None and st.st_uid == 0 and not st.st_mode & 0o022:
+        requester = None
+    elif debuginfod.any_file():
+        requester = st.st_uid if st is not None else -1
+    else:
+        return None
+    return debuginfod.debug_file(main.build_id, requester)
 
 
 def build_id_debug_file(build_id: str) -> _File | None:

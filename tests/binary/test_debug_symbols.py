@@ -1,12 +1,13 @@
 """Names for code of stripped libraries: nearest exported symbol, .gnu_debuglink, debuginfod.
 
 Libraries are compiled here, stripped and given debug files with binutils; debuginfod servers are real
-HTTP servers on 127.0.0.1 in a thread.
+HTTP servers on 127.0.0.1 in a thread; downloads run on debuginfod's own thread (debuginfod.wait_idle).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import http.server
 import os
 import re
@@ -26,6 +27,7 @@ from conftest import ROOT
 
 from sampler.binary import debuginfod, elf
 from sampler.binary.elf import ElfImage
+from sampler.binary.reader import ElfReader
 from sampler.stacks.symbolize import Symbolizer, demangle, function_name
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -79,6 +81,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("ALLOCSAMPLER_CACHE_DIR", str(root))
     monkeypatch.delenv(debuginfod.URLS_ENV, raising=False)
     monkeypatch.setenv("no_proxy", "127.0.0.1")
+    debuginfod.reset()  # no limit spent, id remembered or server backed off by another test
     return root
 
 
@@ -175,15 +178,17 @@ def test_debuglink_names_a_link_or_a_fifo(tmp_path, cache):
 
 
 class DebuginfodServer:
-    """A debuginfod server on 127.0.0.1: /buildid/<id>/debuginfo from `files`, 404 otherwise."""
+    """A debuginfod server on 127.0.0.1: /buildid/<id>/debuginfo from `files`, 404 otherwise; each
+    answer after `delay` seconds."""
 
-    def __init__(self, files: dict[str, Path]):
+    def __init__(self, files: dict[str, Path], delay: float = 0.0):
         self.requests: Counter[str] = Counter()
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 owner.requests[self.path] += 1
+                time.sleep(delay)
                 m = re.fullmatch(r"/buildid/([0-9a-f]+)/debuginfo", self.path)
                 path = files.get(m.group(1)) if m else None
                 if path is None:
@@ -200,7 +205,8 @@ class DebuginfodServer:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # a short poll: shutdown() waits for one
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
@@ -213,8 +219,8 @@ class DebuginfodServer:
 def serve() -> Iterator:
     servers: list[DebuginfodServer] = []
 
-    def start(files: dict[str, Path]) -> DebuginfodServer:
-        servers.append(DebuginfodServer(files))
+    def start(files: dict[str, Path], delay: float = 0.0) -> DebuginfodServer:
+        servers.append(DebuginfodServer(files, delay))
         return servers[-1]
 
     yield start
@@ -240,11 +246,12 @@ def test_debuginfod_fetches_verifies_and_caches(tmp_path, cache, monkeypatch, se
     hidden = demo.address("hidden_work")
 
     img = ElfImage.open(str(demo.stripped))
+    assert debuginfod.wait_idle(5)
     cached = cache / "debuginfod" / f"{demo.build_id}.debug"
+    assert function_name(img, hidden + 1) == "hidden_work"  # names first needed: the file is attached
     assert img.debug_path == str(cached)
     assert cached.read_bytes() == demo.debug.read_bytes()
     assert oct(cached.stat().st_mode & 0o777) == "0o600"
-    assert function_name(img, hidden + 1) == "hidden_work"
     assert server.requests == {f"/buildid/{demo.build_id}/debuginfo": 1}
 
     server.stop()  # from the cache now, in this process and after a restart
@@ -259,8 +266,11 @@ def test_debuginfod_miss_is_remembered(tmp_path, cache, monkeypatch, serve):
     hidden, first = demo.address("hidden_work"), demo.address("first_export")
     approx = f"first_export+{hidden - first:#x}"
 
-    assert function_name(ElfImage.open(str(demo.stripped)), hidden) == approx
+    img = ElfImage.open(str(demo.stripped))
+    assert debuginfod.wait_idle(5)
+    assert function_name(img, hidden) == approx
     assert (cache / "debuginfod" / f"{demo.build_id}.miss").exists()
+    assert debuginfod.stats()["missed"] == 1
     assert lookup_in_fresh_interpreter(demo.stripped, hidden) == approx
     assert server.requests == {f"/buildid/{demo.build_id}/debuginfo": 1}  # the restart did not ask
 
@@ -270,8 +280,10 @@ def test_debuginfod_file_of_another_build_is_not_used(tmp_path, cache, monkeypat
     server = serve({demo.build_id: other.debug})
     monkeypatch.setenv(debuginfod.URLS_ENV, server.url)
     img = ElfImage.open(str(demo.stripped))
-    assert img.debug_path is None and img.lookup(demo.address("hidden_work")) is None
+    assert debuginfod.wait_idle(5)
+    assert img.lookup(demo.address("hidden_work")) is None and img.debug_path is None
     assert not (cache / "debuginfod" / f"{demo.build_id}.debug").exists()
+    assert debuginfod.stats()["missed"] == 1
 
 
 def test_debuginfod_hanging_server_costs_one_timeout(tmp_path, cache, monkeypatch):
@@ -291,16 +303,18 @@ def test_debuginfod_hanging_server_costs_one_timeout(tmp_path, cache, monkeypatc
     try:
         start = time.monotonic()
         img = ElfImage.open(str(demo.stripped))
-        took = time.monotonic() - start
         hidden, first = demo.address("hidden_work"), demo.address("first_export")
-        assert debuginfod.TIMEOUT_S - 0.2 < took < debuginfod.TIMEOUT_S + 1.5
-        assert img.debug_path is None
         assert function_name(img, hidden) == f"first_export+{hidden - first:#x}"
-        # the server is backed off: the next library does not wait for it
+        assert time.monotonic() - start < 0.5  # the caller never waits for the server
+        assert debuginfod.wait_idle(debuginfod.TIMEOUT_S + 3)
+        assert debuginfod.TIMEOUT_S - 0.2 < time.monotonic() - start < debuginfod.TIMEOUT_S + 1.5
+        assert img.debug_path is None and debuginfod.stats()["failed"] == 1
+        # the server is backed off: the next library's request does not reach it
         start = time.monotonic()
         assert ElfImage.open(str(again.stripped)).debug_path is None
+        assert debuginfod.wait_idle(5)
         assert time.monotonic() - start < 0.5
-        assert len(held) == 1
+        assert len(held) == 1 and debuginfod.stats()["failed"] == 2
     finally:
         listener.close()
         for s in held:
@@ -312,6 +326,171 @@ def test_debuginfod_off_without_urls(tmp_path, cache, serve):
     server = serve({demo.build_id: demo.debug})  # running, but not named in the environment
     assert ElfImage.open(str(demo.stripped)).debug_path is None
     assert not server.requests and not (cache / "debuginfod").exists()
+
+
+def test_debuginfod_slow_server_does_not_block_the_caller(tmp_path, cache, monkeypatch, serve):
+    demo = build_demo(tmp_path, "debuginfod-slow")
+    server = serve({demo.build_id: demo.debug}, delay=1.0)  # slow, within debuginfod.TIMEOUT_S
+    monkeypatch.setenv(debuginfod.URLS_ENV, server.url)
+    monkeypatch.setattr(elf, "DEBUGINFOD_RECHECK_S", 0.2)
+    hidden, first = demo.address("hidden_work"), demo.address("first_export")
+
+    start = time.monotonic()
+    assert debuginfod.debug_file(demo.build_id, 0) is None  # queued
+    assert time.monotonic() - start < 0.05
+    start = time.monotonic()
+    img = ElfImage.open(str(demo.stripped))
+    assert function_name(img, hidden) == f"first_export+{hidden - first:#x}"  # not there yet
+    assert time.monotonic() - start < 0.5
+    assert img.debug_path is None and debuginfod.pending(demo.build_id)
+    assert debuginfod.stats()["pending"] == 1
+
+    assert debuginfod.wait_idle(10)
+    assert function_name(img, hidden + 1) == "hidden_work"  # the same image, its debug file attached since
+    assert img.debug_path == str(cache / "debuginfod" / f"{demo.build_id}.debug")
+    assert not debuginfod.pending(demo.build_id)
+    assert server.requests == {f"/buildid/{demo.build_id}/debuginfo": 1}  # asked once, looked for twice
+    assert debuginfod.stats()["fetched"] == 1
+
+
+def rebuilt_ids(debug: Path, build_id: str, n: int, out: Path) -> dict[str, Path]:
+    """`n` copies of the debug file `debug`, each with another build-id (its note's bytes replaced)."""
+    data, old = debug.read_bytes(), bytes.fromhex(build_id)
+    assert data.count(old) == 1
+    copies = {}
+    for i in range(n):
+        new = hashlib.sha1(f"{build_id} {i}".encode()).hexdigest()
+        copies[new] = out / f"{new}.debug"
+        copies[new].write_bytes(data.replace(old, bytes.fromhex(new)))
+    return copies
+
+
+def cache_entries(d: Path, suffix: str) -> set[str]:
+    return {p.name.removesuffix(suffix) for p in d.iterdir() if p.name.endswith(suffix) and not p.is_symlink()
+            and p.stat().st_uid == os.geteuid()}
+
+
+def test_debuginfod_cache_is_bounded_least_recently_used_first(tmp_path, cache, monkeypatch, serve):
+    demo = build_demo(tmp_path, "cache-cap")
+    served = rebuilt_ids(demo.debug, demo.build_id, 6, tmp_path)
+    size = demo.debug.stat().st_size
+    server = serve(served)
+    monkeypatch.setenv(debuginfod.URLS_ENV, server.url)
+    monkeypatch.setattr(debuginfod, "CACHE_ENTRIES", 3)
+    monkeypatch.setenv(debuginfod.CACHE_BYTES_ENV, str(10 * size))
+    a, b, c, e, f, g = served
+    d = cache / "debuginfod"
+
+    def fetch(bid: str) -> ElfReader | None:
+        assert debuginfod.debug_file(bid) is None
+        assert debuginfod.wait_idle(5)
+        return debuginfod.debug_file(bid)
+
+    for bid in (a, b, c):
+        assert fetch(bid).build_id() == bid
+    # not ours, or not cache entries: neither counted nor removed
+    (tmp_path / "target").write_bytes(b"x" * size)
+    (d / f"{'e' * 40}.debug").symlink_to(tmp_path / "target")
+    (d / f"{'d' * 40}.debug").write_bytes(b"x" * size)
+    os.chown(d / f"{'d' * 40}.debug", 65534, 65534)
+    (d / "notes.txt").write_bytes(b"x" * size)
+    foreign = sorted(p.name for p in d.iterdir() if p.name.endswith((".debug", ".txt")))
+
+    assert debuginfod.debug_file(a).build_id() == a  # used: b is now the least recently used
+    assert fetch(e) is not None
+    assert cache_entries(d, ".debug") == {a, c, e}
+    monkeypatch.setenv(debuginfod.CACHE_BYTES_ENV, str(2 * size + size // 2))  # room for two
+    assert fetch(f) is not None
+    assert cache_entries(d, ".debug") == {e, f}  # c, then a (used after c was stored)
+    assert debuginfod.stats()["evicted"] == 3
+    monkeypatch.setenv(debuginfod.CACHE_BYTES_ENV, str(size // 2))  # a file alone over the cap: not kept
+    assert fetch(g) is None
+    assert cache_entries(d, ".debug") == set() and cache_entries(d, ".miss") == {g}
+    assert debuginfod.stats()["missed"] == 1 and debuginfod.stats()["evicted"] == 6  # e, f and g itself
+    assert sorted(p.name for p in d.iterdir() if p.name.endswith((".debug", ".txt"))) == [
+        n for n in foreign if n not in (f"{x}.debug" for x in (a, b, c))]
+    assert (tmp_path / "target").exists()
+    assert sum(server.requests.values()) == 6
+
+
+def test_debuginfod_unknown_ids_are_bounded_and_rate_limited(cache, monkeypatch, serve):
+    server = serve({})
+    monkeypatch.setenv(debuginfod.URLS_ENV, server.url)
+    monkeypatch.setattr(debuginfod, "RATE_PER_S", 0.0)
+    monkeypatch.setattr(debuginfod, "BURST", 5)
+    monkeypatch.setattr(debuginfod, "ASKED_MAX", 16)
+    monkeypatch.setattr(debuginfod, "CACHE_ENTRIES", 8)
+    ids = [hashlib.sha1(f"unknown {i}".encode()).hexdigest() for i in range(100)]
+
+    start = time.monotonic()
+    assert all(debuginfod.debug_file(bid) is None for bid in ids[:40])
+    assert time.monotonic() - start < 0.5
+    assert debuginfod.wait_idle(10)
+    stats = debuginfod.stats()
+    assert (stats["queued"], stats["rate_limited"], stats["missed"]) == (5, 35, 5)
+    assert sum(server.requests.values()) == 5
+    assert not debuginfod.pending(ids[0]) and debuginfod.pending(ids[39])  # refused: may be asked later
+
+    # one requester's limit leaves the others theirs; markers and memory stay bounded
+    monkeypatch.setattr(debuginfod, "BURST", 1000)
+    monkeypatch.setattr(debuginfod, "PER_REQUESTER_MAX", 20)
+    debuginfod.reset()
+    for bid in ids[40:90]:
+        debuginfod.debug_file(bid, requester=1000)
+    for bid in ids[90:]:
+        debuginfod.debug_file(bid, requester=1001)
+    assert debuginfod.wait_idle(10)
+    stats = debuginfod.stats()
+    assert (stats["queued"], stats["rate_limited"], stats["missed"]) == (30, 30, 30)
+    assert stats["remembered"] <= 16
+    markers = cache_entries(cache / "debuginfod", ".miss")
+    assert len(markers) == 8 and markers <= set(ids[90:]) | set(ids[40:60])
+    assert markers >= set(ids[92:])  # the latest kept
+
+    debuginfod.reset()  # as after a restart: the markers still answer
+    assert debuginfod.debug_file(ids[-1]) is None and debuginfod.stats()["queued"] == 0
+    assert sum(server.requests.values()) == 35
+
+    # a full queue drops requests, asked again later
+    slow = serve({}, delay=0.3)
+    monkeypatch.setenv(debuginfod.URLS_ENV, slow.url)
+    monkeypatch.setattr(debuginfod, "QUEUE_MAX", 2)
+    for bid in ids[:4]:
+        debuginfod.debug_file(bid)
+    assert debuginfod.stats()["dropped"] == 2
+    assert debuginfod.wait_idle(5)
+    assert debuginfod.pending(ids[3]) and not debuginfod.pending(ids[1])
+    assert sum(slow.requests.values()) == 2
+
+
+def test_debuginfod_asks_only_for_files_root_alone_can_change(tmp_path, cache, monkeypatch, serve):
+    demo, writable = build_demo(tmp_path, "not-roots"), build_demo(tmp_path, "group-writable")
+    server = serve({demo.build_id: demo.debug, writable.build_id: writable.debug})
+    monkeypatch.setenv(debuginfod.URLS_ENV, server.url)
+    monkeypatch.delenv(debuginfod.ANY_ENV, raising=False)
+    os.chown(demo.stripped, 65534, 65534)  # nobody's
+    os.chmod(writable.stripped, 0o775)  # root's, but its group may change it
+    hidden, first = demo.address("hidden_work"), demo.address("first_export")
+
+    img = ElfImage.open(str(demo.stripped))
+    assert ElfImage.open(str(writable.stripped)).lookup(writable.address("hidden_work")) is None
+    assert debuginfod.wait_idle(5)
+    assert function_name(img, hidden) == f"first_export+{hidden - first:#x}"
+    assert not server.requests and debuginfod.stats()["queued"] == 0
+
+    monkeypatch.setenv(debuginfod.ANY_ENV, "1")  # opted in: anyone's files too, their owner's limit
+    monkeypatch.setattr(debuginfod, "PER_REQUESTER_MAX", 0)
+    monkeypatch.setattr(elf, "DEBUGINFOD_RECHECK_S", 0.0)
+    ElfImage.forget()
+    img = ElfImage.open(str(demo.stripped))
+    assert function_name(img, hidden) == f"first_export+{hidden - first:#x}"
+    # refused at open and at each look since: not asked, asked again later
+    assert debuginfod.stats()["rate_limited"] >= 2 and debuginfod.pending(demo.build_id) and not server.requests
+    monkeypatch.setattr(debuginfod, "PER_REQUESTER_MAX", 1)
+    assert function_name(img, hidden) == f"first_export+{hidden - first:#x}"  # asked again: queued now
+    assert debuginfod.wait_idle(5)
+    assert function_name(img, hidden) == "hidden_work"
+    assert server.requests == {f"/buildid/{demo.build_id}/debuginfo": 1}
 
 
 def exported_functions(path: str) -> dict[int, tuple[int, list[str]]]:
