@@ -244,9 +244,18 @@ def reset() -> None:
 os.register_at_fork(after_in_child=reset)
 
 
+_here = [True]
+
+
+def leave_to_workers() -> None:
+    """Ask nothing from this process: the recorder names frames in its name worker, which asks
+    (sampler/stacks/name_worker.py); two processes would download the same files."""
+    _here[0] = False
+
+
 def servers() -> list[str]:
-    """The http(s) base URLs of $DEBUGINFOD_URLS (space-separated)."""
-    urls = os.environ.get(URLS_ENV, "").split()
+    """The http(s) base URLs of $DEBUGINFOD_URLS (space-separated); none after leave_to_workers."""
+    urls = os.environ.get(URLS_ENV, "").split() if _here[0] else []
     return [u.rstrip("/") for u in urls if urllib.parse.urlsplit(u).scheme in ("http", "https")]
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sampler import files
+from sampler.binary import debuginfod
 from sampler.bpf.events import Event
 from sampler.bpf.loader import BpfProbes, ProbeConfig
 from sampler.control import probe_cost, weights
@@ -78,6 +79,7 @@ def build(opts: RecordOptions, hooks: RecorderHooks, recording_id: str, host: st
     gpu: GpuTracer | None = None
     try:
         symbolizer = Symbolizer(namer=NameWorker())
+        debuginfod.leave_to_workers()
         python = PythonTargets(probes) if o.python else None
         unwinder = Unwinder(files.cache_dir("unwind", o.unwind_cache))
         if o.unwind == "bpf":

@@ -64,6 +64,7 @@ class NameWorker:
             return None
         if not self._child.running:
             out = self._child.start()
+            self._answers = queue.SimpleQueue()     # a killed child's reader still reports its end
             threading.Thread(target=_read_answers, args=(out, self._answers), daemon=True,
                              name="name-worker").start()
         self._seq += 1

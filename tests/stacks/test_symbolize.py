@@ -6,6 +6,7 @@ import ctypes
 import os
 import re
 import subprocess
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
 from sampler.stacks import symbolize
+from sampler.stacks.name_worker import NameWorker
 from sampler.stacks.symbolize import Frame, Symbolizer, demangle, module_key
 
 PROG_SRC = r"""
@@ -100,15 +102,15 @@ class Build:
     lib: Path
 
 
-def compile_pair(out: Path, variant: str, strip: bool = False) -> Build:
+def compile_pair(out: Path, variant: str, strip: bool = False, extra: tuple[str, ...] = ()) -> Build:
     out.mkdir(parents=True, exist_ok=True)
     (out / "prog.c").write_text(PROG_SRC)
     (out / "widget.cpp").write_text(WIDGET_SRC)
     define = f'-DVARIANT="{variant}"'
     prog, lib = out / "prog", out / "libwidget.so"
-    subprocess.run(["gcc", *CFLAGS, define, "-o", str(prog), str(out / "prog.c")], check=True)
+    subprocess.run(["gcc", *CFLAGS, *extra, define, "-o", str(prog), str(out / "prog.c")], check=True)
     subprocess.run(
-        ["g++", *CFLAGS, define, "-shared", "-fPIC", "-o", str(lib), str(out / "widget.cpp")], check=True
+        ["g++", *CFLAGS, *extra, define, "-shared", "-fPIC", "-o", str(lib), str(out / "widget.cpp")], check=True
     )
     if strip:
         subprocess.run(["strip", str(prog), str(lib)], check=True)
@@ -350,3 +352,50 @@ def test_demangle():
     assert demangle("_ZN3foo3barEv.cold") == "foo::bar() [clone .cold]"
     assert demangle("malloc") == "malloc"
     assert demangle("_Znot_a_mangled_name") == "_Znot_a_mangled_name"
+
+
+# -- the name worker (sampler/stacks/name_worker.py): the same names, from a child ------------------
+
+@pytest.fixture(scope="module")
+def debug_built(tmp_path_factory):
+    """prog and libwidget.so with DWARF (file, line, inlined calls to name)."""
+    return compile_pair(tmp_path_factory.mktemp("named"), "named", extra=("-g",))
+
+
+def test_the_worker_names_as_the_recorder_would_even_after_the_process_and_file_are_gone(debug_built, spawn):
+    p = spawn(debug_built.prog)
+    lib = p.load(debug_built.lib)
+    addrs = [lib["exported"] + 1, lib["static"] + 1, lib["cpp"] + 1, p.main_static + 1, p.ra]
+    here = Symbolizer().frames(p.pid, addrs, first_is_ip=False)
+    assert all(f.function and f.file and f.line for f in here[:4]), here
+    namer = NameWorker()
+    sym = Symbolizer(namer=namer)
+    try:
+        places = sym.places(p.pid, addrs, first_is_ip=False)
+        p.stop()                    # what the worker reads is the recorder's descriptor of each file
+        debug_built.lib.rename(debug_built.lib.with_suffix(".gone"))
+        sym.prepare(places)
+        assert [sym.describe(x) for x in places] == here
+        assert namer.cpu_seconds() > 0 and not namer.failures
+    finally:
+        sym.close()
+        debug_built.lib.with_suffix(".gone").rename(debug_built.lib)
+
+
+def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built, spawn):
+    """The child is killed when an answer misses the snapshot's deadline; that file is not asked
+    for again (its frames keep module and offset), and the next file is named by a fresh child."""
+    p = spawn(debug_built.prog)
+    lib = p.load(debug_built.lib)
+    namer = NameWorker()
+    sym = Symbolizer(namer=namer)
+    try:
+        slow, fine = sym.places(p.pid, [lib["exported"] + 1, p.main_static + 1], first_is_ip=False)
+        assert namer.name(slow.image, [slow.offset], time.monotonic() + 0.001) is None    # no answer in 1 ms
+        sym.prepare([slow, fine])
+        frame = sym.describe(slow)
+        assert (frame.function, frame.module, frame.offset) == (None, "libwidget.so", slow.offset)
+        assert sym.describe(fine).function == "main_static"
+        assert namer.failures == 1 and slow.image in namer.failed and fine.image not in namer.failed
+    finally:
+        sym.close()
