@@ -481,10 +481,12 @@ class ElfImage:
 
     @classmethod
     @format_errors
-    def open(cls, path: str, seen_as: str | None = None, root: str = "") -> ElfImage:
+    def open(cls, path: str, seen_as: str | None = None, root: str = "", debug: str | None = None) -> ElfImage:
         """The image of the file at `path`. `seen_as` is its path as its process names it (default
         `path`) and `root` what reaches that process's root from here (/proc/PID/root): where a
-        .gnu_debuglink's file is looked for, when the image is first opened."""
+        .gnu_debuglink's file is looked for, when the image is first opened. `debug`: its debug
+        file as the caller found and verified it (the recorder's descriptor, for its name worker),
+        used instead of looking when its build-id is the file's."""
         fd = open_regular(path)
         try:
             st = os.fstat(fd)
@@ -505,7 +507,8 @@ class ElfImage:
         # the same bytes under another inode (a copy, another mount namespace): the same image
         img = next((c for c in same_size if c.digest() == digest), None)
         if img is None:
-            img = cls(main, find_debug_file(main, seen_as or path, root))
+            given = given_debug_file(debug, main.build_id) if debug else None
+            img = cls(main, given or find_debug_file(main, seen_as or path, root))
             img._digest = digest
         with cls._lock:
             if bid and img not in claims:
@@ -792,6 +795,15 @@ def dynsym_entry(elf: ElfReader, name: str) -> tuple[int, int] | None:
                     and not tab.compat(row) and entry["st_value"]):
                 return sec.addr + row * SYM_DTYPE.itemsize + 8, int(entry["st_value"])
     return None
+
+
+def given_debug_file(path: str, build_id: str | None) -> _File | None:
+    """The debug file at `path` when it is one of `build_id` (or either has none)."""
+    try:
+        debug = _File(open_untrusted(path, DEBUG_FILE_MAX))
+    except (OSError, ElfFormatError):
+        return None
+    return debug if not (build_id and debug.build_id) or debug.build_id == build_id else None
 
 
 def find_debug_file(main: _File, seen_as: str, root: str = "") -> _File | None:

@@ -11,7 +11,8 @@ keep their file and offset. Debug files (and debuginfod's downloads) are looked 
 The child opens the file through the recorder's own descriptor of it (/proc/RECORDER/fd/N): the
 file the process mapped, whatever its path names now, even once the process has exited.
 
-Protocol: one JSON line per request on the child's stdin ({"id", "path", "seen_as", "offsets"}),
+Protocol: one JSON line per request on the child's stdin ({"id", "path", "seen_as", "debug",
+"offsets"}; `debug`: the recorder's descriptor of the debug file it found and verified, or null),
 one per answer on its stdout ({"id", "names": [[function, file, line, [[function, file, line],
 ...]], ...]}, one per offset, inlined calls innermost first; or {"id", "error"}).
 
@@ -57,9 +58,9 @@ class NameWorker:
         """Whether `img` is read through a descriptor the child can open (and has not failed)."""
         return isinstance(img.elf.buf, FileBytes) and img not in self.failed
 
-    def name(self, img: ElfImage, offsets: list[int], deadline: float) -> list[Named] | None:
-        """The names at `offsets` (vaddrs in `img`), or None: the image failed (now or before), or
-        the deadline (time.monotonic()) passed first."""
+    def name(self, img: ElfImage, seen_as: str, offsets: list[int], deadline: float) -> list[Named] | None:
+        """The names at `offsets` (vaddrs in `img`, which its process maps from `seen_as`), or None:
+        the image failed (now or before), or the deadline (time.monotonic()) passed first."""
         if not self.can_name(img) or time.monotonic() >= deadline:
             return None
         if not self._child.running:
@@ -68,8 +69,9 @@ class NameWorker:
             threading.Thread(target=_read_answers, args=(out, self._answers), daemon=True,
                              name="name-worker").start()
         self._seq += 1
-        path = f"/proc/{os.getpid()}/fd/{img.elf.buf.fd}"
-        line = json.dumps({"id": self._seq, "path": path, "seen_as": img.path, "offsets": offsets}) + "\n"
+        debug = img.debug_elf.buf if img.debug_elf is not None else None
+        line = json.dumps({"id": self._seq, "path": _ours(img.elf.buf), "seen_as": seen_as, "offsets": offsets,
+                           "debug": _ours(debug) if isinstance(debug, FileBytes) else None}) + "\n"
         self._last_used = time.monotonic()
         if not self._child.send(line.encode()):
             return self._fail(img)
@@ -100,6 +102,11 @@ class NameWorker:
 
     def close(self) -> None:
         self._child.close()
+
+
+def _ours(f: FileBytes) -> str:
+    """The path through which the child opens our descriptor of a file: the very file we read."""
+    return f"/proc/{os.getpid()}/fd/{f.fd}"
 
 
 def _named(doc: list) -> Named:
@@ -133,7 +140,7 @@ def child_main(argv: list[str]) -> int:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            img = ElfImage.open(req["path"], req["seen_as"])
+            img = ElfImage.open(req["path"], req["seen_as"], debug=req.get("debug"))
             names = [name_at(img, int(off)) for off in req["offsets"]]
         except MemoryError:
             # over the address-space limit: what this child keeps goes, and the file is not retried

@@ -120,13 +120,13 @@ class Symbolizer:
         file and offset."""
         if self._namer is None:
             return
-        todo: dict[ElfImage, dict[int, None]] = {}
+        todo: dict[ElfImage, tuple[str, dict[int, None]]] = {}
         for p in places:
             if p.image is not None and (p.image, p.offset) not in self._names and self._namer.can_name(p.image):
-                todo.setdefault(p.image, {})[p.offset] = None
+                todo.setdefault(p.image, (p.path, {}))[1][p.offset] = None
         deadline = time.monotonic() + budget_s
-        for img, offsets in todo.items():
-            found = self._namer.name(img, list(offsets), deadline)
+        for img, (seen_as, offsets) in todo.items():
+            found = self._namer.name(img, seen_as, list(offsets), deadline)
             if found is None:
                 continue
             for vaddr, named in zip(offsets, found, strict=True):

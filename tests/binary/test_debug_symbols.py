@@ -28,6 +28,7 @@ from conftest import ROOT
 from sampler.binary import debuginfod, elf
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import ElfReader
+from sampler.stacks.name_worker import NameWorker
 from sampler.stacks.symbolize import Symbolizer, demangle, function_name
 
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
@@ -143,6 +144,27 @@ def test_debuglink_through_a_process_mapping(tmp_path, cache):
     (frame,) = Symbolizer().frames(os.getpid(), [base + demo.address("hidden_work")], first_is_ip=True)
     assert frame.function == "hidden_work"
     assert frame.file and frame.file.endswith("demo.c") and frame.line  # DWARF of the debug file
+
+
+def test_the_name_worker_names_through_the_debug_file_the_recorder_found(tmp_path, cache):
+    """The recorder found the debug file (beside the library, through the process's root); the
+    name worker, which could not find it any more, reads it through the recorder's descriptor."""
+    demo = build_demo(tmp_path, "link-worker")
+    beside = demo.stripped.parent / "libdemo.debug"
+    shutil.copy(demo.debug, beside)
+    lib = ctypes.CDLL(str(demo.stripped))
+    base = ctypes.cast(lib.first_export, ctypes.c_void_p).value - demo.address("first_export")
+    sym = Symbolizer(namer=NameWorker())
+    try:
+        places = sym.places(os.getpid(), [base + demo.address("hidden_work")], first_is_ip=True)
+        assert places[0].image.debug_path
+        beside.unlink()
+        sym.prepare(places)
+        frame = sym.describe(places[0])
+    finally:
+        sym.close()
+    assert frame.function == "hidden_work"
+    assert frame.file and frame.file.endswith("demo.c") and frame.line
 
 
 def test_debuglink_to_other_contents_is_ignored(tmp_path, cache):

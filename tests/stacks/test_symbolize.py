@@ -391,7 +391,7 @@ def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built,
     sym = Symbolizer(namer=namer)
     try:
         slow, fine = sym.places(p.pid, [lib["exported"] + 1, p.main_static + 1], first_is_ip=False)
-        assert namer.name(slow.image, [slow.offset], time.monotonic() + 0.001) is None    # no answer in 1 ms
+        assert namer.name(slow.image, slow.path, [slow.offset], time.monotonic() + 0.001) is None    # no answer in 1 ms
         sym.prepare([slow, fine])
         frame = sym.describe(slow)
         assert (frame.function, frame.module, frame.offset) == (None, "libwidget.so", slow.offset)
