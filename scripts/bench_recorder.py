@@ -87,8 +87,10 @@ def measure(code: Path, workload: str, interval: float, seconds: float, work: Pa
     secs = sum(r["interval_s"] for r in steady)
     cpu = sum(r["cpu_s"] for r in steady)
     samples = sum(r["stacks_unwound"] for r in steady)
+    # the children that read target files (unwind rows, names), over the whole run: mostly at its start
+    workers = sum((r.get("unwind_worker_cpu_s") or 0.0) + (r.get("name_worker_cpu_s") or 0.0) for r in rows)
     return {"samples_s": samples / secs, "cpu_pct": 100 * cpu / secs, "us_sample": 1e6 * cpu / max(samples, 1),
-            "rss": hwm}
+            "rss": hwm, "workers_s": workers}
 
 
 def main() -> None:
@@ -116,11 +118,13 @@ def main() -> None:
                     results.setdefault((str(code), wl, ivl), []).append(
                         measure(code, wl, ivl, seconds, work, args.rate))
     print("| recorder | workload | snapshots every (s) | samples/s | recorder CPU (% of a core) "
-          f"| us of recorder CPU per sample | peak RSS (MiB) |  (median of {rounds}, min-max; {seconds:g} s each)")
-    print("|---|---|--:|--:|--:|--:|--:|")
+          f"| us of recorder CPU per sample | peak RSS (MiB) | workers' CPU, whole run (s) "
+          f"|  (median of {rounds}, min-max; {seconds:g} s each)")
+    print("|---|---|--:|--:|--:|--:|--:|--:|")
     for (code, wl, ivl), runs in results.items():
         cells = []
-        for k, fmt in (("samples_s", "{:.0f}"), ("cpu_pct", "{:.1f}"), ("us_sample", "{:.0f}"), ("rss", "{:.0f}")):
+        for k, fmt in (("samples_s", "{:.0f}"), ("cpu_pct", "{:.1f}"), ("us_sample", "{:.0f}"), ("rss", "{:.0f}"),
+                        ("workers_s", "{:.2f}")):
             v = [x[k] for x in runs]
             cells.append(f"{fmt.format(statistics.median(v))} ({fmt.format(min(v))}-{fmt.format(max(v))})")
         name = "this checkout" if code == str(ROOT) else code

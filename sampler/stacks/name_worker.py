@@ -4,9 +4,10 @@
 Symbol tables and DWARF are the biggest things read from a target's files, and the ones a target
 shapes most freely (a few hundred KiB of compressed sections inflate to gigabytes; a DIE tree can
 cost seconds). Read here, what a file costs is the child's: within its address-space limit, within
-symbolize.NAME_TIMEOUT_S per recorder snapshot (a child still reading then is killed), and a file that fails
-(malformed, over its budget, over the child's memory, too slow) is not asked for again: its frames
-keep their file and offset. Debug files (and debuginfod's downloads) are looked for here too.
+symbolize.NAME_TIMEOUT_S per recorder snapshot (a child still reading then is killed). A file that
+fails (malformed, over its budget; over the child's memory or too slow twice) is not asked for
+again: its frames keep their file and offset. Debug files (and debuginfod's downloads) are looked
+for here too.
 
 The child opens the file through the recorder's own descriptor of it (/proc/RECORDER/fd/N): the
 file the process mapped, whatever its path names now, even once the process has exited.
@@ -37,6 +38,7 @@ from sampler.stacks.symbolize import Named, name_at
 from sampler.stacks.worker import IDLE_S, Child, child_setup
 
 MAX_ANSWER_BYTES = 64 << 20
+STRIKES = 2                 # late answers or dead children before a file is not asked for again
 
 
 class NameWorker:
@@ -49,6 +51,7 @@ class NameWorker:
         self._seq = 0
         self._last_used = time.monotonic()
         self.failed: weakref.WeakSet[ElfImage] = weakref.WeakSet()
+        self._strikes: weakref.WeakKeyDictionary[ElfImage, int] = weakref.WeakKeyDictionary()
         self.failures = 0
 
     def cpu_seconds(self) -> float:
@@ -80,15 +83,21 @@ class NameWorker:
                 seq, doc = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._child.close(kill=True)        # still reading this file: it is the one at fault
-                return self._fail(img)
+                return self._strike(img)
             if seq is None:                          # the child died on it (its memory limit, say)
-                return self._fail(img)
+                return self._strike(img)
             if seq != self._seq:
                 continue                             # the answer to a request given up on
             names = doc.get("names")
             if not isinstance(names, list) or len(names) != len(offsets):
                 return self._fail(img)
             return [_named(n) for n in names]
+
+    def _strike(self, img: ElfImage) -> None:
+        """No answer in time, or the child died: the file fails at the second time (a first may be
+        a cold start on a busy machine)."""
+        self._strikes[img] = self._strikes.get(img, 0) + 1
+        return self._fail(img) if self._strikes[img] >= STRIKES else None
 
     def _fail(self, img: ElfImage) -> None:
         self.failed.add(img)

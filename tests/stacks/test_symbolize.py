@@ -383,15 +383,16 @@ def test_the_worker_names_as_the_recorder_would_even_after_the_process_and_file_
 
 
 def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built, spawn):
-    """The child is killed when an answer misses the snapshot's deadline; that file is not asked
-    for again (its frames keep module and offset), and the next file is named by a fresh child."""
+    """The child is killed when an answer misses the snapshot's deadline; a file late twice is not
+    asked for again (its frames keep module and offset), and the next file is named by a fresh child."""
     p = spawn(debug_built.prog)
     lib = p.load(debug_built.lib)
     namer = NameWorker()
     sym = Symbolizer(namer=namer)
     try:
         slow, fine = sym.places(p.pid, [lib["exported"] + 1, p.main_static + 1], first_is_ip=False)
-        assert namer.name(slow.image, slow.path, [slow.offset], time.monotonic() + 0.001) is None    # no answer in 1 ms
+        for _ in range(2):          # twice: a first late answer may be a cold start
+            assert namer.name(slow.image, slow.path, [slow.offset], time.monotonic() + 0.001) is None
         sym.prepare([slow, fine])
         frame = sym.describe(slow)
         assert (frame.function, frame.module, frame.offset) == (None, "libwidget.so", slow.offset)
