@@ -88,7 +88,9 @@ class Symbolizer:
         containing addr - 1, and the frame's offset is that of addr - 1 (the call site), so that
         a call in tail position is not attributed to the next function.
         """
-        return [self.describe(p) for p in self.places(pid, addrs, first_is_ip)]
+        places = self.places(pid, addrs, first_is_ip)
+        self.prepare(places)
+        return [self.describe(p) for p in places]
 
     def places(self, pid: int, addrs: Sequence[int], first_is_ip: bool) -> list[Place]:
         """`frames` without names: the per-sample part (maps and ELF headers, no symbol tables,
