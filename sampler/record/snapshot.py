@@ -238,12 +238,14 @@ class Snapshots:
             out_rows += self._outstanding_rows(t, now, interval)
             proc_rows[-1]["recorder_cpu_s"] = t.recorder_s + time.perf_counter() - t0
             t.recorder_s = 0.0
-        self.write(OUTSTANDING, out_rows)
-        self.write(PROCESSES, proc_rows)
-        self.write(MALLOC_ARENAS, arenas)
+        # the stacks first: a reader (or an upload, which seals files by age) that sees an
+        # outstanding row finds its stack
         stack_rows, frame_rows = rows.stack_rows(self.stacks.drain_new(), now)
         self.write(STACKS, stack_rows)
         self.write(FRAMES, frame_rows)
+        self.write(OUTSTANDING, out_rows)
+        self.write(PROCESSES, proc_rows)
+        self.write(MALLOC_ARENAS, arenas)
         self.write(VM_EVENTS, self.mappings.drain())
         if only is not None:
             return

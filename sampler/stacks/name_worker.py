@@ -66,11 +66,7 @@ class NameWorker:
         the image failed (now or before), or the deadline (time.monotonic()) passed first."""
         if not self.can_name(img) or time.monotonic() >= deadline:
             return None
-        if not self._child.running:
-            out = self._child.start()
-            self._answers = queue.SimpleQueue()     # a killed child's reader still reports its end
-            threading.Thread(target=_read_answers, args=(out, self._answers), daemon=True,
-                             name="name-worker").start()
+        self.warm()
         self._seq += 1
         debug = img.debug_elf.buf if img.debug_elf is not None else None
         line = json.dumps({"id": self._seq, "path": _ours(img.elf.buf), "seen_as": seen_as, "offsets": offsets,
@@ -92,6 +88,15 @@ class NameWorker:
             if not isinstance(names, list) or len(names) != len(offsets):
                 return self._fail(img)
             return [_named(n) for n in names]
+
+    def warm(self) -> None:
+        """The child started, when it is not running (it then loads while the caller goes on)."""
+        if not self._child.running:
+            out = self._child.start()
+            self._answers = queue.SimpleQueue()     # a killed child's reader still reports its end
+            threading.Thread(target=_read_answers, args=(out, self._answers), daemon=True,
+                             name="name-worker").start()
+            self._last_used = time.monotonic()
 
     def _strike(self, img: ElfImage) -> None:
         """No answer in time, or the child died: the file fails at the second time (a first may be

@@ -116,6 +116,12 @@ class Symbolizer:
             out.append(place)
         return out
 
+    def expect_names(self) -> None:
+        """Stacks to name at the next snapshot: the name worker is started now (its start-up,
+        ~0.3 s, then does not hold the snapshot and the ring buffer's reader up)."""
+        if self._namer is not None:
+            self._namer.warm()
+
     def prepare(self, places: Sequence[Place], budget_s: float = NAME_TIMEOUT_S) -> None:
         """Name the places `describe` will be asked for, in one request per file to the name
         worker (when there is one), within `budget_s`: what is not named by then is described by

@@ -107,6 +107,8 @@ class StackTable:
             sid = _hash((sid, content))
         if known is None:
             self._by_id[sid] = content
+            if not self._new:
+                self.symbolizer.expect_names()      # the name worker starts now, not at the snapshot
             self._new.append((sid, tuple(merged), stop != COMPLETE, ev.ts_ns, stop))
         if any(isinstance(x, Place) and x.module == "[unknown]" for x in merged) or (ev.py and not pyframes):
             return sid                  # resolve again next time: a library or code may appear

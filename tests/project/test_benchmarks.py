@@ -179,7 +179,7 @@ def test_bench_targets_quick(bpf_ready: None) -> None:
 def test_bench_recorder_quick(bpf_ready: None) -> None:
     header, rows = md_table(run_quick("bench_recorder.py"), "recorder")
     assert header == ["recorder", "workload", "snapshots every (s)", "samples/s", "recorder CPU (% of a core)",
-                      "us of recorder CPU per sample", "peak RSS (MiB)"]
+                      "us of recorder CPU per sample", "peak RSS (MiB)", "workers' CPU, whole run (s)"]
     assert [(r["recorder"], r["workload"], r["snapshots every (s)"]) for r in rows] == [
         ("this checkout", "service", "1")]
     for col in header[3:]:
