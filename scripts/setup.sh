@@ -11,6 +11,9 @@ want_venv=1
 [ "${1:-}" = "--no-venv" ] && want_venv=0
 
 log() { printf 'setup: %s\n' "$*" >&2; }
+# how long each step took, said as it ends
+step_t=$SECONDS
+took() { log "$1: $((SECONDS - step_t)) s"; step_t=$SECONDS; }
 die() { printf 'setup: error: %s\n' "$*" >&2; exit 3; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (BPF and package installs need it): sudo $0"
@@ -51,6 +54,8 @@ apt_install postgresql postgresql-client redis-server redis-tools
 # A Java runtime for pyspark in local mode: docs/querying.md's Spark fleet recipes (tests/dataset/test_querying.py).
 apt_install default-jre-headless
 
+took "system packages"
+
 # Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
 kver=$(uname -r)
 moddir=/lib/modules/$kver
@@ -65,17 +70,31 @@ if [ ! -e "$moddir/build/include" ]; then
         pkg=$(apt-cache search --names-only "^linux-headers-[0-9]" 2>/dev/null | awk '{print $1}' \
               | grep -E -- "-$arch\$" | grep -v -E -- '-(rt|cloud)-' | sort -V | tail -n 1)
         [ -n "$pkg" ] || die "no linux-headers package for $kver and none to fall back to: install kernel headers into $moddir/build"
-        apt_install "$pkg"
         ver=${pkg#linux-headers-}; ver=${ver%-$arch}
-        build=/usr/src/linux-headers-$ver-$arch
-        common=/usr/src/linux-headers-$ver-common
-        [ -d "$build" ] && [ -d "$common" ] || die "headers package $pkg installed but $build or $common is missing"
+        # Installed, that package would pull in its kernel image and regenerate an initramfs, which
+        # recording never boots: its files and its two companions' are unpacked into a directory of
+        # ours instead (relative links between them kept), outside dpkg's database.
+        prefix=/usr/local/lib/allocsampler/kernel-headers/$ver
+        build=$prefix/usr/src/linux-headers-$ver-$arch
+        common=$prefix/usr/src/linux-headers-$ver-common
+        if [ ! -d "$build/include" ] || [ ! -d "$common/include" ]; then
+            [ $apt_updated = 1 ] || { DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && apt_updated=1; }
+            dl=$(mktemp -d) && chmod 755 "$dl" && { chown _apt "$dl" 2>/dev/null || true; }
+            (cd "$dl" && apt-get download -qq "$pkg" "linux-headers-$ver-common" "linux-kbuild-$ver" >&2) \
+                || die "apt-get download of $pkg and its companions failed: check the network or apt sources"
+            rm -rf "$prefix" && mkdir -p "$prefix"
+            for deb in "$dl"/*.deb; do dpkg-deb -x "$deb" "$prefix" || die "unpacking $deb failed"; done
+            rm -rf "$dl"
+        fi
+        [ -d "$build/include" ] && [ -d "$common/include" ] || die "headers of $pkg unpacked but $build or $common is missing"
         mkdir -p "$moddir"
         ln -sfn "$build" "$moddir/build"
         ln -sfn "$common" "$moddir/source"
-        log "WARNING: no headers package for kernel $kver; using $pkg ($build). BPF programs that only use pt_regs and tracepoints work; clang may print harmless header warnings."
+        log "WARNING: no headers package for kernel $kver; using those of $pkg, unpacked into $prefix. BPF programs that only use pt_regs and tracepoints work; clang may print harmless header warnings."
     fi
 fi
+
+took "kernel headers"
 
 # tracefs (uprobe and tracepoint attachment goes through it).
 if [ ! -e /sys/kernel/tracing/uprobe_events ] && [ ! -e /sys/kernel/debug/tracing/uprobe_events ]; then
@@ -102,10 +121,12 @@ if [ ! -e "$stamp" ] || ! "$venv/bin/python" -c 'import sampler' 2>/dev/null; th
     rm -f "$venv"/.installed-*
     touch "$stamp"
 fi
+took "Python environment"
 # In-process code (build/): the LD_PRELOAD shim, the injected sampler and its placement helper;
 # rebuilt only when their sources changed.
 "$venv/bin/python" -m sampler.inprocess >/dev/null || die "building the in-process samplers failed: see the message above"
 # Bytecode written now, as an installed package has it: a recorder starting under
 # PYTHONDONTWRITEBYTECODE would otherwise compile its ~200 modules at every start (~0.15 s of CPU).
 "$venv/bin/python" -m compileall -q "$here/sampler" >/dev/null || die "compiling sampler/ to bytecode failed"
+took "in-process code and bytecode"
 log "ready: $venv/bin/allocsampler"
