@@ -2,11 +2,12 @@
 (name_worker.py).
 
 A target's files may be built to cost whatever a parser lets them: memory, time. In a child they
-cost that child. Each runs under an address-space limit (ADDRESS_SPACE) that, with the daemon's own
-bound (max_rss 256M), stays below the unit's MemoryMax (576M): a file that takes a child there
-fails alone (a MemoryError, or the child dies and the next request starts another), and the cgroup
-never kills the daemon. Children run at a lower priority, without the daemon's credentials
-(environ.worker_environ), die with it, and exit when idle.
+cost that child. Each runs under an address-space limit (ADDRESS_SPACE): ~150 MiB of it is what
+Python maps to start (much of it code not resident), so a child's data can grow by ~230 MiB, which
+with the daemon's own bound (max_rss 256M) stays below the unit's MemoryMax (576M). A file that
+takes a child to its limit fails alone (a MemoryError, or the child dies and the next request
+starts another), and the cgroup does not kill the daemon. Children run at a lower priority,
+without the daemon's credentials (environ.worker_environ), die with it, and exit when idle.
 
     python -m sampler.stacks.<module> PARENT_PID [ARGS...]
 """
