@@ -248,8 +248,9 @@ _here = [True]
 
 
 def leave_to_workers() -> None:
-    """Ask nothing from this process: the recorder names frames in its name worker, which asks
-    (sampler/stacks/name_worker.py); two processes would download the same files."""
+    """Ask nothing from this process (the recorder, the table worker): frames are named in the
+    name worker, which asks (sampler/stacks/name_worker.py); two processes would download the
+    same files."""
     _here[0] = False
 
 

@@ -115,12 +115,14 @@ class _File:
         return np.frombuffer(data, dtype, len(data) // dtype.itemsize)
 
     def symtabs(self) -> list[_SymTab]:
+        found = [i for i in range(len(self.sections)) if self.is_symtab(i)]
+        if len(found) > MAX_SYMTABS:    # headers can all point at the same bytes: each kept table costs
+            raise ElfFormatError(f"{self.path}: {len(found)} symbol tables, over {MAX_SYMTABS}")
         tabs = []
-        for i in range(len(self.sections)):
-            if self.is_symtab(i):
-                # a table too big to read: the others still name what they cover
-                with contextlib.suppress(SectionTooLarge):
-                    tabs.append(self.symtab(i))
+        for i in found:
+            # a table too big to read: the others still name what they cover
+            with contextlib.suppress(SectionTooLarge):
+                tabs.append(self.symtab(i))
         return [t for t in tabs if t.count > 1]  # entry 0 is always the null symbol
 
     def is_symtab(self, i: int) -> bool:
@@ -138,6 +140,7 @@ class _File:
 
 
 KEEP_SYMS_BYTES = 4 << 20  # symbol tables up to this size are kept whole
+MAX_SYMTABS = 8            # per file: .symtab and .dynsym (a debug file has its own)
 
 
 class _SymTab:
@@ -721,9 +724,13 @@ def _got_bindings(f: _File, slots: np.ndarray) -> Iterator[tuple[int, str]]:
 
 
 def _read_part(elf: ElfReader, base: int, size: int, offset: int, n: int) -> bytes:
-    """Up to `n` bytes from `offset` of the `size` bytes at file offset `base`."""
+    """Up to `n` bytes from `offset` of the `size` bytes at file offset `base` (a whole section's
+    read charged to the file's budget)."""
     n = min(n, size - offset)
-    return elf.read_at(base + offset, n) if offset >= 0 and n > 0 else b""
+    if offset < 0 or n <= 0:
+        return b""
+    elf.budget.charge(n, elf.path, f"a read at {base + offset:#x}")
+    return elf.read_at(base + offset, n)
 
 
 @format_errors

@@ -219,9 +219,12 @@ class KernelTables:
                 result = BuildFailed("the file changed before it was read", gone=True)
             if isinstance(result, BuildFailed):
                 tries = self._retries[f.ident] = self._retries.get(f.ident, 1) + 1
-                if (result.worker_died or result.gone) and tries <= BUILD_ATTEMPTS and f.pids:
-                    # not the file's doing: built again from the processes' current maps
+                if (result.worker_died or result.gone) and (tries <= BUILD_ATTEMPTS or not f.pids):
+                    # not the file's doing: built again from the processes' current maps (none
+                    # now: the next process to map it builds it)
                     del self._files[f.ident]
+                    if not f.pids:
+                        self._retries.pop(f.ident, None)
                     for pid in f.pids:
                         self.changed(pid)
                     continue
@@ -301,8 +304,10 @@ class KernelTables:
         if t is None:
             if f.state != "building":
                 del self._files[f.ident]
+                self._retries.pop(f.ident, None)
         elif not any(g.pids for i in t.files if (g := self._files.get(i)) is not None):
             self._idle[t.digest] = time.monotonic()
+            self._idle.move_to_end(t.digest)        # oldest first: the idle sweep stops at a young one
 
     def _attach(self, f: _File, built: FileRows) -> _Rows | None:
         """The loaded rows of `built` (shared by content: loaded only when no file has the same),
@@ -371,6 +376,10 @@ class KernelTables:
         """A fresh slot with pid's mappings, then uw_procs pointed at it."""
         p = self._procs[pid]
         if not self._slots:
+            # its old slot may name rows released since: BPF hands its walks to user space until
+            # a slot is free
+            self._procs_map.put(_key(pid), None)
+            p.written_ns = time.monotonic_ns()
             return
         slot = self._slots.popleft()
         entries = []

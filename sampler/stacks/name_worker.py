@@ -38,6 +38,9 @@ from sampler.stacks.symbolize import Named, name_at
 from sampler.stacks.worker import IDLE_S, Child, child_setup
 
 MAX_ANSWER_BYTES = 64 << 20
+MAX_NAME = 4096             # characters of a function or file name kept
+MAX_INLINED = 64            # inlined calls kept per address
+STRIKE_AFTER_S = 2.0        # a request killed sooner was cut by the snapshot's budget, not its file's
 STRIKES = 2                 # late answers or dead children before a file is not asked for again
 
 
@@ -71,23 +74,29 @@ class NameWorker:
         debug = img.debug_elf.buf if img.debug_elf is not None else None
         line = json.dumps({"id": self._seq, "path": _ours(img.elf.buf), "seen_as": seen_as, "offsets": offsets,
                            "debug": _ours(debug) if isinstance(debug, FileBytes) else None}) + "\n"
-        self._last_used = time.monotonic()
+        self._last_used = started = time.monotonic()
         if not self._child.send(line.encode()):
-            return self._fail(img)
+            self._child.close(kill=True)
+            return self._strike(img)
         while True:
             try:
                 seq, doc = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                self._child.close(kill=True)        # still reading this file: it is the one at fault
-                return self._strike(img)
-            if seq is None:                          # the child died on it (its memory limit, say)
+                self._child.close(kill=True)        # still reading this file
+                # its fault only when it had time of its own: else the snapshot's budget ran out
+                return self._strike(img) if time.monotonic() - started >= STRIKE_AFTER_S else None
+            if seq is None:                          # the child died on it (its memory limit, say), or
+                self._child.close(kill=True)         # its answer was not one: never left half-read
                 return self._strike(img)
             if seq != self._seq:
                 continue                             # the answer to a request given up on
-            names = doc.get("names")
-            if not isinstance(names, list) or len(names) != len(offsets):
+            try:
+                names = [bounded(_named(n)) for n in doc["names"]]
+            except (KeyError, TypeError, ValueError):
+                names = []
+            if len(names) != len(offsets):
                 return self._fail(img)
-            return [_named(n) for n in names]
+            return names
 
     def warm(self) -> None:
         """The child started, when it is not running (it then loads while the caller goes on)."""
@@ -123,17 +132,22 @@ def _ours(f: FileBytes) -> str:
     return f"/proc/{os.getpid()}/fd/{f.fd}"
 
 
+def bounded(n: Named) -> Named:
+    """`n` within what a frame row holds (names a target's DWARF chose can be of any length, lines
+    any number): applied by the child before it answers and again here."""
+    def text(v: object) -> str | None:
+        return v[:MAX_NAME] if isinstance(v, str) else None
+
+    def line(v: object) -> int | None:
+        return v if isinstance(v, int) and 0 <= v < 1 << 31 else None
+
+    return Named(text(n.function), text(n.file), line(n.line),
+                 tuple((text(f), text(p), line(k)) for f, p, k in n.inlined[:MAX_INLINED]))
+
+
 def _named(doc: list) -> Named:
     fn, file, line, inlined = doc
-    return Named(_str(fn), _str(file), _int(line), tuple((_str(f), _str(p), _int(n)) for f, p, n in inlined))
-
-
-def _str(v: object) -> str | None:
-    return v if isinstance(v, str) else None
-
-
-def _int(v: object) -> int | None:
-    return v if isinstance(v, int) else None
+    return Named(fn, file, line, tuple((f, p, k) for f, p, k in inlined[:MAX_INLINED]))
 
 
 def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
@@ -164,7 +178,7 @@ def child_main(argv: list[str]) -> int:
         except (OSError, *MALFORMED) as e:
             answer = {"id": req["id"], "error": f"{type(e).__name__}: {e}"[:200]}
         else:
-            answer = {"id": req["id"], "names": [[n.function, n.file, n.line, n.inlined] for n in names]}
+            answer = {"id": req["id"], "names": [[n.function, n.file, n.line, n.inlined] for n in map(bounded, names)]}
         out.write(json.dumps(answer).encode() + b"\n")
         out.flush()
     return 0

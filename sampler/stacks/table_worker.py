@@ -29,6 +29,7 @@ from typing import IO
 import numpy as np
 
 from sampler import files
+from sampler.binary import debuginfod
 from sampler.binary.elf import ElfImage
 from sampler.binary.reader import MALFORMED, open_regular
 from sampler.stacks.unwind_rows import ROW, FileRows, build
@@ -148,6 +149,7 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
 
 def child_main(argv: list[str]) -> int:
     child_setup(argv)
+    debuginfod.leave_to_workers()       # debug files are downloaded for names, by the name worker
     cache = Path(argv[1]) if len(argv) > 1 and argv[1] else None
     out = sys.stdout.buffer
     for line in sys.stdin:

@@ -755,3 +755,19 @@ def test_bombs_in_aggregate_cost_one_file_never_the_recorder(base, tmp_path, wor
     print(f"recorder peak RSS {peak:.0f} MiB, cgroup peak "
           f"{int((memory_ceiling / 'memory.max_usage_in_bytes').read_text()) / 2**20:.0f} MiB")
     assert peak < 340, peak          # 399-455 MiB before budgets (b2e353d)
+
+
+def test_symbol_tables_over_the_same_bytes_and_whole_cfi_reads_are_charged(base, tmp_path):
+    """Section headers may all point at the same bytes: a file with more symbol tables than real
+    files have is refused, not read once per header; and reading a whole .eh_frame (no
+    .eh_frame_hdr to index it) is charged to the file's budget like every section read."""
+    _, data, _ = base
+    many = tmp_path / "libmany.so"
+    write_symtab_bomb(data, many, count=20, size=1 << 20)
+    with pytest.raises(ElfFormatError, match="symbol tables"):
+        ElfImage.open(str(many)).symbol("victim_fn")
+    img = ElfImage.open("/lib/x86_64-linux-gnu/libc.so.6")
+    eh_frame = next(x.size for x in img.elf.sections if x.name == ".eh_frame")
+    before = img.elf.budget.used
+    CfiTable(img, use_hdr=False)
+    assert img.elf.budget.used - before >= eh_frame > 64 << 10

@@ -14,7 +14,7 @@ import pytest
 
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
-from sampler.stacks import symbolize
+from sampler.stacks import name_worker, symbolize
 from sampler.stacks.name_worker import NameWorker
 from sampler.stacks.symbolize import Frame, Symbolizer, demangle, module_key
 
@@ -382,7 +382,7 @@ def test_the_worker_names_as_the_recorder_would_even_after_the_process_and_file_
         debug_built.lib.with_suffix(".gone").rename(debug_built.lib)
 
 
-def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built, spawn):
+def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built, spawn, monkeypatch):
     """The child is killed when an answer misses the snapshot's deadline; a file late twice is not
     asked for again (its frames keep module and offset), and the next file is named by a fresh child."""
     p = spawn(debug_built.prog)
@@ -391,6 +391,10 @@ def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built,
     sym = Symbolizer(namer=namer)
     try:
         slow, fine = sym.places(p.pid, [lib["exported"] + 1, p.main_static + 1], first_is_ip=False)
+        # cut after 1 ms by the snapshot's budget: not the file's fault
+        assert namer.name(slow.image, slow.path, [slow.offset], time.monotonic() + 0.001) is None
+        assert slow.image not in namer.failed and not namer.failures
+        monkeypatch.setattr(name_worker, "STRIKE_AFTER_S", 0.0)     # now every late answer is the file's
         for _ in range(2):          # twice: a first late answer may be a cold start
             assert namer.name(slow.image, slow.path, [slow.offset], time.monotonic() + 0.001) is None
         sym.prepare([slow, fine])
@@ -400,3 +404,13 @@ def test_a_file_not_named_in_time_fails_alone_and_keeps_its_offsets(debug_built,
         assert namer.failures == 1 and slow.image in namer.failed and fine.image not in namer.failed
     finally:
         sym.close()
+
+
+def test_names_from_the_worker_are_bounded_before_they_reach_a_frame_row():
+    """Names a file's DWARF chose can be of any length and lines any number: what the child
+    answers is cut to what a frame row holds, on both sides."""
+    from sampler.stacks.symbolize import Named
+    n = name_worker.bounded(Named("f" * 100_000, 7, 1 << 40, (("g" * 5000, "h.c", -3),) * 500))
+    assert len(n.function) == name_worker.MAX_NAME and n.file is None and n.line is None
+    assert len(n.inlined) == name_worker.MAX_INLINED
+    assert n.inlined[0] == ("g" * name_worker.MAX_NAME, "h.c", None)
