@@ -10,11 +10,12 @@ import signal
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when `parent` dies (kill -9 included), and run it at a lower priority."""
+def die_with_parent(parent: int, nice: int = 10) -> None:
+    """SIGKILL this process when `parent` dies (kill -9 included), and run it `nice` lower."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:           # it died before the prctl
         os._exit(1)
-    with contextlib.suppress(OSError):
-        os.nice(10)
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)

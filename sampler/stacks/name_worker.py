@@ -163,7 +163,9 @@ def _read_answers(out: IO[bytes], answers: queue.SimpleQueue) -> None:
 # -- the child's side ------------------------------------------------------------------------------
 
 def child_main(argv: list[str]) -> int:
-    child_setup(argv)
+    # the recorder's loop waits for its answers: at a lower priority than the loop, a busy host
+    # would hold the loop up (the 64 stubborn processes of test_daemon_placement: 22 s)
+    child_setup(argv, nice=0)
     out = sys.stdout.buffer
     for line in sys.stdin:
         req = json.loads(line)

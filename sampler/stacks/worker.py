@@ -6,8 +6,9 @@ cost that child. Each runs under an address-space limit (ADDRESS_SPACE): ~150 Mi
 Python maps to start (much of it code not resident), so a child's data can grow by ~230 MiB, which
 with the daemon's own bound (max_rss 256M) stays below the unit's MemoryMax (576M). A file that
 takes a child to its limit fails alone (a MemoryError, or the child dies and the next request
-starts another), and the cgroup does not kill the daemon. Children run at a lower priority,
-without the daemon's credentials (environ.worker_environ), die with it, and exit when idle.
+starts another), and the cgroup does not kill the daemon. Children the recorder does not wait
+for run at a lower priority; all run without the daemon's credentials (environ.worker_environ),
+die with it, and exit when idle.
 
     python -m sampler.stacks.<module> PARENT_PID [ARGS...]
 """
@@ -94,10 +95,10 @@ class Child:
             proc.wait()
 
 
-def child_setup(argv: list[str]) -> None:
-    """The child's side, first: dies with its parent (argv[0]), under the address-space limit;
-    the recorder's Ctrl-C is the recorder's."""
-    die_with_parent(int(argv[0]))
+def child_setup(argv: list[str], nice: int = 10) -> None:
+    """The child's side, first: dies with its parent (argv[0]), under the address-space limit,
+    `nice` lower; the recorder's Ctrl-C is the recorder's."""
+    die_with_parent(int(argv[0]), nice)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
