@@ -2,7 +2,7 @@
 (natural alignment), and a `struct.Struct` that packs and unpacks it.
 
 Each ABI the project shares with C code has one module that mirrors its header with these:
-sampler/bpf/abi.py (sampler/bpf/abi.h, the BPF programs) and sampler/inprocess/abi.py
+sampler/bpf/abi.py (bpf/abi.h, the BPF programs) and sampler/inprocess/abi.py
 (sampler/inprocess/inject_abi.h and sampling.h, the injected sampler and the preload shim).
 tests/bpf/test_abi.py parses each header and checks its mirror against it, by one set of rules.
 This module imports nothing of the project, so that any layer may use it.

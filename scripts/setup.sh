@@ -56,44 +56,9 @@ apt_install default-jre-headless
 
 took "system packages"
 
-# Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build.
-kver=$(uname -r)
-moddir=/lib/modules/$kver
-if [ ! -e "$moddir/build/include" ]; then
-    if apt-cache show "linux-headers-$kver" >/dev/null 2>&1 || { [ $apt_updated = 0 ] && apt-get update -qq >&2 && apt_updated=1 && apt-cache show "linux-headers-$kver" >/dev/null 2>&1; }; then
-        apt_install "linux-headers-$kver"
-    else
-        # No package for the running kernel (custom or cloud kernels): use the newest available
-        # amd64 headers. Uprobe, tracepoint and perf-event programs only need pt_regs and tracefs
-        # formats, which are stable across these versions.
-        arch=$(dpkg --print-architecture)
-        pkg=$(apt-cache search --names-only "^linux-headers-[0-9]" 2>/dev/null | awk '{print $1}' \
-              | grep -E -- "-$arch\$" | grep -v -E -- '-(rt|cloud)-' | sort -V | tail -n 1)
-        [ -n "$pkg" ] || die "no linux-headers package for $kver and none to fall back to: install kernel headers into $moddir/build"
-        ver=${pkg#linux-headers-}; ver=${ver%-$arch}
-        # Installed, that package would pull in its kernel image and regenerate an initramfs, which
-        # recording never boots: its files and its two companions' are unpacked into a directory of
-        # ours instead (relative links between them kept), outside dpkg's database.
-        prefix=/usr/local/lib/allocsampler/kernel-headers/$ver
-        build=$prefix/usr/src/linux-headers-$ver-$arch
-        common=$prefix/usr/src/linux-headers-$ver-common
-        if [ ! -d "$build/include" ] || [ ! -d "$common/include" ]; then
-            [ $apt_updated = 1 ] || { DEBIAN_FRONTEND=noninteractive apt-get update -qq >&2 && apt_updated=1; }
-            dl=$(mktemp -d) && chmod 755 "$dl" && { chown _apt "$dl" 2>/dev/null || true; }
-            (cd "$dl" && apt-get download -qq "$pkg" "linux-headers-$ver-common" "linux-kbuild-$ver" >&2) \
-                || die "apt-get download of $pkg and its companions failed: check the network or apt sources"
-            rm -rf "$prefix" && mkdir -p "$prefix"
-            for deb in "$dl"/*.deb; do dpkg-deb -x "$deb" "$prefix" || die "unpacking $deb failed"; done
-            rm -rf "$dl"
-        fi
-        [ -d "$build/include" ] && [ -d "$common/include" ] || die "headers of $pkg unpacked but $build or $common is missing"
-        mkdir -p "$moddir"
-        ln -sfn "$build" "$moddir/build"
-        ln -sfn "$common" "$moddir/source"
-        log "WARNING: no headers package for kernel $kver; using those of $pkg, unpacked into $prefix. BPF programs that only use pt_regs and tracepoints work; clang may print harmless header warnings."
-    fi
-fi
-
+# Kernel headers: bcc compiles BPF C against /lib/modules/$(uname -r)/build (the running kernel's
+# package, or the nearest ones unpacked without the kernel image their package would pull in).
+bash "$here/scripts/kernel-headers.sh" || exit $?
 took "kernel headers"
 
 # tracefs (uprobe and tracepoint attachment goes through it).

@@ -1,4 +1,4 @@
-"""Reading C headers that both sides of an ABI include (sampler/bpf/abi.h, sampler/inprocess/
+"""Reading C headers that both sides of an ABI include (bpf/abi.h, sampler/inprocess/
 sampling.h and inject_abi.h): #defines, enums and structs, and their x86-64 layout, without a
 compiler (tests/test_abi.py)."""
 

@@ -1,4 +1,4 @@
-"""The Python side of sampler/bpf/abi.h: every value and record layout shared with the BPF programs.
+"""The Python side of bpf/abi.h: every value and record layout shared with the BPF programs.
 
 Only this module mirrors the header; tests/bpf/test_abi.py parses abi.h and checks each enum, constant
 and struct here against it, so a change on one side that the other lacks fails the suite. The

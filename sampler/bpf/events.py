@@ -1,6 +1,6 @@
 """Decoding of the records that the BPF programs put in the ring buffer.
 
-Layouts are `struct ev_hdr` / `struct ev_stack` of sampler/bpf/abi.h (sampler/bpf/abi.py): a 64-byte
+Layouts are `struct ev_hdr` / `struct ev_stack` of bpf/abi.h (sampler/bpf/abi.py): a 64-byte
 header, and for stack records the user registers, the Python frames, the native pcs walked in BPF
 and, where that walk handed over (or did not run), a copy of the user stack from its last frame.
 """

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import sampler.bpf as bpf_sources
-from sampler.bpf import btf, objcache, tracefs, uprobe_multi
+from sampler.bpf import btf, objcache, preflight, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, runtime
 from sampler.bpf.ringbuf import RingReader
@@ -246,8 +246,8 @@ class BpfProbes:
                 spec, self.compiled = objcache.build(text, cflags, self.cfg.cache_dir)
         except Exception as e:
             raise EnvironmentProblem(
-                f"could not compile the BPF programs ({e}); check kernel headers under "
-                f"/lib/modules/{os.uname().release}/build (run scripts/setup.sh)") from None
+                f"could not compile the BPF programs ({e}); check the kernel headers under "
+                f"/lib/modules/{os.uname().release}/build: {preflight.headers_fix()}") from None
         _release_compiler_memory()      # also when loaded: LLVM's static initializers touch ~40 MiB
         try:
             self.bpf = objcache.BpfObject(spec, sizes)

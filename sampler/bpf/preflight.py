@@ -25,8 +25,9 @@ def check_bcc() -> None:
     # found, not imported: importing bcc loads libbcc and LLVM, which only a compile needs
     if importlib.util.find_spec("bcc") is None:
         raise EnvironmentProblem(
-            "bcc is not importable from this Python: install python3-bpfcc and use the venv made by "
-            "scripts/setup.sh (it sees the system's bcc through --system-site-packages)")
+            "bcc is not importable from this Python: install python3-bpfcc, and run allocsampler from an "
+            "environment that sees the system's packages (the Debian package's, a venv made with "
+            "--system-site-packages, or a checkout's from scripts/setup.sh)")
 
 
 def check_headers() -> None:
@@ -35,9 +36,13 @@ def check_headers() -> None:
     if (build / "include").is_dir() or Path("/sys/kernel/kheaders.tar.xz").exists() \
             or os.environ.get("BCC_KERNEL_SOURCE"):
         return
-    raise EnvironmentProblem(
-        f"no kernel headers at {build}: install linux-headers-{rel}, or run scripts/setup.sh "
-        "(it links the newest available headers when the running kernel has no package)")
+    raise EnvironmentProblem(f"no kernel headers at {build}: {headers_fix()}")
+
+
+def headers_fix() -> str:
+    return (f"install linux-headers-{platform.release()}, or where the running kernel has no such package run "
+            "kernel-headers.sh (/usr/lib/allocsampler/ with the Debian package, scripts/ in a checkout): it "
+            "unpacks and links the nearest available ones")
 
 
 def check_bpf() -> None:

@@ -9,7 +9,7 @@ down to MIN_CAP, before it lets events drop; it doubles back (`relax`) once unde
 The pre-OOM capture lowers the mean below the compiled one for a window (`lower`), the cap still
 applying.
 
-Weights need no correction: sampler/bpf/common.h sample_bytes computes each sample's weight with the
+Weights need no correction: bpf/common.h sample_bytes computes each sample's weight with the
 mean in force for that allocation, and the shared countdown is memoryless, so every sum of
 weights stays unbiased whatever the means did; the standard errors, computed from the weights,
 grow as they should.

@@ -4,7 +4,7 @@ Allocations are sampled as a Poisson process over requested bytes with mean T: a
 S bytes is sampled with probability p = 1 - exp(-S/T) and then stands for S/p bytes and 1/p
 objects (Horvitz-Thompson), which makes every sum of weights an unbiased estimate.
 
-The BPF side computes S/p by interpolating `weight_table()` (sampler/bpf/common.h: sample_bytes);
+The BPF side computes S/p by interpolating `weight_table()` (bpf/common.h: sample_bytes);
 everything else here derives from (S, weight) as recorded in the events.
 """
 

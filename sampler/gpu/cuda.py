@@ -45,7 +45,7 @@ SRC_CUDA, SRC_CUDA_DRIVER, SRC_TORCH = Source.CUDA, Source.CUDA_DRIVER, Source.T
 LAYER_OF = {SRC_CUDA: CUDA, SRC_CUDA_DRIVER: CUDA_DRIVER}
 TORCH_PROVIDER = "pytorch"
 
-# cookie bits (sampler/bpf/cuda.bpf.c)
+# cookie bits (bpf/cuda.bpf.c)
 CV_OUT, CV_PITCH, CV_ARGS = CudaConv.OUT, CudaConv.PITCH, CudaConv.ARGS
 
 

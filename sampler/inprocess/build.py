@@ -1,8 +1,13 @@
-"""Building the code that runs inside targets (C, compiled here): the preload shim, the injected
-sampler and the helper that places it. Each is built into <repo>/build when missing or older than
-its sources, atomically (a concurrent user sees the old file or the whole new one).
+"""The code that runs inside targets (C): the preload shim, the injected sampler and the helper
+that places it, and where each is.
 
-    python -m sampler.inprocess      # builds all of them (scripts/setup.sh runs this)
+- An installed package carries them prebuilt in `prebuilt/` beside this module: compiled once when
+  the wheel was built (setup.py calls `compile_all`), used as they are, never rebuilt and never
+  written at run time, so that a host needs no compiler.
+- A checkout (no `prebuilt/`) builds each into <repo>/build when missing or older than its
+  sources, atomically (a concurrent user sees the old file or the whole new one).
+
+    python -m sampler.inprocess      # where each is, built first in a checkout (scripts/setup.sh)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from sampler.files import UnsafePath
 
 HERE = Path(__file__).resolve().parent
 BUILD_DIR = HERE.parents[1] / "build"     # <repo>/build
+PREBUILT = HERE / "prebuilt"              # an installed package's
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,46 @@ class Artifact:
     source: str                     # the C file, beside this module
     cflags: tuple[str, ...]
     headers: tuple[str, ...] = ()   # headers it includes from beside it (part of "stale")
+
+
+# Exported: the interposed functions and the allocsampler_preload_* symbols (-fvisibility=hidden).
+# Default -fasynchronous-unwind-tables stays: the recorder unwinds through the shim with CFI.
+SHIM = Artifact("the preload shim", "liballocsampler_preload.so", "preload.c",
+                ("-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec",
+                 "-fno-builtin", "-fasynchronous-unwind-tables", "-Wall", "-Wextra",
+                 "-Wl,--build-id", "-Wl,-z,now", "-Wl,-z,relro"), ("sampling.h",))
+# Freestanding and position-independent with no relocations: its bytes are copied into a memfd
+# that the target maps (inject.py), where nothing would apply them.
+SAMPLER = Artifact("the injected sampler", "allocsampler-inject.so", "inject.c",
+                   ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidden",
+                    "-fno-stack-protector", "-fno-builtin", "-fasynchronous-unwind-tables", "-fcf-protection=none",
+                    "-Wall", "-Wextra", "-nostdlib", "-shared", f"-Wl,-T,{HERE / 'inject.ld'}", "-Wl,--build-id",
+                    "-Wl,--eh-frame-hdr", "-Wl,-z,noexecstack", "-Wl,-z,norelro", "-Wl,--hash-style=gnu"),
+                   ("sampling.h", "inject_abi.h", "inject.ld"))
+PLACE = Artifact("the placement helper", "allocsampler-place", "place.c",
+                 ("-O2", "-Wall", "-Wextra", "-Wno-unused-function"), ("inject_abi.h", "sampling.h"))
+ARTIFACTS = (SHIM, SAMPLER, PLACE)
+
+
+def path(a: Artifact) -> Path:
+    """Where the artifact is: the installed package's prebuilt file, else (a checkout) built."""
+    if PREBUILT.is_dir():
+        out = PREBUILT / a.name
+        if not out.is_file():
+            raise EnvironmentProblem(f"{out} ({a.what}) is missing from the installed allocsampler: reinstall it")
+        _check_trusted(a, out)
+        return out
+    return build(a)
+
+
+def compile_all(out_dir: Path) -> list[Path]:
+    """Every artifact compiled into `out_dir` (building a wheel: setup.py)."""
+    outs = []
+    for a in ARTIFACTS:
+        out = out_dir / a.name
+        _compile(a, HERE / a.source, out)
+        outs.append(out)
+    return outs
 
 
 def compiler() -> str:

@@ -74,15 +74,6 @@ MEMFD_NAME = "/memfd:allocsampler"
 # back); past this the recorder stops waiting for the answer, never kills it.
 PLACE_WAIT_S = 30.0
 
-CFLAGS = ("-O2", "-g", "-ffreestanding", "-fPIC", "-fno-plt", "-fvisibility=hidden", "-fno-stack-protector",
-          "-fno-builtin", "-fasynchronous-unwind-tables", "-fcf-protection=none", "-Wall", "-Wextra",
-          "-nostdlib", "-shared", f"-Wl,-T,{builder.HERE / 'inject.ld'}", "-Wl,--build-id",
-          "-Wl,--eh-frame-hdr", "-Wl,-z,noexecstack", "-Wl,-z,norelro", "-Wl,--hash-style=gnu")
-SAMPLER = builder.Artifact("the injected sampler", "allocsampler-inject.so", "inject.c", CFLAGS,
-                           ("sampling.h", "inject_abi.h", "inject.ld"))
-PLACE = builder.Artifact("the placement helper", "allocsampler-place", "place.c",
-                         ("-O2", "-Wall", "-Wextra", "-Wno-unused-function"), ("inject_abi.h", "sampling.h"))
-
 
 class Refused(Exception):
     """Injection is impossible or refused for this process: the message says why, in one line.
@@ -94,8 +85,8 @@ class Refused(Exception):
 
 
 def built() -> tuple[Path, Path]:
-    """(the sampler's code file, the placement helper), built when missing or stale."""
-    return builder.build(SAMPLER), builder.build(PLACE)
+    """(the sampler's code file, the placement helper): prebuilt, or built in a checkout."""
+    return builder.path(builder.SAMPLER), builder.path(builder.PLACE)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The preload tier: build and locate the LD_PRELOAD sampling shim (sampler/inprocess/preload.c).
+"""The preload tier: locate the LD_PRELOAD sampling shim (sampler/inprocess/preload.c).
 
 A process started with the shim in LD_PRELOAD samples its own allocations (a per-thread byte
 countdown, Poisson with mean ALLOCSAMPLER_SAMPLE_MEAN) and reaches a probe site only for sampled
@@ -20,9 +20,9 @@ from sampler.errors import EnvironmentProblem, UsageError
 from sampler.inprocess import build as builder
 from sampler.inprocess.abi import SMP_DEFAULT_MAX_PER_S, SMP_DEFAULT_MEAN, SMP_MAX_MAX_PER_S, SMP_MAX_MEAN
 
-SOURCE = builder.HERE / "preload.c"
+SOURCE = builder.HERE / builder.SHIM.source
 BUILD_DIR = builder.BUILD_DIR
-LIB_NAME = "liballocsampler_preload.so"
+LIB_NAME = builder.SHIM.name
 ENV_SAMPLE_MEAN = "ALLOCSAMPLER_SAMPLE_MEAN"
 DEFAULT_SAMPLE_MEAN = SMP_DEFAULT_MEAN
 MAX_SAMPLE_MEAN = SMP_MAX_MEAN                      # the shim treats larger values as invalid (default)
@@ -30,15 +30,8 @@ ENV_MAX_SAMPLES_PER_S = "ALLOCSAMPLER_MAX_SAMPLES_PER_S"
 DEFAULT_MAX_SAMPLES_PER_S = SMP_DEFAULT_MAX_PER_S   # 0: no cap
 MAX_MAX_SAMPLES_PER_S = SMP_MAX_MAX_PER_S           # the shim treats larger values as invalid (default)
 
-# Exported: the interposed functions and the allocsampler_preload_* symbols (-fvisibility=hidden).
-# Default -fasynchronous-unwind-tables stays: the recorder unwinds through the shim with CFI.
-CFLAGS = [
-    "-O2", "-g", "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec",
-    "-fno-builtin", "-fasynchronous-unwind-tables", "-Wall", "-Wextra",
-    "-Wl,--build-id", "-Wl,-z,now", "-Wl,-z,relro",
-]
-
-SHIM = builder.Artifact("the preload shim", LIB_NAME, SOURCE.name, tuple(CFLAGS), ("sampling.h",))
+SHIM = builder.SHIM
+CFLAGS = list(SHIM.cflags)
 
 EXPORTED = frozenset({
     "malloc", "free", "calloc", "realloc", "reallocarray", "posix_memalign", "aligned_alloc",
@@ -49,10 +42,11 @@ EXPORTED = frozenset({
 
 
 def shim_path(build: bool = True) -> Path:
-    """Path of the built shim, `<repo>/build/liballocsampler_preload.so`.
-
-    With `build`, compiles it first when it is missing or older than its sources.
+    """Path of the shim: the installed package's prebuilt one, else `<repo>/build/liballocsampler_preload.so`,
+    with `build` compiled first when it is missing or older than its sources.
     """
+    if builder.PREBUILT.is_dir():
+        return builder.path(SHIM)
     if not build:
         return BUILD_DIR / LIB_NAME
     return builder.build(SHIM, SOURCE.parent, BUILD_DIR)

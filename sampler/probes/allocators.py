@@ -28,7 +28,7 @@ from sampler.proc.process import exe_path
 if TYPE_CHECKING:
     from sampler.probes.sites import ProbeSite
 
-# glibc functions that hand some calls to malloc or free (sampler/bpf/alloc.bpf.c: delegated()).
+# glibc functions that hand some calls to malloc or free (bpf/alloc.bpf.c: delegated()).
 MAX_BODY = 1 << 20  # bytes of an allocator entry point read (they run to a few KiB)
 GLIBC_DELEGATING = frozenset({Fn.REALLOC, Fn.MEMALIGN, Fn.ALIGNED_ALLOC, Fn.POSIX_MEMALIGN})
 

@@ -7,7 +7,7 @@ application) is recorded through them without further set-up.
 
 A probe is a nop at `pc`, described by a `.note.stapsdt` note whose argument string says where
 each argument lives at that nop ("8@%rdi -4@$5 8@16(%rbp)"). Arguments are turned into specs the
-BPF side reads from the registers (sampler/bpf/usdt.bpf.c; same layout as `struct usdt_spec`).
+BPF side reads from the registers (bpf/usdt.bpf.c; same layout as `struct usdt_spec`).
 """
 
 from __future__ import annotations

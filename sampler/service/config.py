@@ -554,7 +554,8 @@ def load(path: str | os.PathLike[str] = DEFAULT_PATH) -> Config:
             data = tomllib.load(f)
     except OSError as e:
         raise UsageError(f"{source}: cannot read the configuration: {e.strerror or e} "
-                         "(packaging/config.example.toml is a complete example)") from None
+                         "(config.example.toml is a complete example: /usr/share/doc/allocsampler/ with the "
+                         "Debian package, packaging/ in a checkout)") from None
     except UnicodeDecodeError as e:
         raise UsageError(f"{source}: not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:

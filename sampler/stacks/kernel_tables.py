@@ -1,5 +1,5 @@
 """The unwind tables BPF walks stacks with: files' rows in `uw_rows`, processes' mappings in
-`uw_maps` (sampler/bpf/abi.h, common.h walk_native).
+`uw_maps` (bpf/abi.h, common.h walk_native).
 
 A file's rows are built once (sampler/stacks/table_worker.py, cached on disk by CFI key) and
 loaded once into a range of `uw_rows`, shared by every file whose rows have the same content

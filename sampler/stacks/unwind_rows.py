@@ -1,4 +1,4 @@
-"""Compact unwind rows of one file, for the walk in BPF (`struct uw_row` of sampler/bpf/abi.h).
+"""Compact unwind rows of one file, for the walk in BPF (`struct uw_row` of bpf/abi.h).
 
 Every FDE of the file's CFI is decoded (sampler/stacks/cfi.py: the same decoder and bounds as the
 user-space unwinder) into rows sorted by pc: from a row's pc to the next row's, one rule. Rows

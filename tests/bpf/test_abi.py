@@ -1,4 +1,4 @@
-"""Each C ABI against its Python side, by the same rules: sampler/bpf/abi.h against sampler/bpf/abi.py
+"""Each C ABI against its Python side, by the same rules: bpf/abi.h against sampler/bpf/abi.py
 (the BPF programs), and sampler/inprocess/sampling.h + inject_abi.h against sampler/inprocess/abi.py
 (the injected sampler and the preload shim): every enum member, constant and struct field, parsed
 from the headers (no compiler needed), in both directions."""
@@ -20,11 +20,12 @@ ABIS = {
     "bpf": (bpf_abi, ("abi.h",)),
     "inprocess": (inprocess_abi, ("sampling.h", "inject_abi.h")),
 }
+# where each ABI's headers and the C files that include them live
+C_DIRS = {"bpf": ROOT / "bpf", "inprocess": Path(inprocess_abi.__file__).resolve().parent}
 
 
 def _header(abi) -> str:
-    module, headers = ABIS[abi]
-    return "".join((Path(module.__file__).parent / h).read_text() for h in headers)
+    return "".join((C_DIRS[abi] / h).read_text() for h in ABIS[abi][1])
 
 
 HEADERS = {abi: _header(abi) for abi in ABIS}
@@ -114,7 +115,7 @@ def test_nothing_else_redefines_the_abi(abi):
     mirror = Path(module.__file__).resolve()
     pattern = re.compile(r"^\s*(?:#define\s+|enum\s+\w+\s*\{[^}]*\b)("
                          + "|".join(map(re.escape, defines)) + r")\b", re.M)
-    for c in mirror.parent.glob("*.c"):
+    for c in C_DIRS[abi].glob("*.c"):
         assert not pattern.search(strip_comments(c.read_text())), c
     names = {*defines, *(m for members in enums.values() for m in members)}
     assign = re.compile(r"^(" + "|".join(map(re.escape, names)) + r")(?:\s*,\s*\w+)*\s*=\s*(?:\d|0x|-|\()", re.M)

@@ -56,7 +56,7 @@ def test_no_kernel_headers(tmp_path, bpf_ready):
     cmd = " ".join(allocsampler_cmd("record", "--pid", "1", "-o", str(tmp_path)))
     p = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none /lib/modules && exec {cmd}"],
                        capture_output=True, text=True, timeout=120, cwd="/")
-    assert_clean_error(p, 3, "no kernel headers", "linux-headers", "scripts/setup.sh")
+    assert_clean_error(p, 3, "no kernel headers", "linux-headers", "kernel-headers.sh")
 
 
 def test_no_such_pid(tmp_path, bpf_ready):

@@ -22,7 +22,7 @@ def test_weight_formula():
 
 
 def _bpf_weight(size: int, mean: int, tab: list[int]) -> int:
-    """sampler/bpf/common.h sample_bytes(), integer for integer."""
+    """bpf/common.h sample_bytes(), integer for integer."""
     if size >= abi.WTAB_MAX_X * mean:
         return size
     xq = (size << 22) // mean

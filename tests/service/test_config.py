@@ -57,6 +57,20 @@ def test_example_loads_with_its_documented_defaults():
     assert c.source == str(EXAMPLE)
 
 
+def test_the_packages_config_selects_nothing_until_the_admin_does(tmp_path):
+    """The Debian package's conffile (packaging/config.toml): the service refuses to start on it,
+    saying what to add; its commented examples, uncommented, are valid targets."""
+    shipped = ROOT / "packaging" / "config.toml"
+    with pytest.raises(UsageError, match=r"targets: none given: expected at least one \[\[targets\]\]"):
+        config.load(shipped)
+    text = shipped.read_text()
+    examples = "\n".join(ln.removeprefix("# ") for ln in text.splitlines()
+                         if ln.startswith(("# [[targets]]", "# cgroup", "# regex", "# tier")))
+    c = load_text(tmp_path, examples + "\n" + text)
+    assert [(t.cgroup, t.tier) for t in c.targets] == [("system.slice/inference.service", ATTACH), (None, ALWAYS_ON)]
+    assert c.targets[1].regex and c.daemon == config.DaemonConfig()
+
+
 def test_example_documents_every_key():
     text = EXAMPLE.read_text()
     for section in (config.DaemonConfig, config.RetentionConfig, config.MetricsConfig, config.AnalysisConfig):

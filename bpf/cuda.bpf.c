@@ -1,5 +1,5 @@
 /* GPU memory: CUDA runtime (libcudart) and driver (libcuda) allocation calls. (PyTorch's
- * caching-allocator USDT probes, pytorch:malloc / pytorch:free, are sampler/bpf/usdt.bpf.c's.)
+ * caching-allocator USDT probes, pytorch:malloc / pytorch:free, are bpf/usdt.bpf.c's.)
  *
  * CUDA calls are rare (a caching allocator calls cudaMalloc once per segment), so every call
  * is recorded, unsampled: `cuda_call` is attached with two uprobe_multi links per library and

@@ -1,0 +1,230 @@
+"""Installed as hosts install it, away from the checkout: the wheel that `python -m build` makes
+(from its sdist) in a fresh virtual environment, and the Debian package that scripts/build-deb.sh
+makes from that wheel, through apt. Each records a leaking process from `/` with no compiler on
+PATH, and writes nothing into its install tree; the package upgrades with its config kept and
+purges with nothing left but the recorded data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import ROOT, WORKLOADS, compile_c
+
+SYSTEM_PY = "/usr/bin/python3"        # the interpreter that sees Debian's bcc (python3-bpfcc)
+PREBUILT = ("liballocsampler_preload.so", "allocsampler-inject.so", "allocsampler-place")
+COMPILERS = ("cc", "gcc", "c++", "g++", "clang", "tcc", "x86_64-linux-gnu-gcc")
+DEB_PATHS = ("/opt/allocsampler", "/usr/bin/allocsampler", "/lib/systemd/system/allocsampler.service",
+             "/etc/allocsampler", "/usr/lib/allocsampler", "/usr/share/doc/allocsampler",
+             "/var/cache/allocsampler", "/run/allocsampler")
+
+pytestmark = pytest.mark.bpf
+
+
+def run(cmd, **kw) -> subprocess.CompletedProcess:
+    """cmd run from / (unless told) without the checkout on its path: as an installed tool runs."""
+    kw.setdefault("cwd", "/")
+    kw.setdefault("env", {k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
+    assert r.returncode == 0, f"{cmd} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> tuple[Path, Path]:
+    """(sdist, wheel) as `python -m build` makes them: the wheel is built from the sdist."""
+    out = tmp_path_factory.mktemp("dist")
+    run([sys.executable, "-m", "build", "--no-isolation", "--outdir", out, ROOT], cwd=ROOT)
+    (sdist,), (wheel,) = out.glob("*.tar.gz"), out.glob("*.whl")
+    return sdist, wheel
+
+
+@pytest.fixture(scope="module")
+def no_compiler(tmp_path_factory) -> dict[str, str]:
+    """An environment whose PATH holds every command of this machine but its C compilers."""
+    d = tmp_path_factory.mktemp("path")
+    for bindir in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        for f in sorted(Path(bindir).glob("*")) if Path(bindir).is_dir() else ():
+            name = f.name
+            if name.startswith(("gcc", "g++", "clang", "cpp", "x86_64-linux-gnu-")) or name in COMPILERS \
+                    or (d / name).exists() or name.startswith("python") and bindir == "/usr/local/bin":
+                continue
+            (d / name).symlink_to(f)
+    assert not any(shutil.which(c, path=str(d)) for c in COMPILERS)
+    return {"PATH": str(d), "LANG": "C.UTF-8"}
+
+
+@pytest.fixture(scope="module")
+def steady_leak(tmp_path_factory) -> Path:
+    return compile_c(WORKLOADS / "steady_leak.c", tmp_path_factory.mktemp("leak") / "steady_leak")
+
+
+def tree(*roots: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under roots: (mode, size, mtime_ns)."""
+    out = {}
+    for root in roots:
+        for dirpath, dirs, files in os.walk(root):
+            for name in dirs + files:
+                st = os.lstat(os.path.join(dirpath, name))
+                out[os.path.join(dirpath, name)] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def leak_rate(log: Path, start: pd.Timestamp, end: pd.Timestamp) -> float:
+    """What steady_leak says it leaked per second between start and end (its own clock)."""
+    rows = np.loadtxt(log, dtype=np.int64, ndmin=2)
+    t, total = rows[:, 0] / 1e9, rows[:, 1].astype(float)
+    inside = (t >= start.timestamp()) & (t <= end.timestamp())
+    assert inside.sum() >= 32, f"steady_leak reported {inside.sum()} leaks in the recording's window"
+    return float(np.polyfit(t[inside], total[inside], 1)[0])
+
+
+def test_the_wheel_needs_no_compiler_and_finds_a_leak_run_from_the_root(dist, no_compiler, steady_leak,
+                                                                          tmp_path, bpf_ready):
+    sdist, wheel = dist
+    assert wheel.name.endswith("-py3-none-linux_x86_64.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"sampler/inprocess/prebuilt/{n}" for n in PREBUILT} <= names
+    assert {"sampler/bpf/programs/abi.h", "sampler/bpf/programs/common.h", "sampler/bpf/programs/alloc.bpf.c"} <= names
+    assert not [n for n in names if n.endswith((".c", ".ld")) and n.startswith("sampler/inprocess/")]
+    top = sdist.name.removesuffix(".tar.gz")
+    with tarfile.open(sdist) as t:
+        members = set(t.getnames())
+    assert {f"{top}/bpf/abi.h", f"{top}/sampler/inprocess/inject.c", f"{top}/sampler/inprocess/inject.ld",
+            f"{top}/setup.py", f"{top}/packaging/allocsampler.service"} <= members
+
+    venv = tmp_path / "venv"
+    run([SYSTEM_PY, "-m", "venv", "--system-site-packages", venv])
+    run([venv / "bin" / "pip", "install", "-q", "--disable-pip-version-check", wheel], timeout=600)
+    where = run([venv / "bin" / "python", "-c", "import sampler; print(sampler.__file__)"]).stdout
+    site = Path(where.strip()).parents[1]
+    assert site.is_relative_to(venv)
+    installed = tree(site / "sampler", site / "analysis")
+    env = {**no_compiler, "HOME": str(tmp_path)}
+
+    # the in-process code is the package's, compiled when the wheel was built
+    r = run([venv / "bin" / "python", "-m", "sampler.inprocess"], env=env)
+    assert r.stdout.split() == [str(site / "sampler" / "inprocess" / "prebuilt" / n) for n in PREBUILT]
+
+    log = tmp_path / "leaked.txt"
+    with open(log, "w") as out:
+        target = subprocess.Popen([steady_leak], stdout=out)
+    try:
+        time.sleep(0.3)
+        rec = tmp_path / "rec"
+        run([venv / "bin" / "allocsampler", "record", "--pid", target.pid, "--out", rec, "--duration", "10",
+             "--sample-bytes", "64K"], env=env)
+    finally:
+        target.kill()
+        target.wait()
+    targets = pd.read_parquet(rec / "targets")
+    assert targets["detail"].str.startswith("inject: in-process sampler at").any(), targets["detail"].tolist()
+
+    found = json.loads(run([venv / "bin" / "allocsampler", "analyze", "--json", rec], env=env).stdout)
+    leaks = [f for f in found["findings"] if f["kind"] == "persistent_growth"
+             and f["frames"][0]["function"] == "leak_site" and f["pid"] == target.pid]
+    assert len(leaks) == 1, found["findings"]
+    f = leaks[0]
+    truth = leak_rate(log, pd.Timestamp(f["first_seen"]), pd.Timestamp(f["last_seen"]))
+    rate, se = f["growth_bytes_per_hour"] / 3600, f["growth_stderr_bytes_per_hour"] / 3600
+    assert abs(rate - truth) <= 3 * se + 0.05 * truth, (rate, se, truth)
+
+    # nothing was compiled, written or rebuilt inside the installed package
+    assert tree(site / "sampler", site / "analysis") == installed
+    assert not (site / "build").exists()
+
+
+def _installed_version() -> str | None:
+    r = subprocess.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "allocsampler"], capture_output=True,
+                       text=True)
+    status = r.stdout.split()
+    return status[-1] if r.returncode == 0 and status[:3] == ["install", "ok", "installed"] else None
+
+
+def apt(*args: str | Path) -> subprocess.CompletedProcess:
+    return run(["apt-get", "-y", "-q", *args], env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, timeout=300)
+
+
+def test_the_deb_installs_records_upgrades_keeping_its_config_and_purges_clean(dist, no_compiler, steady_leak,
+                                                                              tmp_path, bpf_ready):
+    if subprocess.run(["dpkg-query", "-W", "allocsampler"], capture_output=True).returncode == 0:
+        pytest.fail("an allocsampler package is installed on this machine: this test installs and purges its "
+                    "own; apt-get purge allocsampler first")
+    _, wheel = dist
+    debs = {}
+    for revision in ("1", "2"):
+        r = run(["bash", ROOT / "scripts" / "build-deb.sh", "--wheel", wheel, "--revision", revision,
+                 "--out", tmp_path, "--compress", "gzip"])
+        debs[revision] = Path(r.stdout.strip().splitlines()[-1])
+        assert debs[revision].name == f"allocsampler_0.1.0-{revision}_amd64.deb"
+    fields = run(["dpkg-deb", "-f", debs["1"], "Depends", "Architecture"]).stdout
+    assert "python3-bpfcc" in fields and "Architecture: amd64" in fields
+
+    # what the purge removes is shared with checkouts on this machine: set aside, put back after
+    aside = {p: tmp_path / "aside" / p.strip("/").replace("/", "_") for p in ("/var/cache/allocsampler",
+                                                                              "/run/allocsampler")}
+    data_dir = Path("/var/lib/allocsampler")
+    made_data_dir = not data_dir.exists()
+    try:
+        apt("install", debs["1"])
+        assert _installed_version() == "0.1.0-1"
+        assert run(["/usr/bin/allocsampler", "--version"], env=no_compiler).stdout.strip() \
+            == "allocsampler 0.1.0"
+        assert Path("/lib/systemd/system/allocsampler.service").is_file()
+        assert not Path("/etc/systemd/system/multi-user.target.wants/allocsampler.service").exists()   # not enabled
+        shim = Path(run(["/usr/bin/allocsampler", "preload-path"], env=no_compiler).stdout.strip())
+        assert shim == Path("/usr/lib/allocsampler/liballocsampler_preload.so").resolve()
+        assert shim.is_relative_to("/opt/allocsampler")
+
+        # the preload tier through the package's shim, and the dataset read by the package's own tools
+        rec = tmp_path / "rec"
+        run(["/usr/bin/allocsampler", "record", "--preload", "--sample-bytes", "64K", "--out", rec, "--duration",
+             "6", "--", steady_leak], env=no_compiler)
+        top = run(["/usr/bin/allocsampler", "top", rec], env=no_compiler).stdout
+        first = next(ln for ln in top.splitlines() if ln.strip().startswith("1."))
+        assert "leak_site (steady_leak)" in first, top
+        # nothing of the package's changed, and nothing was added under its directories
+        assert run(["dpkg", "--verify", "allocsampler"]).stdout == ""
+        owned = set(run(["dpkg-query", "-L", "allocsampler"]).stdout.split())
+        assert set(tree(Path("/opt/allocsampler"))) <= owned
+
+        config = Path("/etc/allocsampler/config.toml")
+        edited = config.read_text() + '\n[[targets]]\nname = "steady_leak"\ntier = "attach"\n'
+        config.write_text(edited)
+        apt("install", debs["2"])
+        assert _installed_version() == "0.1.0-2"
+        assert config.read_text() == edited
+
+        for path, kept in aside.items():
+            if os.path.lexists(path):
+                kept.parent.mkdir(exist_ok=True)
+                shutil.move(path, kept)
+        Path("/var/cache/allocsampler/bpf").mkdir(parents=True)      # as the package's recorder left it
+        data_dir.mkdir(exist_ok=True)
+        (data_dir / "test-marker").write_text("the admin's data\n")
+        apt("purge", "allocsampler")
+        assert _installed_version() is None
+        assert [p for p in DEB_PATHS if os.path.lexists(p)] == []
+        assert (data_dir / "test-marker").read_text() == "the admin's data\n"
+    finally:
+        if subprocess.run(["dpkg-query", "-W", "allocsampler"], capture_output=True).returncode == 0:
+            subprocess.run(["apt-get", "-y", "-q", "purge", "allocsampler"], capture_output=True,
+                           env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        for path, kept in aside.items():
+            if kept.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                shutil.move(kept, path)
+        (data_dir / "test-marker").unlink(missing_ok=True)
+        if made_data_dir and data_dir.is_dir() and not any(data_dir.iterdir()):
+            data_dir.rmdir()
