@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build allocsampler_VERSION_amd64.deb from the wheel, for hosts that install it with apt:
-#   scripts/build-deb.sh [--wheel FILE] [--revision N] [--out DIR] [--compress xz|zstd|gzip]
-# Without --wheel it builds one (python -m build, with the checkout's .venv: scripts/setup.sh).
+#   scripts/build-deb.sh [--wheel FILE] [--revision N] [--out DIR] [--compress zstd|xz|gzip] [--python PY]
+# Without --wheel it builds one (python -m build). PY runs pip (and build): an environment of the
+# system's python3 with pip, by default the checkout's .venv (scripts/setup.sh).
 # VERSION is the wheel's version and the Debian revision (default 1): rebuild with a higher
 # revision to ship an upgrade of the same code.
 #
@@ -20,26 +21,26 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 die() { printf 'build-deb: error: %s\n' "$*" >&2; exit 3; }
 log() { printf 'build-deb: %s\n' "$*" >&2; }
 
-wheel="" revision=1 out=$here/dist compress=xz
+wheel="" revision=1 out=$here/dist compress=zstd tool_py=$here/.venv/bin/python
 while [ $# -gt 0 ]; do
     case "$1" in
         --wheel) wheel=${2:?}; shift 2 ;;
         --revision) revision=${2:?}; shift 2 ;;
         --out) out=${2:?}; shift 2 ;;
         --compress) compress=${2:?}; shift 2 ;;
+        --python) tool_py=${2:?}; shift 2 ;;
         *) die "unknown argument $1: see the usage at the top of $0" ;;
     esac
 done
 [[ $revision =~ ^[0-9][0-9a-z.+~]*$ ]] || die "--revision $revision: expected a Debian revision such as 1 or 2"
-case $compress in xz|zstd|gzip) ;; *) die "--compress $compress: expected xz, zstd or gzip" ;; esac
+case $compress in xz|zstd|gzip) ;; *) die "--compress $compress: expected zstd, xz or gzip" ;; esac
 command -v dpkg-deb >/dev/null || die "dpkg-deb is missing: build on Debian or Ubuntu"
 
 # The interpreter the package runs on, and one of its environments to run pip and build with.
 sys_py=/usr/bin/python3
 [ -x $sys_py ] || die "$sys_py is missing: apt-get install python3"
 pyver=$($sys_py -c 'import sys; print("%d.%d" % sys.version_info[:2])')
-tool_py=$here/.venv/bin/python
-[ -x "$tool_py" ] || die "$tool_py is missing: run scripts/setup.sh first"
+[ -x "$tool_py" ] || die "$tool_py is missing: run scripts/setup.sh first, or name one with --python"
 [ "$("$tool_py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" = "$pyver" ] \
     || die "$tool_py is not a Python $pyver environment: recreate it with scripts/setup.sh"
 

@@ -165,7 +165,7 @@ def test_the_deb_installs_records_upgrades_keeping_its_config_and_purges_clean(d
     debs = {}
     for revision in ("1", "2"):
         r = run(["bash", ROOT / "scripts" / "build-deb.sh", "--wheel", wheel, "--revision", revision,
-                 "--out", tmp_path, "--compress", "gzip"])
+                 "--out", tmp_path, "--compress", "gzip", "--python", sys.executable])
         debs[revision] = Path(r.stdout.strip().splitlines()[-1])
         assert debs[revision].name == f"allocsampler_0.1.0-{revision}_amd64.deb"
     fields = run(["dpkg-deb", "-f", debs["1"], "Depends", "Architecture"]).stdout
