@@ -16,6 +16,9 @@ import os
 BLAS_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _WORKER_VARS = ("PATH", "LANG", "LC_ALL", "TZ", "TMPDIR", *BLAS_VARS)
 _WORKER_PREFIXES = ("ALLOCSAMPLER_", "DEBUGINFOD_")      # our settings; debug files by build-id
+# how a worker that downloads (debuginfod, in the name worker) reaches the network
+NETWORK_VARS = ("http_proxy", "https_proxy", "no_proxy", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+                "SSL_CERT_FILE", "SSL_CERT_DIR")
 _added: set[str] = set()
 
 
@@ -32,10 +35,12 @@ def user_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _added}
 
 
-def worker_environ(**extra: str) -> dict[str, str]:
+def worker_environ(network: bool = False, **extra: str) -> dict[str, str]:
     """A worker's environment: the locale, PATH, temporary directory, our settings and BLAS's,
-    plus `extra`; never credentials, proxies or anything else the recorder was given."""
-    env = {k: v for k, v in os.environ.items() if k in _WORKER_VARS or k.startswith(_WORKER_PREFIXES)}
+    with `network` the proxies and CA certificates, plus `extra`; never credentials or anything
+    else the recorder was given."""
+    wanted = (*_WORKER_VARS, *NETWORK_VARS) if network else _WORKER_VARS
+    env = {k: v for k, v in os.environ.items() if k in wanted or k.startswith(_WORKER_PREFIXES)}
     env.update(dict.fromkeys(BLAS_VARS, "1"))
     env.update(extra)
     return env

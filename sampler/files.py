@@ -127,12 +127,16 @@ def cache_dir(sub: str, path: str | None = None) -> Path | None:
 
 def is_magic_link(path: str | os.PathLike) -> bool:
     """/proc/PID/map_files/<range>, or /proc/PID/fd/N of a descriptor opened through one (ours, or
-    the recorder's from its name worker): links the kernel resolves to the inode itself, not through
-    a path anyone can change; the kinds of link a target's file is opened through."""
+    the recorder's from its name worker: only our own or our parent's descriptors): links the kernel
+    resolves to the inode itself, not through a path anyone can change; the kinds of link a
+    target's file is opened through."""
     parts = os.fspath(path).split("/")
-    return len(parts) == 5 and parts[:2] == ["", "proc"] and (
-        parts[3] == "map_files" or (parts[3] == "fd" and (parts[2] == "self" or parts[2].isdigit())
-                                    and parts[4].isdigit()))
+    if len(parts) != 5 or parts[:2] != ["", "proc"]:
+        return False
+    if parts[3] == "map_files":
+        return True
+    return parts[3] == "fd" and parts[4].isdigit() and (
+        parts[2] == "self" or parts[2].isdigit() and int(parts[2]) in (os.getpid(), os.getppid()))
 
 
 def split_proc_root(path: str | os.PathLike) -> tuple[str, str] | None:

@@ -54,6 +54,9 @@ BACKOFF_S = 300.0
 CHUNK = 1 << 20
 BUILD_ID = re.compile(r"[0-9a-f]{2,128}")
 ENTRY = re.compile(r"[0-9a-f]{2,128}\.(debug|miss)")  # what the cache's accounting counts and evicts
+# a download's temporary (files.atomic_file), left by a child killed or idled out mid-download
+TEMPORARY = re.compile(r"\.[0-9a-f]{2,128}\.(debug|miss)\.[0-9]+-[0-9a-f]+\.tmp")
+TEMPORARY_STALE_S = 2 * DEADLINE_S
 
 QUEUE_MAX = 64  # queued or downloading
 RATE_PER_S = 1.0
@@ -356,11 +359,19 @@ def trim(cache: Path, keep: Path) -> int:
     """Remove the least recently used entries (by mtime) until the cache holds at most
     cache_bytes() and CACHE_ENTRIES; `keep` (just stored) last of all, when it alone is over.
     Counts only debug files and miss markers that are regular files of ours, seen with lstat:
-    anything else there (a link, another user's file, a temporary) is neither counted nor
-    removed. The number removed."""
+    anything else there (a link, another user's file) is neither counted nor removed, but for our
+    temporaries older than any download may take (a child killed mid-download left them). The
+    number of entries removed."""
     entries = []
+    now = time.time()
     with contextlib.suppress(OSError), os.scandir(cache) as it:
         for e in it:
+            if TEMPORARY.fullmatch(e.name):
+                with contextlib.suppress(OSError):
+                    st = e.stat(follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode) and files.is_private(st) and now - st.st_mtime > TEMPORARY_STALE_S:
+                        os.unlink(cache / e.name)
+                continue
             if not ENTRY.fullmatch(e.name):
                 continue
             with contextlib.suppress(OSError):

@@ -49,7 +49,7 @@ class NameWorker:
     (`name`); failed images are remembered and not asked for again."""
 
     def __init__(self):
-        self._child = Child("sampler.stacks.name_worker")
+        self._child = Child("sampler.stacks.name_worker", network=True)    # debuginfod is asked there
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
         self._last_used = time.monotonic()

@@ -39,9 +39,10 @@ class Child:
     """One child running `module`, started on demand; JSON lines to its stdin, its stdout read by
     the owner."""
 
-    def __init__(self, module: str, *args: str):
+    def __init__(self, module: str, *args: str, network: bool = False):
         self.module = module
         self.args = args
+        self.network = network          # it downloads: the proxies and CA certificates it needs
         self.proc: subprocess.Popen | None = None
         self._exited_cpu_s = 0.0          # CPU time of children that have exited
 
@@ -53,7 +54,7 @@ class Child:
         """A fresh child (the old one closed); its stdout."""
         self.close()
         argv = [sys.executable, "-m", self.module, str(os.getpid()), *self.args]
-        env = environ.worker_environ(PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        env = environ.worker_environ(self.network, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      close_fds=True, cwd="/", env=env)
         return self.proc.stdout

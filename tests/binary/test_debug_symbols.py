@@ -417,10 +417,18 @@ def test_debuginfod_cache_is_bounded_least_recently_used_first(tmp_path, cache, 
     os.chown(d / f"{'d' * 40}.debug", 65534, 65534)
     (d / "notes.txt").write_bytes(b"x" * size)
     foreign = sorted(p.name for p in d.iterdir() if p.name.endswith((".debug", ".txt")))
+    # a download's temporary left by a child killed mid-download goes once no download can be that
+    # long; a fresh one (a download under way) stays
+    stale, fresh = (d / f".{x * 40}.debug.{os.getpid()}-0a1b2c3d.tmp" for x in "12")
+    for t in (stale, fresh):
+        t.write_bytes(b"x" * size)
+    old = time.time() - debuginfod.TEMPORARY_STALE_S - 1
+    os.utime(stale, (old, old))
 
     assert debuginfod.debug_file(a).build_id() == a  # used: b is now the least recently used
     assert fetch(e) is not None
     assert cache_entries(d, ".debug") == {a, c, e}
+    assert not stale.exists() and fresh.exists()
     monkeypatch.setenv(debuginfod.CACHE_BYTES_ENV, str(2 * size + size // 2))  # room for two
     assert fetch(f) is not None
     assert cache_entries(d, ".debug") == {e, f}  # c, then a (used after c was stored)

@@ -356,6 +356,27 @@ def test_symlink_at_a_library_path_is_not_followed(base, tmp_path):
     assert usdt.read_probes(str(link)) == ()
 
 
+def test_another_processes_descriptor_link_is_not_followed(base, tmp_path):
+    """/proc/PID/fd/N is followed only for our own descriptors and our parent's (the name worker
+    reads the recorder's): a target's descriptor, which could be anything it opened, is a link
+    like any other and refused."""
+    lib, _, _ = base
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
+                               "print(f.fileno(), flush=True); time.sleep(30)", str(lib)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        n = int(holder.stdout.readline())
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            files.open_untrusted(f"/proc/{holder.pid}/fd/{n}", 1 << 30)
+        with open(lib, "rb") as own:
+            fd, st = files.open_untrusted(f"/proc/{os.getpid()}/fd/{own.fileno()}", 1 << 30)
+            os.close(fd)
+            assert st.st_ino == os.fstat(own.fileno()).st_ino
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_file_truncated_while_parsed_is_no_sigbus(base, tmp_path):
     """The target truncates its library after the recorder opened it: later reads fail cleanly
     (a mapping would have killed the process with SIGBUS)."""

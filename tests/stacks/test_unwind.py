@@ -27,6 +27,7 @@ from sampler.binary import elf
 from sampler.binary.elf import ElfImage
 from sampler.proc.maps import find_mapping, open_path, read_maps
 from sampler.stacks import cfi
+from sampler.stacks.name_worker import NameWorker
 from sampler.stacks.table_worker import TableWorker
 from sampler.stacks.unwind import Regs, Unwinder, UnwindResult
 
@@ -555,3 +556,26 @@ def test_the_table_worker_gets_our_settings_and_no_credentials(monkeypatch):
         w.close()
     assert "AWS_SECRET_ACCESS_KEY" not in env
     assert env["ALLOCSAMPLER_RUN_DIR"] == "/run/allocsampler-test" and env["OPENBLAS_NUM_THREADS"] == "1"
+
+
+def test_only_the_name_worker_gets_the_proxy_it_downloads_through(monkeypatch):
+    """The name worker asks debuginfod, behind the host's proxy and CA certificates; the table
+    worker downloads nothing and gets neither; credentials reach neither."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-for-workers")
+    monkeypatch.setenv("https_proxy", "http://proxy.internal:3128")
+    monkeypatch.setenv("SSL_CERT_FILE", "/etc/ssl/certs/internal.pem")
+    envs = {}
+    for worker, module in ((NameWorker(), "name_worker"), (TableWorker(None), "table_worker")):
+        try:
+            if module == "name_worker":
+                worker.warm()
+            else:
+                worker.submit(1, "/bin/true", "/bin/true", "/")
+            [child] = [c for c in psutil.Process().children() if f"sampler.stacks.{module}" in c.cmdline()]
+            envs[module] = child.environ()
+        finally:
+            worker.close()
+    assert envs["name_worker"]["https_proxy"] == "http://proxy.internal:3128"
+    assert envs["name_worker"]["SSL_CERT_FILE"] == "/etc/ssl/certs/internal.pem"
+    assert "https_proxy" not in envs["table_worker"] and "SSL_CERT_FILE" not in envs["table_worker"]
+    assert not any("AWS_SECRET_ACCESS_KEY" in env for env in envs.values())
