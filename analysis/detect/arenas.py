@@ -31,8 +31,11 @@ minimum is new waste. When neither bound reaches the threshold the finding says 
 summary) and keeps half its confidence; a free-list measurement settles the question.
 
 Trimmable (what malloc_trim(0) would release: whole free pages in bins; the brk top) vs pinned
-(the rest: pages that keep a live chunk, small free chunks, tcache) is only known from the free
-lists. Sampling cannot bound it usefully: one live 1 KiB chunk per page pins every page.
+(free bytes on resident pages that also hold bytes in use) is only known from the free lists.
+Sampling alone cannot bound it usefully: one live 1 KiB chunk per page pins every page. With the
+free lists read, the recording charged each pinned page's free bytes to the sampled live chunks
+on it (outstanding.pinned_bytes, sampler/record/outstanding.py): the finding names the stacks
+that pin the most, when their estimate is at least twice its standard error.
 
 severity = 100 x bloat / memory_limit x confidence, the share of the limit that is wasted (as
 persistent_growth uses the share of the limit consumed per day). confidence = P(bloat above the
@@ -52,6 +55,7 @@ import pyarrow.dataset as pds
 from analysis.dataset import Dataset, read_table
 from analysis.detect.stats import bin_series, normal_sf, theil_sen
 from analysis.findings import Finding
+from analysis.frames import frames_json, site
 from sampler.units import fmt_bytes
 
 HEAP_OVERHEAD = 4096 + 2200           # per heap: heap_info page rounding + sizeof(malloc_state)
@@ -59,6 +63,7 @@ TCACHE_PER_THREAD = 235 << 10         # 64 bins x 7 chunks, 24..1032 B: the most
 COMMIT_EVENTS = ("heap_grow", "brk_grow")
 TRIM_EVENTS = ("heap_trim", "brk_trim")
 HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
+PINNING_SITES = 3                     # stacks named as pinning pages, at most
 
 
 @dataclass
@@ -75,6 +80,19 @@ class ArenaBloat(Finding):
     def next_step(self) -> str:
         return self.details.get("recommendation") or ""
 
+    def stack(self) -> list | None:
+        """The stack that pins the most pages, when one was named."""
+        sites = self.details.get("pinning_sites") or []
+        return sites[0]["frames"] if sites else None
+
+    def numbers(self) -> dict:
+        out = {k: v for k, v in super().numbers().items() if k != "pinning_sites"}
+        for i, s in enumerate(self.details.get("pinning_sites") or [], 1):
+            out[f"pinning_site_{i}"] = s["site"]
+            out[f"site_{i}_pinned_bytes"] = s["pinned_bytes"]
+            out[f"site_{i}_pinned_stderr_bytes"] = s["pinned_stderr_bytes"]
+        return out
+
 
 def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,
                        min_windows: int = 3, min_measured_windows: int = 2) -> list[Finding]:
@@ -86,7 +104,7 @@ def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: fl
     findings = []
     for (rec, pid), p in ds.processes.groupby(["recording_id", "pid"], observed=True):
         key = (str(rec), int(pid))
-        f = _detect(p.sort_values("ts"), key, meta, vm.get(key, ds.vm_events.iloc[:0]),
+        f = _detect(ds, p.sort_values("ts"), key, meta, vm.get(key, ds.vm_events.iloc[:0]),
                     targets.get(key, ds.targets.iloc[:0]), min_bloat, min_ratio, min_windows,
                     min_measured_windows)
         if f is not None:
@@ -111,16 +129,20 @@ def _free_lists(ds: Dataset) -> pd.DataFrame | None:
         (rows["rss"] + rows["swap"] - rows["live_bytes"]).clip(lower=0))
     keys = ["recording_id", "pid", "ts"]
     g = rows.groupby(keys)
+    if "pinned_bytes" not in rows:          # data written before pinning was measured
+        rows["pinned_bytes"] = np.nan
     out = g.agg(free_resident=("free_resident_bytes", "sum"), trimmable=("trimmable_bytes", "sum"),
-                n_free=("free_resident_bytes", "count"), n_trim=("trimmable_bytes", "count"), n=("pid", "size"))
+                pinned=("pinned_bytes", "sum"), n_free=("free_resident_bytes", "count"),
+                n_trim=("trimmable_bytes", "count"), n_pin=("pinned_bytes", "count"), n=("pid", "size"))
     out["free_resident"] = out["free_resident"].where(out["n_free"] == out["n"])
     out["trimmable"] = out["trimmable"].where(out["n_trim"] == out["n"])
+    out["pinned"] = out["pinned"].where(out["n_pin"] == out["n"])
     top2 = rows.sort_values("per_arena", ascending=False).groupby(keys).head(2)
     out["kept"] = top2.groupby(keys)["per_arena"].sum()
-    return out[["free_resident", "trimmable", "kept"]].astype(float).reset_index()
+    return out[["free_resident", "trimmable", "pinned", "kept"]].astype(float).reset_index()
 
 
-def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm: pd.DataFrame,
+def _detect(ds: Dataset, p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm: pd.DataFrame,
             targets: pd.DataFrame, min_bloat: int, min_ratio: float, min_windows: int,
             min_measured_windows: int) -> Finding | None:
     """The finding for one process in one recording (`p`: its snapshots in time order), or None."""
@@ -131,7 +153,7 @@ def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm
     if len(p) < min(min_windows, min_measured_windows):
         return None
     if meta is None:
-        p = p.assign(free_resident=np.nan, trimmable=np.nan, kept=np.nan)
+        p = p.assign(free_resident=np.nan, trimmable=np.nan, pinned=np.nan, kept=np.nan)
     else:
         p = p.assign(recording_id=rec).merge(meta, on=["recording_id", "pid", "ts"], how="left")
     resident = (p["heap_rss"] + p["heap_swap"] + p["arena_rss"] + p["arena_swap"]).to_numpy(float)
@@ -188,13 +210,18 @@ def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm
     b = float(bloat[last])
     severity = min(100.0, 100.0 * b / limit) * confidence if limit else 50 * confidence
     trimmable = None if math.isnan(last_row["trimmable"]) else float(last_row["trimmable"])
+    pinned = None if math.isnan(last_row["pinned"]) else float(last_row["pinned"])
+    if pinned is None and trimmable is not None:      # older data: everything malloc_trim leaves
+        pinned = max(0.0, b - trimmable)
     kept = None if math.isnan(last_row["kept"]) else float(last_row["kept"])
-    recommendation, saving = _recommend(b, arenas, trimmable, kept)
+    sites = pinning_sites(ds, rec, pid, last_row["ts"]) if pinned else []
+    recommendation, saving = _recommend(b, arenas, trimmable, kept, pinned, sites)
     trims = vm[vm["event"].isin(TRIM_EVENTS) & (vm["ts"] >= p["ts"].iloc[first])]
     r, lv = float(resident[last]), float(live[last])
     summary = (f"{fmt_bytes(b)} of glibc heap memory is resident but not allocated ({b / r:.0%} of "
                f"{fmt_bytes(r)} in [heap] and {arenas} arenas; live {fmt_bytes(lv)}) for {n} snapshots"
                + ("" if established else " (an upper bound: the process allocated before the recording)")
+               + (f"; {pinning_text(sites[0])}" if sites else "")
                + f"; {recommendation.split(';')[0]}.")
     return ArenaBloat(pid, str(last_row["comm"]), severity, min(1.0, confidence), summary, {
         "resident_bytes": r, "live_bytes": lv, "live_stderr_bytes": float(se[last]),
@@ -202,7 +229,7 @@ def _detect(p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFrame | None, vm
         "bloat_ratio": b / r, "bloat_basis": "free lists" if known[last] else "sampled live",
         "sampled_bloat_bytes": float(sampled[last]), "free_resident_bytes": None if not known[last] else b,
         "arenas": arenas, "arena_heaps": int(last_row["arena_heaps"]), "threads": int(last_row["threads"]),
-        "trimmable_bytes": trimmable, "pinned_bytes": None if trimmable is None else max(0.0, b - trimmable),
+        "trimmable_bytes": trimmable, "pinned_bytes": pinned, "pinning_sites": sites,
         "pre_attach_bytes": pre_attach, "windows": n, "first_seen": p["ts"].iloc[first],
         "last_seen": p["ts"].iloc[last], "memory_limit_bytes": limit or None, "recommendation": recommendation,
         "expected_saving_bytes": saving, "recording_id": rec,
@@ -244,9 +271,41 @@ def _pre_attach(vm: pd.DataFrame, first: pd.Series) -> float:
             + min(max(0.0, float(first["arena_size"]) - arena_grown), float(old_heaps * HEAP_MAX)))
 
 
-def _recommend(bloat: float, arenas: int, trimmable: float | None, kept: float | None) -> tuple[str, float | None]:
+def pinning_sites(ds: Dataset, rec: str, pid: int, ts: pd.Timestamp) -> list[dict]:
+    """The stacks whose live chunks pin the most free bytes at the snapshot `ts` (at most
+    PINNING_SITES, each estimated at twice its standard error or more), largest first."""
+    rows = read_table(ds.root, "outstanding", filter=(pds.field("pid") == pid) & pds.field("pinned_bytes").is_valid(),
+                      columns=["ts", "recording_id", "stack_id", "pinned_bytes", "pinned_stderr_bytes",
+                               "outstanding_bytes", "outstanding_stderr_bytes"])
+    rows = rows[(rows["recording_id"].astype(str) == rec) & (rows["ts"] == ts)]
+    rows = rows[rows["pinned_bytes"] >= 2 * rows["pinned_stderr_bytes"]]
+    out = []
+    for r in rows.nlargest(PINNING_SITES, "pinned_bytes").itertuples():
+        frames = frames_json(ds, int(r.stack_id))
+        out.append({"stack_id": int(r.stack_id), "site": site(frames), "frames": frames,
+                    "pinned_bytes": float(r.pinned_bytes), "pinned_stderr_bytes": float(r.pinned_stderr_bytes),
+                    "live_bytes": float(r.outstanding_bytes), "live_stderr_bytes": float(r.outstanding_stderr_bytes)})
+    return out
+
+
+def pinning_text(s: dict) -> str:
+    return (f"{s['site']} holds {fmt_bytes(s['live_bytes'])} of live data on {fmt_bytes(s['pinned_bytes'])} of "
+            f"otherwise free resident pages (± {fmt_bytes(s['pinned_stderr_bytes'])})")
+
+
+def _recommend(bloat: float, arenas: int, trimmable: float | None, kept: float | None, pinned: float | None = None,
+               sites: list[dict] | None = None) -> tuple[str, float | None]:
     """Concrete actions, the most effective first, and the saving of the best quantified one."""
     options: list[tuple[float, str]] = []
+    if sites and pinned is not None and pinned >= 0.25 * bloat:
+        charged = sum(x["pinned_bytes"] for x in sites)
+        names = ", ".join(x["site"] for x in sites)
+        options.append((min(charged, pinned), f"allocate what {names} keep{'s' if len(sites) == 1 else ''} "
+                                               f"up front, or from an arena or pool of its own (a separate "
+                                               f"allocator instance, one large block carved up): its long-lived "
+                                               f"chunks lie among short-lived ones and keep "
+                                               f"{fmt_bytes(min(charged, pinned))} of their freed pages resident, "
+                                               f"which neither free nor malloc_trim can return"))
     if trimmable is not None and trimmable >= 0.25 * bloat:
         options.append((trimmable, f"call malloc_trim(0) periodically (e.g. after each batch or every minute): "
                                    f"the free lists show {fmt_bytes(trimmable)} of whole free pages it returns"))

@@ -4,7 +4,9 @@ The protobuf is written here from the field numbers of the upstream `profile.pro
 (github.com/google/pprof, proto/profile.proto), so exporting needs no protobuf runtime.
 
 Sample types follow Go's heap profiles: `alloc_objects`, `alloc_space` (allocated over a window)
-and `inuse_objects`, `inuse_space` (outstanding at its end). Values are the dataset's unbiased
+and `inuse_objects`, `inuse_space` (outstanding at its end), and `pinned_space` (at its end: the
+free bytes of glibc heap pages that a stack's live chunks keep resident, outstanding.pinned_bytes;
+0 where not measured). Values are the dataset's unbiased
 estimates rounded to integers; one sample per process and stack, labelled with pid and comm.
 """
 
@@ -29,6 +31,7 @@ SAMPLE_TYPES: tuple[tuple[str, str, str], ...] = (
     ("alloc_objects", "count", "allocated_objects"),
     ("alloc_space", "bytes", "allocated_bytes"),
     ("inuse_objects", "count", "outstanding_objects"),
+    ("pinned_space", "bytes", "pinned_bytes"),
     ("inuse_space", "bytes", "outstanding_bytes"),
 )
 VALUE_NAMES = tuple(t for t, _, _ in SAMPLE_TYPES)
@@ -56,8 +59,8 @@ def _ts_filter(expr, column: str, op: str, when: dt.datetime | None):
 
 def profile_values(root: str | Path, *, window: Window | None = None, source: str = "malloc",
                    pids: list[int] | None = None) -> pd.DataFrame:
-    """One row per (recording, process, stack) with the four sample types as columns, plus
-    recording_id, pid, comm, host, stack_id; rows that are zero in all four are dropped.
+    """One row per (recording, process, stack) with the sample types as columns, plus
+    recording_id, pid, comm, host, stack_id; rows that are zero in all of them are dropped.
     attrs["first_ts"], attrs["last_ts"]: the span of the rows read (None when there are none)."""
     window = window or Window()
     flt = ds.field("source") == source
@@ -79,7 +82,8 @@ def profile_values(root: str | Path, *, window: Window | None = None, source: st
     out = out.merge(last, left_on=keys, right_index=True, how="left")
     names = {c: t for t, _, c in SAMPLE_TYPES}
     inuse = out[out["ts"] == out["last_ts"]]
-    inuse = inuse.groupby([*keys, "stack_id"], observed=True)[["outstanding_bytes", "outstanding_objects"]].sum()
+    inuse = inuse.groupby([*keys, "stack_id"], observed=True)[["outstanding_bytes", "outstanding_objects",
+                                                               "pinned_bytes"]].sum()
     alloc = out if window.start is None else out[out["ts"] > pd.Timestamp(window.start)]
     alloc = alloc.groupby([*keys, "stack_id"], observed=True)[["allocated_bytes", "allocated_objects"]].sum()
     values = inuse.join(alloc, how="outer").fillna(0.0).rename(columns=names).reset_index()

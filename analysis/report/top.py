@@ -1,4 +1,5 @@
-"""Top stacks by outstanding bytes: the `top` command and the recorder's closing summary."""
+"""Top stacks by outstanding bytes (or by the free heap pages their live chunks pin): the `top`
+command and the recorder's closing summary."""
 
 from __future__ import annotations
 
@@ -9,32 +10,43 @@ from sampler.text import printable
 from sampler.units import fmt_bytes
 
 
-def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10):
+def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10, pinned: bool = False):
+    """Each process's last snapshot, its `n` largest stacks by outstanding bytes, or with `pinned`
+    by pinned bytes (outstanding.pinned_bytes: free bytes of the heap pages their chunks pin)."""
     df = latest_outstanding(root, pids)
     if df.empty:
         return df
-    df = df[df["outstanding_bytes"] > 0].sort_values("outstanding_bytes", ascending=False)
+    key = "pinned_bytes" if pinned else "outstanding_bytes"
+    df = df[df[key] > 0].sort_values(key, ascending=False)
     return df.groupby(["recording_id", "pid"], observed=True, sort=False).head(n)
 
 
-def format_top(df, width: int = 160) -> list[str]:
+def format_top(df, width: int = 160, pinned: bool = False) -> list[str]:
     lines = []
+    what = "pinned heap pages" if pinned else "outstanding bytes"
     for (pid, comm), g in df.groupby(["pid", "comm"], observed=True, sort=False):
-        lines.append(f"pid {pid} ({printable(comm)}): top stacks by outstanding bytes at {g['ts'].max():%H:%M:%S}")
+        lines.append(f"pid {pid} ({printable(comm)}): top stacks by {what} at {g['ts'].max():%H:%M:%S}")
         for i, r in enumerate(g.itertuples(), 1):
             est = f"{fmt_bytes(r.outstanding_bytes)} ± {fmt_bytes(r.outstanding_stderr_bytes)}"
+            if pinned:      # free bytes kept resident, then the live bytes that keep them
+                est = f"{fmt_bytes(r.pinned_bytes)} ± {fmt_bytes(r.pinned_stderr_bytes)} on {est}"
             summary = printable(r.summary) if isinstance(r.summary, str) and r.summary else "[no stack]"
             text = f"{i:3d}. {est:>22}  {r.source:<6} {summary}"
             lines.append(text if len(text) <= width else text[: width - 3] + "...")
     return lines
 
 
-def print_top(root: str | Path, pids: list[int] | None = None, n: int = 10) -> None:
-    df = top_stacks(root, pids, n)
+def print_top(root: str | Path, pids: list[int] | None = None, n: int = 10, pinned: bool = False) -> None:
+    df = top_stacks(root, pids, n, pinned)
     if df.empty:
-        print(f"no outstanding allocations recorded in {root}")
+        print(f"no pinned heap pages charged to a stack in {root} (glibc heaps whose free lists the recorder "
+              f"read, with sampled live chunks on such pages)" if pinned
+              else f"no outstanding allocations recorded in {root}")
         return
-    print("\n".join(format_top(df)))
+    if pinned:
+        print("free bytes of resident glibc heap pages that each stack's live chunks keep from being "
+              "returned (± standard error), on its live bytes")
+    print("\n".join(format_top(df, pinned=pinned)))
 
 
 def print_summary(root: str | Path, recording_id: str, finished) -> None:

@@ -27,7 +27,7 @@ def prepare_parser(e: argparse.ArgumentParser) -> None:
                         "the end of the data)")
     window.add_argument("--window", type=when, nargs=2, metavar=("START", "END"),
                         help="alloc over the snapshot intervals ending in (START, END], inuse at END")
-    e.add_argument("--value", choices=("inuse_space", "inuse_objects", "alloc_space", "alloc_objects"),
+    e.add_argument("--value", choices=("inuse_space", "inuse_objects", "alloc_space", "alloc_objects", "pinned_space"),
                    help="what --collapsed counts (default: inuse_space, alloc_space with --window)")
 
 

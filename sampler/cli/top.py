@@ -18,6 +18,8 @@ def prepare_parser(t: argparse.ArgumentParser) -> None:
                    "snapshot up to it")
     add_location(t)
     t.add_argument("-n", type=int, default=10, help="stacks per process (default: %(default)s)")
+    t.add_argument("--pinned", action="store_true", help="by the free glibc heap pages each stack's live chunks "
+                   "keep resident (malloc_trim cannot return them) instead of by outstanding bytes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,9 +29,9 @@ def run(args: argparse.Namespace) -> int:
     source = open_location(args, since=args.since, until=args.until)
     hosts = source.hosts()
     if len(hosts) <= 1:
-        print_top(dataset_location(args, source), pids=args.pid, n=args.n)
+        print_top(dataset_location(args, source), pids=args.pid, n=args.n, pinned=args.pinned)
         return 0
     for host in hosts:      # pids and process names are per host
         print(f"== host {printable(host)} ==")
-        print_top(source.select(hosts=(host,)), pids=args.pid, n=args.n)
+        print_top(source.select(hosts=(host,)), pids=args.pid, n=args.n, pinned=args.pinned)
     return 0

@@ -169,6 +169,12 @@ OUTSTANDING = Table(
                                       "teardown (interpreter finalization, atexit, exit_mmap), not its running "
                                       "state. `top`, `analyze`, `report` and `diff` use the last snapshot before "
                                       "the exit (docs/findings.md); null in older data means false."),
+        Column("pinned_bytes", pa.float64(), "Estimated free bytes of pinned glibc heap pages charged to this "
+                                             "stack's live chunks: pages that are resident and hold free bytes "
+                                             "beside bytes in use, so that `malloc_trim` cannot return them; each "
+                                             "page's free bytes shared among the bytes in use on it (docs/"
+                                             "findings.md). Null when the arenas were not walked, or outside malloc."),
+        Column("pinned_stderr_bytes", pa.float64(), "Standard error of `pinned_bytes`."),
     ),
 )
 
@@ -537,6 +543,11 @@ MALLOC_ARENAS = Table(
         Column("trimmable_bytes", pa.int64(), "Resident bytes that `malloc_trim(0)` would return to the "
                                               "system: whole pages inside free chunks of the unsorted and "
                                               "large bins, and (main arena) the top chunk."),
+        Column("pinned_bytes", pa.int64(), "Free bytes on pinned pages: resident pages of its heaps that hold "
+                                           "free bytes (free chunks, the top chunk) beside bytes in use (live "
+                                           "chunks, chunks cached in tcache or fastbins, glibc's metadata), which "
+                                           "`malloc_trim` cannot return (exact)."),
+        Column("pinned_pages", pa.int64(), "Pinned pages (see `pinned_bytes`)."),
     ),
 )
 

@@ -9,6 +9,13 @@ arena whose walk fails or runs over the budget gets nulls rather than a guess. R
 from /proc/PID/pagemap, and chunk headers are read only from resident pages: the walk never
 faults heap memory in or swaps it back.
 
+Which pages are pinned: the free chunks (and the top chunk) give each page of a heap its free
+bytes, exactly; a resident page holding both free bytes and anything else (a live chunk, or
+glibc's own metadata) is pinned: `malloc_trim` cannot return it, however little stays on it. Each
+arena's row says how many bytes such pages hold free (`pinned_bytes`), and `PinMap`s carry, per
+pinned page, its free bytes per byte in use, so that the recording can charge them to the sampled
+live blocks on the page (record/outstanding.py: `pinned`).
+
 Layout (x86-64 glibc since 2.27, checked on 2.36 by tests/workloads/arena_bloat.c's tests):
 `struct malloc_state` is mutex, flags, have_fastchunks (4 bytes each, padded to 16), fastbinsY[10], top, last_remainder,
 bins[254] (fd/bk pairs of 127 circular lists whose head is `&bins[2i-2] - 16`), ... 2200 bytes.
@@ -37,6 +44,7 @@ _TRIM_BINS = [1, *range(99, _NBINS + 1)]
 _OTHER_BINS = list(range(2, 99))
 _MALLOC_CHUNK = 48                    # sizeof(struct malloc_chunk): mtrim keeps this much
 _MINSIZE = 32
+CHUNK_HEADER = 16                     # a chunk starts this far before the pointer malloc returned
 _CHUNK_HDR = struct.Struct("<QQ")     # size, fd (at chunk + 8)
 # The target sizes what is read: a heap's page map (8 bytes a page, and as much again indexed) up
 # to this heap size, libc's data and what follows it up to _MAX_LIBC_DATA, and main_arena
@@ -45,10 +53,21 @@ MAX_HEAP_BYTES = 32 << 30
 _MAX_LIBC_DATA = 4 << 20
 _MAX_CANDIDATES = 1024
 DEFAULT_BUDGET = 1 << 17              # free chunks read per process and snapshot (~0.5 s)
+FREE_COLUMNS = ("free_bytes", "free_chunks", "top_bytes", "free_resident_bytes", "trimmable_bytes",
+                "pinned_bytes", "pinned_pages")
 
 
 class _Budget(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class PinMap:
+    """One heap's pinned pages: page k = [start + k * PAGE, ...) holds `ratio[k]` free bytes per
+    byte in use (0: not pinned: free, fully used, or not resident)."""
+
+    start: int
+    ratio: np.ndarray
 
 
 @dataclass
@@ -93,11 +112,12 @@ class _Mem:
 
 
 def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple[int, int, float]],
-               budget: int = DEFAULT_BUDGET) -> list[dict]:
+               budget: int = DEFAULT_BUDGET, pins: list[PinMap] | None = None) -> list[dict]:
     """One row per arena (the main arena when `[heap]` exists, each secondary arena).
 
     `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `blocks` the sampled
-    live blocks as (address, size, inclusion probability). [] when the process is gone or its
+    live blocks as (address, size, inclusion probability). With `pins`, the pinned pages of each
+    arena whose free lists were read are appended to it. [] when the process is gone or its
     memory cannot be read."""
     try:
         mem = _Mem(pid)
@@ -118,15 +138,14 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple
         rows = []
         for arena, hs in by_arena.items():
             is_main = hs[0] is main
-            free = _free_chunks(mem, arena, hs, is_main, left) if arena else None
+            free = _free_chunks(mem, arena, hs, is_main, left, pins) if arena else None
             lb, lv, ls = (sum(live[id(h)][k] for h in hs) for k in range(3))
             rows.append({
                 "pid": pid, "arena": arena, "main": is_main, "heaps": len(hs),
                 "size": sum(h.end - h.start for h in hs),
                 "rss": sum(int(h.csum[-1]) for h in hs) * PAGE, "swap": sum(h.swapped for h in hs) * PAGE,
                 "live_bytes": lb, "live_stderr_bytes": lv ** 0.5, "live_samples": ls,
-                **(free or dict.fromkeys(("free_bytes", "free_chunks", "top_bytes", "free_resident_bytes",
-                                          "trimmable_bytes"))),
+                **(free or dict.fromkeys(FREE_COLUMNS)),
             })
         return rows
     finally:
@@ -238,16 +257,18 @@ def _inside(addr: int, ranges: list[tuple[int, int]]) -> bool:
     return addr % 16 == 0 and any(lo <= addr < hi for lo, hi in ranges)
 
 
-def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: list[int]) -> dict | None:
+def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: list[int],
+                 pins: list[PinMap] | None = None) -> dict | None:
     """Free-list totals of one arena; None when its metadata does not check out. Chunks cached
-    in tcache and fastbins are in use as far as the bins are concerned and are not counted."""
+    in tcache and fastbins are in use as far as the bins are concerned and are not counted (nor
+    are they free bytes of a page: a tcache'd chunk pins its page until it is reused)."""
     ranges = [(h.start, h.end) for h in heaps]
     bins = _bins(mem, base, ranges)
     top = _top(mem, base, heaps, main)
     if bins is None or top is None:
         return None
     chunks: dict[int, list[tuple[int, int]]] = {}
-    out: dict = {"free_bytes": None, "free_chunks": None, "top_bytes": top[2], "free_resident_bytes": None}
+    out: dict = {**dict.fromkeys(FREE_COLUMNS), "top_bytes": top[2]}
     try:
         for group in (_TRIM_BINS, _OTHER_BINS):
             for i in group:
@@ -263,7 +284,36 @@ def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: lis
     h, addr, size = top
     resident = _sum_resident(every, heaps) + int(h.resident(np.array([addr]), np.array([addr + size]))[0])
     out.update(free_bytes=sum(s for _, s in every) + size, free_chunks=len(every), free_resident_bytes=resident)
+    pinned = pages = 0
+    for hp, ratio, b, n in _pinned([*every, (addr, size)], heaps):
+        pinned, pages = pinned + b, pages + n
+        if pins is not None and n:
+            pins.append(PinMap(hp.start, ratio))
+    out.update(pinned_bytes=pinned, pinned_pages=pages)
     return out
+
+
+def _pinned(free: list[tuple[int, int]], heaps: list[_Heap]):
+    """Per heap: (heap, free bytes per byte in use of each pinned page, pinned free bytes, pinned
+    pages). A page is pinned when it is resident and holds free bytes and bytes in use."""
+    for h in heaps:
+        n = len(h.present)
+        per_page = np.zeros(n + 1, np.int64)
+        full = np.zeros(n + 1, np.int64)
+        for hp, lo, hi in _by_heap(free, [h]):
+            a, b = lo - hp.start, np.minimum(hi, hp.end) - hp.start
+            fa, lb = a // PAGE, (b - 1) // PAGE
+            one = fa == lb
+            np.add.at(per_page, fa[one], (b - a)[one])
+            many = ~one
+            np.add.at(per_page, fa[many], PAGE - a[many] % PAGE)
+            np.add.at(per_page, lb[many], b[many] - lb[many] * PAGE)
+            np.add.at(full, fa[many] + 1, 1)
+            np.add.at(full, lb[many], -1)
+        free_b = np.minimum(per_page[:n] + np.cumsum(full)[:n] * PAGE, PAGE)
+        pinned = h.present & (free_b > 0) & (free_b < PAGE)
+        ratio = np.where(pinned, free_b / np.maximum(PAGE - free_b, 1), 0.0)
+        yield h, ratio, int(free_b[pinned].sum()), int(pinned.sum())
 
 
 def _walk(mem: _Mem, head: int, first: int, heaps: list[_Heap], left: list[int]) -> list[tuple[int, int]] | None:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sampler.control import weights
 from sampler.dataset.sources import FAULT, MALLOC, MMAP, PYTHON, TORCH
+from sampler.proc.arenas import CHUNK_HEADER, PAGE, PinMap
 from sampler.proc.smaps import ARENA, HEAP
 
 
@@ -375,6 +378,42 @@ class ProcessTable:
                 arena += est
             var += weights.sample_terms(b.size, w)[0] * scale * scale
         return heap, arena, var
+
+    def pinned(self, pins: list[PinMap]) -> dict[tuple[str, int], tuple[float, float]]:
+        """Per (source, stack): the free bytes of pinned pages charged to its live chunks, and the
+        variance of that estimate. A pinned page's free bytes are shared among the bytes in use on
+        it, so a chunk is charged sum over its pages of (its bytes there) x (free per byte in use
+        there), g; its stack's estimate is the Horvitz-Thompson sum of g / p over its sampled live
+        chunks, variance g^2 (1 - p) / p^2: unbiased, as the bytes estimates are."""
+        if not pins or not self.blocks:
+            return {}
+        keys = list(self.blocks)
+        addrs = np.fromiter(keys, np.int64, len(keys))
+        chunks = np.fromiter((weights.chunk_size(b.size) for b in self.blocks.values()), np.int64, len(keys))
+        p = np.fromiter((b.p for b in self.blocks.values()), float, len(keys))
+        g = np.zeros(len(keys))
+        page = PAGE
+        for pin in pins:
+            n = len(pin.ratio)
+            lo = np.maximum(addrs - CHUNK_HEADER, pin.start)
+            hi = np.minimum(addrs - CHUNK_HEADER + chunks, pin.start + n * page)
+            m = hi > lo
+            if not m.any():
+                continue
+            a, b = lo[m] - pin.start, hi[m] - pin.start
+            hp, tp = a // page, (b - 1) // page
+            r = pin.ratio
+            csum = np.concatenate(([0.0], np.cumsum(r)))
+            same = (b - a) * r[hp]
+            edges = (page - a % page) * r[hp] + (b - tp * page) * r[tp]
+            middle = page * (csum[tp] - csum[np.minimum(hp + 1, tp)])
+            g[m] += np.where(hp == tp, same, edges + middle)
+        out: dict[tuple[str, int], tuple[float, float]] = {}
+        for i in np.nonzero(g > 0)[0]:
+            key = self.blocks[keys[i]].key
+            est, var = out.get(key, (0.0, 0.0))
+            out[key] = (est + g[i] / p[i], var + g[i] * g[i] * (1 - p[i]) / (p[i] * p[i]))
+        return out
 
     def totals(self, source: str) -> tuple[float, float]:
         """(outstanding bytes, standard error) over all stacks of one source."""

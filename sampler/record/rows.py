@@ -25,7 +25,12 @@ def outstanding_rows(t: Target, now: dt.datetime, interval: float, mono_ns: int,
                      exiting: bool = False) -> list[dict]:
     """`exiting`: the process is gone; the rows hold what its teardown left, not its running state."""
     common = {"ts": now, "interval_s": interval, "pid": t.pid, "comm": t.info.comm, "exiting": exiting}
-    return [{**common, **r} for r in t.table.snapshot(mono_ns)]
+    rows = [{**common, **r} for r in t.table.snapshot(mono_ns)]
+    for r in rows:
+        pin = t.pinned.get((r["source"], r["stack_id"])) if not exiting else None
+        r["pinned_bytes"], r["pinned_stderr_bytes"] = (pin[0], pin[1] ** 0.5) if pin else (None, None)
+    t.pinned = {}
+    return rows
 
 
 def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: int, stack_collisions: int,

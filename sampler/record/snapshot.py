@@ -35,7 +35,7 @@ from sampler.dataset.schema import (
 )
 from sampler.dataset.writer import DatasetWriter, DiskFull
 from sampler.gpu.cuda import GpuTracer
-from sampler.proc.arenas import arena_rows
+from sampler.proc.arenas import PinMap, arena_rows
 from sampler.proc.exe_identity import ExeIdentities
 from sampler.proc.memory import sample_process
 from sampler.python.targets import PythonTargets
@@ -280,7 +280,9 @@ class Snapshots:
         if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
             t.reconciled = t.drops[2]
             t.table.keep_mapped([(r[0], r[1]) for r in regions])
-        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table.live_blocks())]
+        pins: list[PinMap] = []
+        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins)]
+        t.pinned = t.table.pinned(pins)
         return rows.process_row(
             t, now, s, sample_mean=self.controls.sample_mean(t.pid), stack_collisions=self.stacks.collisions,
             probe_cost_ns=self.governor.cost(t.pid) if self.governor is not None else None,

@@ -53,6 +53,8 @@ class Target:
     sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
     recorder_s: float = 0.0                                  # recorder time spent on it this interval
     exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
+    # this snapshot's pinned bytes per (source, stack): (estimate, variance), from the arena walk
+    pinned: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:

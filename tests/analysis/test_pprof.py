@@ -111,7 +111,8 @@ def test_pprof_totals_match_dataset_and_workload(leaky, profile_pb2, tmp_path):
     prof, samples = decode(profile_pb2, out)
     s = list(prof.string_table)
     assert [(s[t.type], s[t.unit]) for t in prof.sample_type] == [
-        ("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("inuse_space", "bytes")]
+        ("alloc_objects", "count"), ("alloc_space", "bytes"), ("inuse_objects", "count"), ("pinned_space", "bytes"),
+        ("inuse_space", "bytes")]
     assert s[prof.default_sample_type] == "inuse_space"
     assert (s[prof.period_type.type], s[prof.period_type.unit], prof.period) == ("space", "bytes", 512 << 10)
 
@@ -120,8 +121,9 @@ def test_pprof_totals_match_dataset_and_workload(leaky, profile_pb2, tmp_path):
     # totals: the profile holds every sampled byte of the dataset, each sample rounded once
     n = len(samples)
     for value, rows, col in (("inuse_space", last, "outstanding_bytes"), ("inuse_objects", last, "outstanding_objects"),
-                             ("alloc_space", o, "allocated_bytes"), ("alloc_objects", o, "allocated_objects")):
-        assert sum(x.values[value] for x in samples) == pytest.approx(rows[col].sum(), abs=n), value
+                             ("alloc_space", o, "allocated_bytes"), ("alloc_objects", o, "allocated_objects"),
+                             ("pinned_space", last, "pinned_bytes")):
+        assert sum(x.values[value] for x in samples) == pytest.approx(rows[col].fillna(0).sum(), abs=n), value
     assert prof.time_nanos == o["ts"].max().value
     assert all(x.labels["pid"] == leaky.pid and x.labels["comm"] == str(o["comm"].iloc[0]) for x in samples)
 
@@ -241,9 +243,11 @@ def test_builder_python_and_native_frames(profile_pb2, tmp_path):
          "build_id": None, "file": "/srv/data.py", "line": 17, "kind": "python"},
     ]}
     values = pd.DataFrame([{"recording_id": "r", "pid": 5, "comm": "python", "host": "h", "stack_id": 7,
-                            "alloc_objects": 3.4, "alloc_space": 1000.6, "inuse_objects": 1.0, "inuse_space": 500.0},
+                            "alloc_objects": 3.4, "alloc_space": 1000.6, "inuse_objects": 1.0, "inuse_space": 500.0,
+                            "pinned_space": 2000.4},
                            {"recording_id": "r", "pid": 5, "comm": "python", "host": "h", "stack_id": 8,
-                            "alloc_objects": 1.0, "alloc_space": 10.0, "inuse_objects": 0.0, "inuse_space": 0.0}])
+                            "alloc_objects": 1.0, "alloc_space": 10.0, "inuse_objects": 0.0, "inuse_space": 0.0,
+                            "pinned_space": 0.0}])
     path = tmp_path / "p.pb.gz"
     path.write_bytes(gzip.compress(build_profile(values, frames, source="malloc")))
     prof, samples = decode(profile_pb2, path)
@@ -256,7 +260,8 @@ def test_builder_python_and_native_frames(profile_pb2, tmp_path):
                   "filename": "/srv/data.py", "line": 17}
     # names are final: no system_name that pprof would demangle (and empty `<module>` with)
     assert all(f.system_name == 0 for f in prof.function)
-    assert samples[0].values == {"alloc_objects": 3, "alloc_space": 1001, "inuse_objects": 1, "inuse_space": 500}
+    assert samples[0].values == {"alloc_objects": 3, "alloc_space": 1001, "inuse_objects": 1, "inuse_space": 500,
+                                 "pinned_space": 2000}
     assert samples[0].labels == {"pid": 5, "comm": "python", "host": "h"}
     # a stack without frames keeps its bytes under one placeholder frame
     assert [f["function"] for f in samples[1].frames] == ["[no stack]"]
