@@ -13,15 +13,18 @@ from analysis.detect.arenas import detect_arena_bloat
 from analysis.detect.families import by_family
 from analysis.detect.gpu import detect_gpu
 from analysis.detect.growth import classify_series, detect_growth
+from analysis.detect.pymalloc import detect_pymalloc_bloat
 from analysis.findings import Finding, to_dataframe, to_document
 
-__all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "detect_arena_bloat"]
+__all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "detect_arena_bloat",
+           "detect_pymalloc_bloat"]
 
 
 def run(ds: Dataset) -> list[Finding]:
     """Every detector's findings, most severe first."""
     series = classify_series(ds)
-    findings = by_family(ds, detect_growth(ds, series)) + detect_arena_bloat(ds) + detect_gpu(ds, series)
+    findings = (by_family(ds, detect_growth(ds, series)) + detect_arena_bloat(ds) + detect_pymalloc_bloat(ds)
+                + detect_gpu(ds, series))
     return sorted(findings, key=lambda f: -f.severity)
 
 

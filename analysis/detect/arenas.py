@@ -66,8 +66,25 @@ HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
 PINNING_SITES = 3                     # stacks named as pinning pages, at most
 
 
+class PinningFinding(Finding):
+    """A finding about memory that live objects keep resident (arena_bloat, pymalloc_bloat): its
+    stack is the top pinning site's, its sites are shown as numbers."""
+
+    def stack(self) -> list | None:
+        sites = self.details.get("pinning_sites") or []
+        return sites[0]["frames"] if sites else None
+
+    def numbers(self) -> dict:
+        out = {k: v for k, v in super().numbers().items() if k != "pinning_sites"}
+        for i, s in enumerate(self.details.get("pinning_sites") or [], 1):
+            out[f"pinning_site_{i}"] = s["site"]
+            out[f"site_{i}_pinned_bytes"] = s["pinned_bytes"]
+            out[f"site_{i}_pinned_stderr_bytes"] = s["pinned_stderr_bytes"]
+        return out
+
+
 @dataclass
-class ArenaBloat(Finding):
+class ArenaBloat(PinningFinding):
     """`arena_bloat`: glibc keeps much more heap memory resident than is live."""
 
     kind: str = field(default="arena_bloat", init=False)
@@ -79,19 +96,6 @@ class ArenaBloat(Finding):
 
     def next_step(self) -> str:
         return self.details.get("recommendation") or ""
-
-    def stack(self) -> list | None:
-        """The stack that pins the most pages, when one was named."""
-        sites = self.details.get("pinning_sites") or []
-        return sites[0]["frames"] if sites else None
-
-    def numbers(self) -> dict:
-        out = {k: v for k, v in super().numbers().items() if k != "pinning_sites"}
-        for i, s in enumerate(self.details.get("pinning_sites") or [], 1):
-            out[f"pinning_site_{i}"] = s["site"]
-            out[f"site_{i}_pinned_bytes"] = s["pinned_bytes"]
-            out[f"site_{i}_pinned_stderr_bytes"] = s["pinned_stderr_bytes"]
-        return out
 
 
 def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,
@@ -122,6 +126,8 @@ def _free_lists(ds: Dataset) -> pd.DataFrame | None:
     """Per (recording, pid, ts) from `malloc_arenas`: free_resident and trimmable (NaN unless
     every arena was read) and `kept`: the bloat left with 2 arenas (the two largest per arena)."""
     rows = read_table(ds.root, "malloc_arenas", filter=pds.field("pid").isin(ds.processes["pid"].unique()))
+    if "allocator" in rows:     # glibc's arenas only (null in data written before pymalloc rows: glibc)
+        rows = rows[rows["allocator"].isna() | (rows["allocator"] == "glibc")]
     if rows.empty:
         return None
     rows["recording_id"] = rows["recording_id"].astype(str)
@@ -271,10 +277,11 @@ def _pre_attach(vm: pd.DataFrame, first: pd.Series) -> float:
             + min(max(0.0, float(first["arena_size"]) - arena_grown), float(old_heaps * HEAP_MAX)))
 
 
-def pinning_sites(ds: Dataset, rec: str, pid: int, ts: pd.Timestamp) -> list[dict]:
-    """The stacks whose live chunks pin the most free bytes at the snapshot `ts` (at most
-    PINNING_SITES, each estimated at twice its standard error or more), largest first."""
-    rows = read_table(ds.root, "outstanding", filter=(pds.field("pid") == pid) & pds.field("pinned_bytes").is_valid(),
+def pinning_sites(ds: Dataset, rec: str, pid: int, ts: pd.Timestamp, source: str = "malloc") -> list[dict]:
+    """The stacks of `source` whose live blocks pin the most free bytes at the snapshot `ts` (at
+    most PINNING_SITES, each estimated at twice its standard error or more), largest first."""
+    rows = read_table(ds.root, "outstanding", filter=(pds.field("pid") == pid) & (pds.field("source") == source)
+                      & pds.field("pinned_bytes").is_valid(),
                       columns=["ts", "recording_id", "stack_id", "pinned_bytes", "pinned_stderr_bytes",
                                "outstanding_bytes", "outstanding_stderr_bytes"])
     rows = rows[(rows["recording_id"].astype(str) == rec) & (rows["ts"] == ts)]

@@ -521,11 +521,16 @@ MALLOC_ARENAS = Table(
     "One row per interval, process and glibc arena (the main arena of `[heap]` and each secondary "
     "arena): its resident memory, the sampled live bytes in it and, read from the arena's bins "
     "through /proc/PID/mem, its free chunks. The free-list columns are null when the metadata could "
-    "not be read consistently (the process runs on while it is read) or the walk ran over its budget.",
+    "not be read consistently (the process runs on while it is read) or the walk ran over its budget. "
+    "A CPython process also has one `pymalloc` row for its small-object arenas (sampler/proc/pymalloc.py).",
     (
         *_common("Time of the measurement."),
         Column("pid", pa.int32(), "Process id."),
-        Column("arena", pa.int64(), "Address of the arena's `malloc_state` (0: main arena not located)."),
+        Column("allocator", pa.string(), "`glibc`: one row per glibc arena; `pymalloc`: one row for all of "
+                                         "CPython's small-object arenas (1 MiB each, counted in `heaps`), found "
+                                         "by their pool headers. Null in older data: glibc."),
+        Column("arena", pa.int64(), "Address of the arena's `malloc_state` (0: main arena not located; "
+                                    "pymalloc: 0)."),
         Column("main", pa.bool_(), "The main arena (`[heap]`, grown with brk)."),
         Column("heaps", pa.int32(), "Heaps of the arena (64 MiB-aligned; 1 for the main arena)."),
         Column("size", pa.int64(), "Committed (read/write) bytes of its heaps."),
@@ -548,6 +553,9 @@ MALLOC_ARENAS = Table(
                                            "chunks, chunks cached in tcache or fastbins, glibc's metadata), which "
                                            "`malloc_trim` cannot return (exact)."),
         Column("pinned_pages", pa.int64(), "Pinned pages (see `pinned_bytes`)."),
+        Column("in_use_bytes", pa.int64(), "Bytes in use (exact): glibc, the heaps less their free chunks and "
+                                           "top (tcache and fastbin chunks count as in use); pymalloc, the blocks "
+                                           "in use of every pool. Null when the walk failed."),
     ),
 )
 

@@ -146,6 +146,7 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple
                 "rss": sum(int(h.csum[-1]) for h in hs) * PAGE, "swap": sum(h.swapped for h in hs) * PAGE,
                 "live_bytes": lb, "live_stderr_bytes": lv ** 0.5, "live_samples": ls,
                 **(free or dict.fromkeys(FREE_COLUMNS)),
+                "in_use_bytes": None if not free else sum(h.end - h.start for h in hs) - free["free_bytes"],
             })
         return rows
     finally:

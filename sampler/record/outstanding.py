@@ -380,23 +380,34 @@ class ProcessTable:
         return heap, arena, var
 
     def pinned(self, pins: list[PinMap]) -> dict[tuple[str, int], tuple[float, float]]:
-        """Per (source, stack): the free bytes of pinned pages charged to its live chunks, and the
+        """Per (source, stack): the free bytes of pinned pages (glibc heaps, pymalloc arenas: `pins`)
+        charged to its live chunks, and the
         variance of that estimate. A pinned page's free bytes are shared among the bytes in use on
         it, so a chunk is charged sum over its pages of (its bytes there) x (free per byte in use
         there), g; its stack's estimate is the Horvitz-Thompson sum of g / p over its sampled live
         chunks, variance g^2 (1 - p) / p^2: unbiased, as the bytes estimates are."""
         if not pins or not self.blocks:
             return {}
-        keys = list(self.blocks)
+        # heap blocks only: a torch tensor's address is tagged (sampler/gpu/cuda.py), not a heap's
+        items = [(a, b) for a, b in self.blocks.items() if b.key[0] in (MALLOC, PYTHON)]
+        if not items:
+            return {}
+        keys = [a for a, _ in items]
+        blocks = [b for _, b in items]
         addrs = np.fromiter(keys, np.int64, len(keys))
-        chunks = np.fromiter((weights.chunk_size(b.size) for b in self.blocks.values()), np.int64, len(keys))
-        p = np.fromiter((b.p for b in self.blocks.values()), float, len(keys))
+        # the bytes each block occupies: a glibc chunk (its header before the pointer), or a
+        # pymalloc block (16-byte size classes)
+        python = np.fromiter((b.key[0] == PYTHON for b in blocks), bool, len(keys))
+        chunks = np.fromiter(((b.size + 15) & ~15 if b.key[0] == PYTHON else weights.chunk_size(b.size)
+                              for b in blocks), np.int64, len(keys))
+        starts = np.where(python, addrs, addrs - CHUNK_HEADER)
+        p = np.fromiter((b.p for b in blocks), float, len(keys))
         g = np.zeros(len(keys))
         page = PAGE
         for pin in pins:
             n = len(pin.ratio)
-            lo = np.maximum(addrs - CHUNK_HEADER, pin.start)
-            hi = np.minimum(addrs - CHUNK_HEADER + chunks, pin.start + n * page)
+            lo = np.maximum(starts, pin.start)
+            hi = np.minimum(starts + chunks, pin.start + n * page)
             m = hi > lo
             if not m.any():
                 continue
@@ -410,7 +421,7 @@ class ProcessTable:
             g[m] += np.where(hp == tp, same, edges + middle)
         out: dict[tuple[str, int], tuple[float, float]] = {}
         for i in np.nonzero(g > 0)[0]:
-            key = self.blocks[keys[i]].key
+            key = blocks[i].key
             est, var = out.get(key, (0.0, 0.0))
             out[key] = (est + g[i] / p[i], var + g[i] * g[i] * (1 - p[i]) / (p[i] * p[i]))
         return out

@@ -38,6 +38,7 @@ from sampler.gpu.cuda import GpuTracer
 from sampler.proc.arenas import PinMap, arena_rows
 from sampler.proc.exe_identity import ExeIdentities
 from sampler.proc.memory import sample_process
+from sampler.proc.pymalloc import pymalloc_row
 from sampler.python.targets import PythonTargets
 from sampler.record import rows
 from sampler.record.mappings import Mappings
@@ -47,6 +48,9 @@ from sampler.record.target import Target
 from sampler.stacks.kernel_tables import KernelTables
 from sampler.stacks.table import StackTable
 from sampler.stacks.unwind import Unwinder
+
+PYMALLOC_DUTY = 100          # pymalloc scans: at most 1/100 of a CPU per process
+PYMALLOC_RETRY_S = 600.0     # after a scan that found no pools (or ran over its budget)
 
 # Adaptive snapshot interval (no --interval): elapsed / ADAPTIVE_SNAPSHOTS within [MIN, MAX], so a
 # recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
@@ -281,7 +285,17 @@ class Snapshots:
             t.reconciled = t.drops[2]
             t.table.keep_mapped([(r[0], r[1]) for r in regions])
         pins: list[PinMap] = []
-        arenas += [{"ts": now, **r} for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins)]
+        arenas += [{"ts": now, "allocator": "glibc", **r}
+                   for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins)]
+        if self.python is not None and self.python.known(t.pid) and time.monotonic() >= t.pymalloc_next:
+            cpu = time.thread_time()
+            py = pymalloc_row(t.pid, regions, pins)
+            cpu = time.thread_time() - cpu
+            # the scan reads a header per resident 16 KiB of anonymous memory: it waits PYMALLOC_DUTY
+            # times what it cost (at most 1% of a CPU per process), and long after finding nothing
+            t.pymalloc_next = time.monotonic() + (PYMALLOC_DUTY * cpu if py is not None else PYMALLOC_RETRY_S)
+            if py is not None:
+                arenas.append({"ts": now, "pid": t.pid, **py})
         t.pinned = t.table.pinned(pins)
         return rows.process_row(
             t, now, s, sample_mean=self.controls.sample_mean(t.pid), stack_collisions=self.stacks.collisions,

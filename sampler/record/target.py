@@ -55,6 +55,7 @@ class Target:
     exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
     # this snapshot's pinned bytes per (source, stack): (estimate, variance), from the arena walk
     pinned: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    pymalloc_next: float = 0.0                               # monotonic: its next pymalloc scan (snapshot.py)
 
     @property
     def pid(self) -> int:
