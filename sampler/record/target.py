@@ -55,7 +55,8 @@ class Target:
     exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
     # this snapshot's pinned bytes per (source, stack): (estimate, variance), from the arena walk
     pinned: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    pymalloc_next: float = 0.0                               # monotonic: its next pymalloc scan (snapshot.py)
+    pymalloc_next: float = 0.0                               # monotonic: no pymalloc scan before (snapshot.py)
+    pymalloc_seen: tuple[float, int, float] = (-1e9, 0, 0.0)  # at the last scan: when, RSS, sampled Python bytes
 
     @property
     def pid(self) -> int:

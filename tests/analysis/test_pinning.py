@@ -115,7 +115,7 @@ def test_python_objects_that_keep_pymalloc_arenas_are_charged_for_them(record):
         for t in targets.values():
             t.go()
             assert [t.line() for _ in range(4)] == ["live unknown", "pinned unknown", "arenas unknown", "ready"]
-        rec.wait_snapshot(time.time() + 3)
+        rec.wait_snapshot(time.time() + 5)      # a scan follows the drop, at most 1% of a CPU later
         code, _, err = rec.stop()
         assert code == 0, err
     finally:
@@ -127,7 +127,8 @@ def test_python_objects_that_keep_pymalloc_arenas_are_charged_for_them(record):
     py = frames[frames["kind"] == "python"]
     survivors = set(py.loc[py["function"] == "long_lived", "stack_id"])
     measured = {}
-    findings = {f.pid: f for f in detect_pymalloc_bloat(load(rec.out), min_bloat=32 << 20)}
+    # one scan follows the drop in so short a recording (the default asks for two in a row)
+    findings = {f.pid: f for f in detect_pymalloc_bloat(load(rec.out), min_bloat=32 << 20, min_windows=1)}
     for m, t in targets.items():
         row = arenas[(arenas["pid"] == t.pid) & (arenas["allocator"] == "pymalloc")].sort_values("ts").iloc[-1]
         # the snapshot that scanned the arenas last (scans are spaced by their cost: snapshot.py)
