@@ -278,21 +278,32 @@ def _pre_attach(vm: pd.DataFrame, first: pd.Series) -> float:
 
 
 def pinning_sites(ds: Dataset, rec: str, pid: int, ts: pd.Timestamp, source: str = "malloc") -> list[dict]:
-    """The stacks of `source` whose live blocks pin the most free bytes at the snapshot `ts` (at
-    most PINNING_SITES, each estimated at twice its standard error or more), largest first."""
+    """The call sites of `source` whose live blocks pin the most free bytes at the snapshot `ts` (at
+    most PINNING_SITES, each estimated at twice its standard error or more), largest first. A
+    Python object's site is its innermost Python line: the tuple, str and int one line makes are
+    one site (their stacks differ only below it)."""
     rows = read_table(ds.root, "outstanding", filter=(pds.field("pid") == pid) & (pds.field("source") == source)
                       & pds.field("pinned_bytes").is_valid(),
                       columns=["ts", "recording_id", "stack_id", "pinned_bytes", "pinned_stderr_bytes",
                                "outstanding_bytes", "outstanding_stderr_bytes"])
     rows = rows[(rows["recording_id"].astype(str) == rec) & (rows["ts"] == ts)]
-    rows = rows[rows["pinned_bytes"] >= 2 * rows["pinned_stderr_bytes"]]
-    out = []
-    for r in rows.nlargest(PINNING_SITES, "pinned_bytes").itertuples():
+    sites: dict[str, dict] = {}
+    for r in rows.itertuples():
         frames = frames_json(ds, int(r.stack_id))
-        out.append({"stack_id": int(r.stack_id), "site": site(frames), "frames": frames,
-                    "pinned_bytes": float(r.pinned_bytes), "pinned_stderr_bytes": float(r.pinned_stderr_bytes),
-                    "live_bytes": float(r.outstanding_bytes), "live_stderr_bytes": float(r.outstanding_stderr_bytes)})
-    return out
+        python = [f for f in frames if f.get("kind") == "python"]
+        name = site(python[:1] if source == "python" and python else frames)
+        s = sites.setdefault(name, {"stack_id": int(r.stack_id), "site": name, "frames": frames, "pinned_bytes": 0.0,
+                                    "pinned_var": 0.0, "live_bytes": 0.0, "live_var": 0.0})
+        s["pinned_bytes"] += float(r.pinned_bytes)
+        s["pinned_var"] += float(r.pinned_stderr_bytes) ** 2
+        s["live_bytes"] += float(r.outstanding_bytes)
+        s["live_var"] += float(r.outstanding_stderr_bytes) ** 2
+    out = []
+    for s in sorted(sites.values(), key=lambda s: -s["pinned_bytes"]):
+        s["pinned_stderr_bytes"], s["live_stderr_bytes"] = s.pop("pinned_var") ** 0.5, s.pop("live_var") ** 0.5
+        if s["pinned_bytes"] >= 2 * s["pinned_stderr_bytes"] and s["pinned_bytes"] > 0:
+            out.append(s)
+    return out[:PINNING_SITES]
 
 
 def pinning_text(s: dict) -> str:

@@ -94,8 +94,9 @@ def _detect(ds: Dataset, p: pd.DataFrame, rec: str, pid: int, limits: pd.DataFra
     sites = pinning_sites(ds, rec, pid, row["ts"], source="python")
     recommendation = _recommend(b, sites)
     summary = (f"CPython's small-object arenas keep {fmt_bytes(b)} resident that no object uses ({b / r:.0%} of "
-               f"{fmt_bytes(r)} in {int(row['heaps'])} arenas of 1 MiB; objects in use {fmt_bytes(u)}) for {n} "
-               f"snapshots" + (f"; {pinning_text(sites[0])}" if sites else "") + f"; {recommendation.split(';')[0]}.")
+               f"{fmt_bytes(r)} in {int(row['heaps'])} arenas of 1 MiB; objects in use {fmt_bytes(u)}) in {n} "
+               f"scan{'s' if n > 1 else ''}" + (f"; {pinning_text(sites[0])}" if sites else "")
+               + f"; {recommendation.split(';')[0]}.")
     return PymallocBloat(pid, comm, severity, confidence, summary, {
         "resident_bytes": r, "in_use_bytes": u, "pinned_bytes": b, "arenas": int(row["heaps"]),
         "pinning_sites": sites, "windows": n, "first_seen": p["ts"].iloc[first], "last_seen": p["ts"].iloc[last],

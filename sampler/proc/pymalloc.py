@@ -29,9 +29,12 @@ from sampler.proc.smaps import ANON
 POOL = 16384
 POOL_OVERHEAD = 48
 CLASSES = 32                          # size classes of 16 bytes up to 512
+ARENA = 1 << 20
 _HEADER = struct.Struct("<QQQQIIII")  # ref.count (union with a pointer), freeblock, nextpool, prevpool,
                                       # arenaindex, szidx, nextoffset, maxnextoffset
-MAX_POOL_READS = 1 << 16              # pool headers read per process and snapshot (~0.25 s, 1 GiB)
+MAX_POOL_READS = 1 << 16              # pool headers read per process and scan (~0.25 s, 1 GiB)
+MAX_SCANNED = 64 << 30                # address space whose page map a scan reads (1 MiB of it per 128 MiB)
+WINDOW = 256 << 20                    # the page map is read this much address space at a time (512 KiB)
 MAX_ARENA_INDEX = 1 << 24
 
 
@@ -73,23 +76,27 @@ def _scan(mem: int, pagemap: int, ranges: list[tuple[int, int]],
           max_reads: int) -> list[tuple[int, int, int, int]] | None:
     """(address, arena index, size class, count) of every pool in `ranges`; None over budget."""
     out = []
-    reads = 0
+    reads = scanned = 0
     for lo, hi in ranges:
-        first = (lo + POOL - 1) & ~(POOL - 1)
-        if first + POOL > hi:
-            continue
-        n = (hi - first) // POOL
-        raw = _pread(pagemap, first // PAGE * 8, (hi - first) // PAGE * 8)
-        entries = np.frombuffer(raw, "<u8", len(raw) // 8)
-        present = (entries[:: POOL // PAGE][:n] >> np.uint64(63)).astype(bool)
-        for k in np.nonzero(present)[0]:
-            reads += 1
-            if reads > max_reads:
+        # a reservation of many GiB (a JIT's, an allocator's) has a page map of many MiB: read in
+        # windows, and over MAX_SCANNED in all the scan gives up
+        for start in range((lo + POOL - 1) & ~(POOL - 1), hi - POOL + 1, WINDOW):
+            end = min(hi, start + WINDOW)
+            scanned += end - start
+            if scanned > MAX_SCANNED:
                 return None
-            addr = first + int(k) * POOL
-            header = _pread(mem, addr, POOL_OVERHEAD)
-            if len(header) == POOL_OVERHEAD and (p := _pool(header, addr)) is not None:
-                out.append((addr, *p))
+            n = (end - start) // POOL
+            raw = _pread(pagemap, start // PAGE * 8, n * POOL // PAGE * 8)
+            entries = np.frombuffer(raw, "<u8", len(raw) // 8)
+            present = (entries[:: POOL // PAGE][:n] >> np.uint64(63)).astype(bool)
+            for k in np.nonzero(present)[0]:
+                reads += 1
+                if reads > max_reads:
+                    return None
+                addr = start + int(k) * POOL
+                header = _pread(mem, addr, POOL_OVERHEAD)
+                if len(header) == POOL_OVERHEAD and (p := _pool(header, addr)) is not None:
+                    out.append((addr, *p))
     return out
 
 
@@ -100,13 +107,16 @@ def _pread(fd: int, offset: int, n: int) -> bytes:
         return b""
 
 
-def _row(pagemap: int, pools: list[tuple[int, int, int, int]], pins: list[PinMap] | None) -> dict:
+def _row(pagemap: int, pools: list[tuple[int, int, int, int]], pins: list[PinMap] | None) -> dict | None:
     arenas: dict[int, list[tuple[int, int, int]]] = {}
     for addr, arena, szidx, count in pools:
         arenas.setdefault(arena, []).append((addr, szidx, count))
     rss = in_use = pinned = pages = free_blocks = 0
-    for ps in arenas.values():
+    for arena, ps in list(arenas.items()):
         lo, hi = min(a for a, _, _ in ps), max(a for a, _, _ in ps) + POOL
+        if hi - lo > ARENA:             # no arena spans more: headers that only look valid
+            del arenas[arena]
+            continue
         raw = _pread(pagemap, lo // PAGE * 8, (hi - lo) // PAGE * 8)
         present = (np.frombuffer(raw, "<u8", len(raw) // 8) >> np.uint64(63)).astype(bool)
         resident = int(present.sum()) * PAGE
@@ -120,7 +130,9 @@ def _row(pagemap: int, pools: list[tuple[int, int, int, int]], pins: list[PinMap
             pages += int(present.sum())
             if pins is not None:
                 pins.append(PinMap(lo, np.where(present, (resident - used) / used, 0.0)))
-    return {"allocator": "pymalloc", "arena": 0, "main": False, "heaps": len(arenas), "size": len(arenas) << 20,
+    if not arenas:
+        return None
+    return {"allocator": "pymalloc", "arena": 0, "main": False, "heaps": len(arenas), "size": len(arenas) * ARENA,
             "rss": rss, "swap": 0, "free_bytes": rss - in_use, "free_chunks": free_blocks, "top_bytes": None,
             "free_resident_bytes": rss - in_use, "trimmable_bytes": 0, "pinned_bytes": pinned,
             "pinned_pages": pages, "in_use_bytes": in_use}
