@@ -70,6 +70,9 @@ class PinningFinding(Finding):
     """A finding about memory that live objects keep resident (arena_bloat, pymalloc_bloat): its
     stack is the top pinning site's, its sites are shown as numbers."""
 
+    def next_step(self) -> str:
+        return self.details.get("recommendation") or ""
+
     def stack(self) -> list | None:
         sites = self.details.get("pinning_sites") or []
         return sites[0]["frames"] if sites else None
@@ -93,9 +96,6 @@ class ArenaBloat(PinningFinding):
         d = self.details
         return [f"resident {fmt_bytes(d['resident_bytes'])}, live {fmt_bytes(d['live_bytes'])}, "
                 f"bloat {fmt_bytes(d['bloat_bytes'])}, {d.get('arenas')} arenas"]
-
-    def next_step(self) -> str:
-        return self.details.get("recommendation") or ""
 
 
 def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,

@@ -41,9 +41,6 @@ class PymallocBloat(PinningFinding):
         return [f"arenas {d['arenas']}, resident {fmt_bytes(d['resident_bytes'])}, in use "
                 f"{fmt_bytes(d['in_use_bytes'])}, pinned {fmt_bytes(d['pinned_bytes'])}"]
 
-    def next_step(self) -> str:
-        return self.details.get("recommendation") or ""
-
 
 def detect_pymalloc_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: float = 0.5,
                           min_windows: int = 2) -> list[Finding]:
