@@ -115,9 +115,12 @@ def read_outstanding(root: str | Path, *, filter=None, columns: list[str] | None
     return out, pd.concat([teardown, late]) if len(late) else teardown
 
 
-def latest_outstanding(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame:
-    """The last snapshot of each (recording, process), joined with stack summaries."""
+def latest_outstanding(root: str | Path, pids: list[int] | None = None, pinned: bool = False) -> pd.DataFrame:
+    """The last snapshot of each (recording, process), joined with stack summaries; with `pinned`,
+    the last that charged pinned pages (the recorder reads heap layouts as their cost allows)."""
     flt = ds.field("pid").isin(pids) if pids else None
+    if pinned:
+        flt = ds.field("pinned_bytes").is_valid() if flt is None else flt & ds.field("pinned_bytes").is_valid()
     out, _ = read_outstanding(root, filter=flt, pids=pids)
     if out.empty:
         return out

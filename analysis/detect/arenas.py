@@ -9,12 +9,15 @@ Per process and snapshot (columns of `processes`, docs/schema.md):
 
 When the recorder could read every arena's bins (table `malloc_arenas`), Bloat is instead the
 measured resident bytes of free chunks: exact, no sampling noise, and blind to when blocks were
-allocated. Either way a finding needs:
+allocated. The recorder walks the bins as often as their cost allows, so a walk's figure stands
+for the snapshots after it (up to 5 minutes, less the resident bytes lost since). Either way a
+finding needs:
 
 - Bloat >= max(min_bloat, min_ratio x Resident) in >= min_windows consecutive snapshots (the last
-  such run): a fixed floor keeps small processes quiet, the ratio says most of the heap is waste.
-  The defaults (128 MiB, half) flag the 8-thread, 32 MiB-per-thread reproducer (tests/workloads/arena_bloat.c)
-  (about 195 MiB of bloat in 260 MiB resident) and leave small heaps alone.
+  such run; min_measured_windows walks of the free lists suffice): a fixed floor keeps small
+  processes quiet, the ratio says most of the heap is waste. The defaults (128 MiB, half) flag the
+  8-thread, 32 MiB-per-thread reproducer (tests/workloads/arena_bloat.c) (about 195 MiB of bloat
+  in 260 MiB resident) and leave small heaps alone.
 - Live flat over the run: a Theil-Sen rise of Live larger than 2 standard errors of the
   difference of its end points and 10% of the bloat is a leak (persistent_growth's business).
 - More than 2 secondary arenas, or Resident grown in heap-commit steps (vm_events heap_grow /
@@ -64,6 +67,7 @@ COMMIT_EVENTS = ("heap_grow", "brk_grow")
 TRIM_EVENTS = ("heap_trim", "brk_trim")
 HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
 PINNING_SITES = 3                     # stacks named as pinning pages, at most
+WALK_STANDS_S = 300.0                 # a free-list walk stands for the snapshots this long after it
 
 
 class PinningFinding(Finding):
@@ -169,15 +173,17 @@ def _detect(ds: Dataset, p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFra
     se = p["heap_arena_live_stderr_bytes"].to_numpy(float)
     slack = ((p["arena_heaps"] + 1) * HEAP_OVERHEAD + p["threads"] * TCACHE_PER_THREAD).to_numpy(float)
     sampled = np.maximum(0.0, resident - live - slack)
-    measured = p["free_resident"].to_numpy(float)
+    measured, walk = _carried(p, resident)
     known = ~np.isnan(measured)
     bloat = np.where(known, measured, sampled)
     threshold = np.maximum(min_bloat, min_ratio * resident)
     with np.errstate(invalid="ignore"):
         over = bloat >= threshold
-    # a measured verdict (free lists) needs fewer snapshots than one estimated from samples
+    # a measured verdict (free lists read at min_measured_windows walks) needs fewer snapshots
+    # than one estimated from samples
     run = _last_run(over, min(min_windows, min_measured_windows))
-    if run is not None and run.stop - run.start < min_windows and not known[run].all():
+    if run is not None and run.stop - run.start < min_windows and not (
+            known[run].all() and len(np.unique(walk[run])) >= min_measured_windows):
         run = _last_run(over, min_windows)
     if run is None or (not known[run].any() and not _probed(targets)):
         return None
@@ -212,15 +218,17 @@ def _detect(ds: Dataset, p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFra
     if not established:
         confidence *= 0.5
     last_row = p.iloc[last]
+    walked = p.iloc[walk[last]] if known[last] else last_row   # the free lists' figures: the last walk's
     limit = float(last_row["memory_limit"]) if last_row["memory_limit"] > 0 else 0.0
     b = float(bloat[last])
     severity = min(100.0, 100.0 * b / limit) * confidence if limit else 50 * confidence
-    trimmable = None if math.isnan(last_row["trimmable"]) else float(last_row["trimmable"])
-    pinned = None if math.isnan(last_row["pinned"]) else float(last_row["pinned"])
+    lost = max(0.0, float(resident[walk[last]] - resident[last])) if known[last] else 0.0   # since the walk
+    trimmable = None if math.isnan(walked["trimmable"]) else max(0.0, float(walked["trimmable"]) - lost)
+    pinned = None if math.isnan(walked["pinned"]) else min(b, float(walked["pinned"]))
     if pinned is None and trimmable is not None:      # older data: everything malloc_trim leaves
         pinned = max(0.0, b - trimmable)
-    kept = None if math.isnan(last_row["kept"]) else float(last_row["kept"])
-    sites = pinning_sites(ds, rec, pid, last_row["ts"]) if pinned else []
+    kept = None if math.isnan(walked["kept"]) else float(walked["kept"])
+    sites = pinning_sites(ds, rec, pid, walked["ts"]) if pinned else []
     recommendation, saving = _recommend(b, arenas, trimmable, kept, pinned, sites)
     trims = vm[vm["event"].isin(TRIM_EVENTS) & (vm["ts"] >= p["ts"].iloc[first])]
     r, lv = float(resident[last]), float(live[last])
@@ -237,13 +245,30 @@ def _detect(ds: Dataset, p: pd.DataFrame, key: tuple[str, int], meta: pd.DataFra
         "arenas": arenas, "arena_heaps": int(last_row["arena_heaps"]), "threads": int(last_row["threads"]),
         "trimmable_bytes": trimmable, "pinned_bytes": pinned, "pinning_sites": sites,
         "pre_attach_bytes": pre_attach, "windows": n, "first_seen": p["ts"].iloc[first],
-        "last_seen": p["ts"].iloc[last], "memory_limit_bytes": limit or None, "recommendation": recommendation,
+        "last_seen": p["ts"].iloc[last], "free_lists_read_at": walked["ts"] if known[last] else None,
+        "memory_limit_bytes": limit or None, "recommendation": recommendation,
         "expected_saving_bytes": saving, "recording_id": rec,
-        "evidence": _evidence(p, run, bloat, threshold, live, se, rise, rise_se, commits, grew, trims, known,
-                              trimmable),
+        "evidence": _evidence(p, run, bloat, threshold, live, se, rise, rise_se, commits, grew, trims,
+                              walked["ts"] if known[last] else None, trimmable),
         "caveats": _caveats(bool(bloat[0] >= threshold[0]), established, pre_attach, float(lower[last]),
                             known[last], trimmable),
     })
+
+
+def _carried(p: pd.DataFrame, resident: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bloat measured from the free lists, the row of the walk it comes from) per snapshot; NaN
+    and -1 where none stands. The recorder walks the free lists as often as their cost allows
+    (sampler/control/pacing.py), so a walk stands for the snapshots after it, up to WALK_STANDS_S
+    later, less the resident bytes the heap lost since (returned pages were free ones); bytes it
+    gained are taken as live: a carried figure never exceeds what a walk saw."""
+    free = p["free_resident"].to_numpy(float)
+    rows = np.maximum.accumulate(np.where(np.isnan(free), -1, np.arange(len(p))))
+    j = np.maximum(rows, 0)
+    ts = p["ts"].to_numpy()
+    age = (ts - ts[j]) / np.timedelta64(1, "s")
+    stands = (rows >= 0) & (age <= WALK_STANDS_S)
+    carried = np.maximum(0.0, free[j] - np.maximum(0.0, resident[j] - resident))
+    return np.where(stands, carried, np.nan), np.where(stands, rows, -1)
 
 
 def _last_run(mask: np.ndarray, min_len: int) -> slice | None:
@@ -349,7 +374,8 @@ def _recommend(bloat: float, arenas: int, trimmable: float | None, kept: float |
 
 
 def _evidence(p: pd.DataFrame, run: slice, bloat, threshold, live, se, rise: float, rise_se: float,
-              commits: pd.DataFrame, grew: bool, trims: pd.DataFrame, known, trimmable: float | None) -> str:
+              commits: pd.DataFrame, grew: bool, trims: pd.DataFrame, read_at: pd.Timestamp | None,
+              trimmable: float | None) -> str:
     first, last = run.start, run.stop - 1
     out = [f"bloat >= threshold ({fmt_bytes(threshold[last])}) in {run.stop - run.start} consecutive snapshots "
            f"from {p['ts'].iloc[first]:%H:%M:%S} to {p['ts'].iloc[last]:%H:%M:%S} UTC, "
@@ -362,8 +388,9 @@ def _evidence(p: pd.DataFrame, run: slice, bloat, threshold, live, se, rise: flo
     if len(trims):
         out.append(f"{len(trims)} trims (madvise in heaps, {fmt_bytes(float(trims['length'].sum()))}) during the run "
                    f"and the bloat stayed")
-    if known[last]:
-        out.append("bloat measured from glibc's free lists (resident bytes in free chunks and top chunks)"
+    if read_at is not None:
+        out.append(f"bloat measured from glibc's free lists (resident bytes in free chunks and top chunks, read at "
+                   f"{read_at:%H:%M:%S} UTC)"
                    + ("" if trimmable is None else f", {fmt_bytes(trimmable)} of it in whole pages malloc_trim "
                                                    f"would return"))
     return "; ".join(out) + "."

@@ -4,9 +4,9 @@ The protobuf is written here from the field numbers of the upstream `profile.pro
 (github.com/google/pprof, proto/profile.proto), so exporting needs no protobuf runtime.
 
 Sample types follow Go's heap profiles: `alloc_objects`, `alloc_space` (allocated over a window)
-and `inuse_objects`, `inuse_space` (outstanding at its end), and `pinned_space` (at its end: the
-free bytes of glibc heap pages that a stack's live chunks keep resident, outstanding.pinned_bytes;
-0 where not measured). Values are the dataset's unbiased
+and `inuse_objects`, `inuse_space` (outstanding at its end), and `pinned_space` (at the last
+snapshot before its end that read the heap's layout: the free bytes of heap pages that a stack's
+live blocks keep resident, outstanding.pinned_bytes; 0 where not measured). Values are the dataset's unbiased
 estimates rounded to integers; one sample per process and stack, labelled with pid and comm.
 """
 
@@ -82,8 +82,11 @@ def profile_values(root: str | Path, *, window: Window | None = None, source: st
     out = out.merge(last, left_on=keys, right_index=True, how="left")
     names = {c: t for t, _, c in SAMPLE_TYPES}
     inuse = out[out["ts"] == out["last_ts"]]
-    inuse = inuse.groupby([*keys, "stack_id"], observed=True)[["outstanding_bytes", "outstanding_objects",
-                                                               "pinned_bytes"]].sum()
+    inuse = inuse.groupby([*keys, "stack_id"], observed=True)[["outstanding_bytes", "outstanding_objects"]].sum()
+    # pinned pages: at the last snapshot that charged them (heap layouts are read as their cost allows)
+    pin = out[out["pinned_bytes"].notna()]
+    pin = pin[pin["ts"] == pin.groupby(keys, observed=True)["ts"].transform("max")]
+    inuse = inuse.join(pin.groupby([*keys, "stack_id"], observed=True)[["pinned_bytes"]].sum(), how="outer")
     alloc = out if window.start is None else out[out["ts"] > pd.Timestamp(window.start)]
     alloc = alloc.groupby([*keys, "stack_id"], observed=True)[["allocated_bytes", "allocated_objects"]].sum()
     values = inuse.join(alloc, how="outer").fillna(0.0).rename(columns=names).reset_index()

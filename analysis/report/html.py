@@ -26,9 +26,10 @@ from typing import Any
 import jinja2
 import numpy as np
 import pandas as pd
+import pyarrow.dataset as pds
 from markupsafe import Markup
 
-from analysis.dataset import Dataset
+from analysis.dataset import Dataset, read_table
 from analysis.findings import Finding
 from analysis.frames import Frame, Stacks, frame_text, stack_frames, trim_frames
 from analysis.report import gpu, sections
@@ -108,6 +109,7 @@ class ProcessSection:
     top: sections.TopStacks
     memory: sections.Chart
     arenas: sections.Chart
+    layouts: list[sections.Chart]
     gpu: gpu.ProcessGpu | None
     flames: list[sections.FlameGraph]
 
@@ -120,8 +122,8 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
     findings = sorted(findings, key=lambda f: -f.severity)
     pids = _process_order(ds, findings)
     stacks = stack_frames(ds.frames)
-    tables = _ByPid(ds)
     charted = pids[:max_processes]
+    tables = _ByPid(ds, charted)
     return _env().get_template("report.html.j2").render(
         title=title, style=_inline("report.css"), script=_inline("report.js"),
         header=_header(ds, findings, pids),
@@ -216,15 +218,20 @@ def _process_row(tables: _ByPid, pid: int, charted: set[int], findings: list[Fin
                       str(n or ""))
 
 
+LAYOUT_COLUMNS = ["ts", "pid", "allocator", "rss", "free_resident_bytes", "pinned_bytes"]
+
+
 class _ByPid:
     """The per-process tables cut by pid once, each part in time order (reports of many
     processes would otherwise filter the whole table again for every chart)."""
 
-    def __init__(self, ds: Dataset):
+    def __init__(self, ds: Dataset, charted: list[int]):
         self.parts: dict[str, dict[int, pd.DataFrame]] = {}
         self.empty: dict[str, pd.DataFrame] = {}
-        for name in ("processes", "outstanding", "targets"):
-            df = getattr(ds, name)
+        arenas = read_table(ds.root, "malloc_arenas", filter=pds.field("pid").isin(charted), columns=LAYOUT_COLUMNS) \
+            if charted else pd.DataFrame(columns=LAYOUT_COLUMNS)
+        for name in ("processes", "outstanding", "targets", "malloc_arenas"):
+            df = arenas if name == "malloc_arenas" else getattr(ds, name)
             self.empty[name] = df.iloc[0:0]
             groups = df.groupby("pid", sort=False) if "pid" in df and len(df) else ()
             self.parts[name] = {int(pid): g.sort_values("ts", kind="stable") if "ts" in g else g
@@ -351,5 +358,6 @@ def _process_section(tables: _ByPid, pid: int, stacks: Stacks, findings: list[Fi
     host = o[~o["source"].astype(str).isin(GPU_SOURCES)] if "source" in o else o
     return ProcessSection(pid, _comm(tables, pid), _cmdline(tables, pid), " · ".join(meta),
                           sections.top_stacks(host, times, stacks), sections.memory_breakdown(p),
-                          sections.arena_chart(p), gpu.process_charts(p, o, times, stacks),
+                          sections.arena_chart(p), sections.layout_charts(tables.rows("malloc_arenas", pid)),
+                          gpu.process_charts(p, o, times, stacks),
                           sections.flame_graphs(o, times, stacks))

@@ -1,5 +1,6 @@
 """The chart sections of one process in the HTML report: top stacks over time, memory by kind,
-glibc heap/arena resident vs live, flame graphs (the GPU ones: analysis/report/gpu.py).
+glibc heap/arena resident vs live, the allocators' pages in use vs pinned, flame graphs (the GPU
+ones: analysis/report/gpu.py).
 
 Each function gives the numbers and text of a section; templates/process.html.j2 lays them out.
 """
@@ -151,6 +152,40 @@ def arena_chart(p: pd.DataFrame) -> Chart:
         keys += [Key(f"estimated live {fmt_bytes(live[-1])}", "#4e79a7"),
                  Key(f"gap {fmt_bytes(max(resident[-1] - live[-1], 0))}")]
     return Chart(head.title, svg=chart(t, series, width=570, label="arena resident vs live"), keys=tuple(keys))
+
+
+# the allocators whose layout the recorder reads (table malloc_arenas), and how their rows are named
+LAYOUTS = (("glibc", "glibc heap pages"), ("pymalloc", "CPython object arenas (pymalloc)"))
+
+
+def layout_charts(a: pd.DataFrame) -> list[Chart]:
+    """Per allocator whose layout was read (malloc_arenas rows with free bytes): its resident
+    bytes split into in use, pinned (free bytes on pages that also hold live ones) and other free
+    resident bytes (whole free pages: what a trim or an empty arena returns), at each read."""
+    if a.empty or not {"ts", "rss", "free_resident_bytes", "pinned_bytes"} <= set(a.columns):
+        return []
+    a = a.assign(allocator=a["allocator"].fillna("glibc").astype(str) if "allocator" in a else "glibc")
+    out = []
+    for name, title in LAYOUTS:
+        rows = a[a["allocator"] == name]
+        # a read counts when every arena of it was read (its free bytes and pinned pages known)
+        g = rows.assign(ok=rows["free_resident_bytes"].notna() & rows["pinned_bytes"].notna()).groupby("ts")
+        per = g.agg(ok=("ok", "all"), rss=("rss", "sum"), free=("free_resident_bytes", "sum"),
+                    pinned=("pinned_bytes", "sum"))
+        per = per[per["ok"]]
+        if per.empty:
+            continue
+        t = seconds(per.index.to_series())
+        rss, free = per["rss"].to_numpy(float), per["free"].to_numpy(float)
+        pinned = np.minimum(per["pinned"].to_numpy(float), free)
+        series = [Series("in use", "#4e79a7", np.maximum(rss - free, 0)), Series("pinned", "#e15759", pinned),
+                  Series("other free resident", "#bab0ac", free - pinned)]
+        keys = [Key(f"resident {fmt_bytes(rss[-1])}", dash=True),
+                *(Key(f"{s.label} {fmt_bytes(s.y[-1])}", s.color) for s in reversed(series))]
+        svg = chart(t, series, width=570, stacked=True, total=Series("resident", "#222", rss),
+                    label=f"{title}: in use, pinned, free")
+        out.append(Chart(f"{title}: in use vs pinned ({len(per)} reads)", svg=svg, keys=tuple(keys)))
+    return out
 
 
 def flame_graphs(o: pd.DataFrame, times: np.ndarray, stacks: Stacks) -> list[FlameGraph]:

@@ -12,8 +12,9 @@ from sampler.units import fmt_bytes
 
 def top_stacks(root: str | Path, pids: list[int] | None = None, n: int = 10, pinned: bool = False):
     """Each process's last snapshot, its `n` largest stacks by outstanding bytes, or with `pinned`
-    by pinned bytes (outstanding.pinned_bytes: free bytes of the heap pages their chunks pin)."""
-    df = latest_outstanding(root, pids)
+    by pinned bytes (outstanding.pinned_bytes: free bytes of the heap pages their chunks pin) at
+    the last snapshot that charged them."""
+    df = latest_outstanding(root, pids, pinned)
     if df.empty:
         return df
     key = "pinned_bytes" if pinned else "outstanding_bytes"

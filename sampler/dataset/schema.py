@@ -173,7 +173,8 @@ OUTSTANDING = Table(
                                              "stack's live chunks: pages that are resident and hold free bytes "
                                              "beside bytes in use, so that `malloc_trim` cannot return them; each "
                                              "page's free bytes shared among the bytes in use on it (docs/"
-                                             "findings.md). Null when the arenas were not walked, or outside malloc."),
+                                             "findings.md). Null at the snapshots that read no heap layout (walks are "
+                                             "spaced by their cost), or outside malloc and python."),
         Column("pinned_stderr_bytes", pa.float64(), "Standard error of `pinned_bytes`."),
     ),
 )
@@ -520,9 +521,11 @@ MALLOC_ARENAS = Table(
     "malloc_arenas",
     "One row per interval, process and glibc arena (the main arena of `[heap]` and each secondary "
     "arena): its resident memory, the sampled live bytes in it and, read from the arena's bins "
-    "through /proc/PID/mem, its free chunks. The free-list columns are null when the metadata could "
-    "not be read consistently (the process runs on while it is read) or the walk ran over its budget. "
-    "A CPython process also has one `pymalloc` row for its small-object arenas (sampler/proc/pymalloc.py).",
+    "through /proc/PID/mem, its free chunks. The free-list columns are null at the snapshots that did "
+    "not walk the arenas (walks are spaced by their cost: sampler/control/pacing.py), and when the "
+    "metadata could not be read consistently (the process runs on while it is read) or the walk ran "
+    "over its budget. A CPython process also has one `pymalloc` row for its small-object arenas at "
+    "each snapshot that scanned them (sampler/proc/pymalloc.py).",
     (
         *_common("Time of the measurement."),
         Column("pid", pa.int32(), "Process id."),

@@ -112,12 +112,13 @@ class _Mem:
 
 
 def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple[int, int, float]],
-               budget: int = DEFAULT_BUDGET, pins: list[PinMap] | None = None) -> list[dict]:
+               budget: int = DEFAULT_BUDGET, pins: list[PinMap] | None = None, walk: bool = True) -> list[dict]:
     """One row per arena (the main arena when `[heap]` exists, each secondary arena).
 
     `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `blocks` the sampled
     live blocks as (address, size, inclusion probability). With `pins`, the pinned pages of each
-    arena whose free lists were read are appended to it. [] when the process is gone or its
+    arena whose free lists were read are appended to it. Without `walk`, the free lists are not
+    read (their columns are null): residency and sampled live bytes only. [] when the process is gone or its
     memory cannot be read."""
     try:
         mem = _Mem(pid)
@@ -138,7 +139,7 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple
         rows = []
         for arena, hs in by_arena.items():
             is_main = hs[0] is main
-            free = _free_chunks(mem, arena, hs, is_main, left, pins) if arena else None
+            free = _free_chunks(mem, arena, hs, is_main, left, pins) if arena and walk else None
             lb, lv, ls = (sum(live[id(h)][k] for h in hs) for k in range(3))
             rows.append({
                 "pid": pid, "arena": arena, "main": is_main, "heaps": len(hs),

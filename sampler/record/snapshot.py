@@ -50,10 +50,6 @@ from sampler.stacks.kernel_tables import KernelTables
 from sampler.stacks.table import StackTable
 from sampler.stacks.unwind import Unwinder
 
-PYMALLOC_DUTY = 100          # pymalloc scans: at most 1/100 of a CPU per process
-PYMALLOC_EVERY_S = 60.0      # and otherwise once a minute (_pymalloc_due)
-PYMALLOC_RETRY_S = 600.0     # after a scan that found no pools (or ran over its budget)
-
 # Adaptive snapshot interval (no --interval): elapsed / ADAPTIVE_SNAPSHOTS within [MIN, MAX], so a
 # recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
 # long one settles at one per 10 s.
@@ -286,38 +282,28 @@ class Snapshots:
         if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
             t.reconciled = t.drops[2]
             t.table.keep_mapped([(r[0], r[1]) for r in regions])
+        # the allocators' layouts, read from outside when their pace allows (sampler/control/pacing.py)
         pins: list[PinMap] = []
+        walk = t.glibc_pace.due(time.monotonic())
+        cpu = time.thread_time()
         arenas += [{"ts": now, "allocator": "glibc", **r}
-                   for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins)]
-        if self.python is not None and self.python.known(t.pid) and self._pymalloc_due(t, s.rss):
+                   for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins, walk=walk)]
+        if walk:
+            t.glibc_pace.done(time.monotonic(), time.thread_time() - cpu)
+        marks = (float(s.rss), t.table.totals(PYTHON)[0])
+        scan = self.python is not None and self.python.known(t.pid) and t.pymalloc_pace.due(time.monotonic(), marks)
+        if scan:
             cpu = time.thread_time()
             py = pymalloc_row(t.pid, regions, pins)
-            cpu = time.thread_time() - cpu
-            # the scan reads a header per resident 16 KiB of anonymous memory: it waits PYMALLOC_DUTY
-            # times what it cost (at most 1% of a CPU per process), and long after finding nothing
-            mono = time.monotonic()
-            t.pymalloc_next = mono + (PYMALLOC_DUTY * cpu if py is not None else PYMALLOC_RETRY_S)
-            t.pymalloc_seen = (mono, s.rss, t.table.totals(PYTHON)[0])
+            t.pymalloc_pace.done(time.monotonic(), time.thread_time() - cpu, py is not None, marks)
             if py is not None:
                 arenas.append({"ts": now, "pid": t.pid, **py})
-        t.pinned = t.table.pinned(pins)
+        # charged at the snapshots that read a layout: each finding reads its own's (analysis/detect/)
+        t.pinned = t.table.pinned(pins) if walk or scan else {}
         return rows.process_row(
             t, now, s, sample_mean=self.controls.sample_mean(t.pid), stack_collisions=self.stacks.collisions,
             probe_cost_ns=self.governor.cost(t.pid) if self.governor is not None else None,
             gpu=self.gpu.process_columns(t.pid, t.table) if self.gpu is not None else {})
-
-    @staticmethod
-    def _pymalloc_due(t: Target, rss: int) -> bool:
-        """A pymalloc scan is due once a minute, or sooner when the process's RSS or its sampled
-        Python objects moved by an eighth since the last one (objects dropped while RSS stays:
-        the moment arenas become pinned), never sooner than its cost allows."""
-        mono = time.monotonic()
-        if mono < t.pymalloc_next:
-            return False
-        at, last_rss, last_py = t.pymalloc_seen
-        py = t.table.totals(PYTHON)[0]
-        return (mono - at >= PYMALLOC_EVERY_S or abs(rss - last_rss) * 8 >= last_rss
-                or abs(py - last_py) * 8 >= max(last_py, float(1 << 20)))
 
     def _recorder_row(self, now: dt.datetime, interval: float, targets: dict[int, Target]) -> None:
         c = self.probes.counters()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sampler.control import pacing
+from sampler.control.pacing import Pace
 from sampler.dataset.sources import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS  # noqa: F401  (re-exported)
 from sampler.inprocess.inject import Injection
 from sampler.probes.allocators import AllocatorLib
@@ -55,8 +57,8 @@ class Target:
     exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
     # this snapshot's pinned bytes per (source, stack): (estimate, variance), from the arena walk
     pinned: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
-    pymalloc_next: float = 0.0                               # monotonic: no pymalloc scan before (snapshot.py)
-    pymalloc_seen: tuple[float, int, float] = (-1e9, 0, 0.0)  # at the last scan: when, RSS, sampled Python bytes
+    glibc_pace: Pace = field(default_factory=pacing.glibc_walk)        # when its heaps are next walked
+    pymalloc_pace: Pace = field(default_factory=pacing.pymalloc_scan)  # when its pymalloc arenas are next scanned
 
     @property
     def pid(self) -> int:

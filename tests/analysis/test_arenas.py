@@ -62,8 +62,9 @@ def test_reproducer_with_8_arenas_is_flagged(record, arena_bloat_bin, mode):
         assert d["trimmable_bytes"] > 0.98 * d["bloat_bytes"]
         assert d["recommendation"].startswith("call malloc_trim(0)")
     # the free lists agree with the definition: free chunk bytes = committed - live chunk bytes
+    # (at the last walk: walks are spaced by their cost, sampler/control/pacing.py)
     a = pd.read_parquet(out / "malloc_arenas")
-    a = a[a["ts"] == a["ts"].max()]
+    a = a[a["ts"] == a.loc[a["free_bytes"].notna(), "ts"].max()]
     assert a["free_bytes"].notna().all() and len(a) == 9 and a["main"].sum() == 1
     live_chunks = 8 * (8192 if mode == "page-pin" else 1) * 1040
     assert a["size"].sum() - a["free_bytes"].sum() == pytest.approx(live_chunks, abs=4 * MiB)
@@ -199,3 +200,49 @@ def test_free_lists_split_trimmable_from_pinned(tmp_path):
     assert d["recommendation"].startswith("call malloc_trim(0)") and d["expected_saving_bytes"] == 8 * 120 * MiB
     # measured bloat does not depend on when blocks were allocated: no upper-bound caveat
     assert "upper bound" not in d["caveats"] and "already there" in d["caveats"]
+
+
+def _walked_rows(p: pd.DataFrame, walks: set[int]) -> list[dict]:
+    """malloc_arenas rows of 8 arenas at every snapshot, their free lists read at `walks` only."""
+    base = MALLOC_ARENAS.schema.empty_table().to_pandas()
+    return [{c: None for c in base.columns} | {
+        "ts": ts, "recording_id": "rec", "host": "h", "pid": 42, "arena": 0x7F0000000000 + k, "main": k == 0,
+        "heaps": 2, "size": 192 * MiB, "rss": 192 * MiB, "swap": 0, "live_bytes": 37.5 * MiB,
+        "live_stderr_bytes": MiB, "live_samples": 75,
+    } | ({"free_bytes": 150 * MiB, "free_chunks": 1000, "top_bytes": MiB, "free_resident_bytes": 150 * MiB,
+          "trimmable_bytes": 120 * MiB, "pinned_bytes": 30 * MiB, "pinned_pages": 7680} if i in walks else {})
+        for i, ts in enumerate(p["ts"]) for k in range(8)]
+
+
+def test_a_free_list_walk_stands_for_the_snapshots_after_it(tmp_path):
+    """The recorder walks the free lists as their cost allows (sampler/control/pacing.py): a walk's
+    figures carry to the snapshots after it, less the resident bytes the heap lost since, and no
+    longer than WALK_STANDS_S; the finding says when the lists were read."""
+    resident = [1.5 * GiB] * 30 + [1.5 * GiB - 400 * MiB] * 10    # pages returned after the last walk
+    p = snapshots(resident, [300 * MiB] * 40)
+    DatasetWriter(tmp_path, "rec").write(MALLOC_ARENAS, _walked_rows(p, {0, 10, 20}))
+    (f,) = detect_arena_bloat(dataset(tmp_path, p))
+    d = f.details
+    assert d["bloat_basis"] == "free lists" and d["windows"] == 40
+    assert d["bloat_bytes"] == 8 * 150 * MiB - 400 * MiB          # never more than the walk saw
+    assert d["free_lists_read_at"] == p["ts"].iloc[20] and "read at 00:03:20 UTC" in d["evidence"]
+    assert d["trimmable_bytes"] == 8 * 120 * MiB - 400 * MiB and d["pinned_bytes"] == 8 * 30 * MiB
+
+    # one walk, longer ago than a walk stands for: the last snapshots are sampled estimates again
+    stale = tmp_path / "stale"
+    DatasetWriter(stale, "rec").write(MALLOC_ARENAS, _walked_rows(p, {0}))
+    (f,) = detect_arena_bloat(dataset(stale, p))
+    assert f.details["bloat_basis"] == "sampled live" and f.details["free_lists_read_at"] is None
+    assert f.details["trimmable_bytes"] is None
+
+
+def test_one_walk_is_not_two_measured_windows(tmp_path):
+    """A measured verdict needs min_measured_windows walks, not one walk carried over as many
+    snapshots: a 2-snapshot run of one walk falls back to the sampled rule (3 snapshots)."""
+    p = snapshots([1.5 * GiB] * 2, [1.4 * GiB] * 2)       # sampled: no bloat; measured: 1.2 GiB
+    DatasetWriter(tmp_path, "rec").write(MALLOC_ARENAS, _walked_rows(p, {0}))
+    assert detect_arena_bloat(dataset(tmp_path, p)) == []
+    both = tmp_path / "both"
+    DatasetWriter(both, "rec").write(MALLOC_ARENAS, _walked_rows(p, {0, 1}))
+    (f,) = detect_arena_bloat(dataset(both, p))
+    assert f.details["bloat_basis"] == "free lists" and f.details["windows"] == 2

@@ -10,16 +10,34 @@ from __future__ import annotations
 
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import WORKLOADS, GatedTarget, allocsampler_cmd, compile_c
 
-from analysis.dataset import latest_outstanding, load, read_table
+from analysis.dataset import load, read_table
 from analysis.detect.arenas import detect_arena_bloat
 from analysis.detect.pymalloc import detect_pymalloc_bloat
+from analysis.report.html import render_html
+from sampler.units import fmt_bytes
 
 MODES = ("interleaved", "first")
+
+
+@contextmanager
+def recording(record, targets: dict[str, GatedTarget], *args: str):
+    """A recording of every target, with `args`; the targets are killed after the block."""
+    try:
+        yield record(*(a for t in targets.values() for a in ("--pid", str(t.pid))), *args)
+    finally:
+        for t in targets.values():
+            t.kill()
+
+
+def stop(rec) -> None:
+    code, _, err = rec.stop()
+    assert code == 0, err
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +49,8 @@ def pinning_bin(tmp_path_factory) -> Path:
 def test_pinned_pages_are_measured_exactly_and_charged_to_the_site_that_pins_them(record, pinning_bin):
     targets = {m: GatedTarget([str(pinning_bin), m], ready="waiting", stream="stdout") for m in MODES}
     truth: dict[str, dict[str, int]] = {m: {} for m in MODES}
-    try:
-        rec = record(*(a for t in targets.values() for a in ("--pid", str(t.pid))), "-i", "1",
-                     "--sample-bytes", "128K", "--max-samples-per-s", "0")   # no cap for the burst
+    # no cap for the burst
+    with recording(record, targets, "-i", "1", "--sample-bytes", "128K", "--max-samples-per-s", "0") as rec:
         for t in targets.values():
             rec.wait_attached(pid=t.pid)
         for m, t in targets.items():
@@ -43,28 +60,28 @@ def test_pinned_pages_are_measured_exactly_and_charged_to_the_site_that_pins_the
                 truth[m][name] = int(value)
             assert t.line() == "ready"
         rec.wait_snapshot(time.time() + 3)
-        code, _, err = rec.stop()
-        assert code == 0, err
+        stop(rec)
         for m, t in targets.items():       # what a real malloc_trim returns, once the recording is over
             t.go("trim\n")
             name, value = t.line().split()
             truth[m][name] = int(value)
-    finally:
-        for t in targets.values():
-            t.kill()
 
     arenas = read_table(rec.out, "malloc_arenas")
     ds = load(rec.out, outstanding_columns=None)
     findings = {f.pid: f for f in detect_arena_bloat(ds, min_bloat=32 << 20)}
     for m, t in targets.items():
-        main = arenas[(arenas["pid"] == t.pid) & arenas["main"]].sort_values("ts").iloc[-1]
+        # the last walk of the free lists (spaced by their cost: sampler/control/pacing.py)
+        main = arenas[(arenas["pid"] == t.pid) & arenas["main"] & arenas["pinned_bytes"].notna()].sort_values("ts")
+        assert len(main), m
+        main = main.iloc[-1]
         print(f"\n[pinning {m}] truth {truth[m]}; measured pinned {main['pinned_bytes']} on "
               f"{main['pinned_pages']} pages, trimmable {main['trimmable_bytes']}")
         # exact, up to the chunks tcache keeps (7 of this size, in use as far as the bins say)
         assert abs(main["pinned_bytes"] - truth[m]["pinned"]) <= 8 * 1040 + 4096
         assert abs(main["trimmable_bytes"] - max(0, truth[m]["trimmed"])) <= 0.02 * truth[m]["live"] + 256 * 1024
 
-        last = latest_outstanding(rec.out, [t.pid])
+        out = read_table(rec.out, "outstanding")
+        last = out[(out["pid"] == t.pid) & (out["ts"] == main["ts"])]       # charged at that walk
         frames = read_table(rec.out, "frames")
         top = frames[frames["depth"] == 0].drop_duplicates("stack_id").set_index("stack_id")["function"]
         last = last.assign(site=last["stack_id"].map(top))
@@ -89,6 +106,38 @@ def test_pinned_pages_are_measured_exactly_and_charged_to_the_site_that_pins_the
             assert main["pinned_bytes"] < 64 * 1024
             assert f.details["pinning_sites"] == [] and "malloc_trim(0)" in f.summary
             assert not (last["pinned_bytes"] >= 2 * last["pinned_stderr_bytes"]).any()
+    # the report charts each process's heap pages: in use, pinned and free at each walk
+    doc = render_html(ds, list(findings.values()))
+    assert doc.count("glibc heap pages: in use vs pinned") == len(targets)
+    pinned = arenas[(arenas["pid"] == targets["interleaved"].pid) & arenas["pinned_bytes"].notna()]
+    assert f"pinned {fmt_bytes(pinned.groupby('ts')['pinned_bytes'].sum().iloc[-1])}" in doc
+
+
+@pytest.mark.bpf
+def test_a_held_plateau_and_churn_pin_nothing_worth_a_finding(record, pinning_bin):
+    """Controls: 64 MiB of blocks held as allocated (nothing freed), and the same plateau under
+    8 s of churn (~200,000 mallocs/s of 16..8192 bytes freed at random, a working set of 4096
+    blocks, ~16 MiB). The walks see no pinned page on the plateau and at most the working set's worth
+    under churn; no arena finding, even at the lowered 32 MiB floor."""
+    modes = ("plateau", "churn")
+    targets = {m: GatedTarget([str(pinning_bin), m, "64"], ready="waiting", stream="stdout") for m in modes}
+    with recording(record, targets, "-i", "1") as rec:
+        for t in targets.values():
+            rec.wait_attached(pid=t.pid)
+        for m, t in targets.items():
+            t.go()
+            assert [t.line().split()[0] for _ in range(3)] == ["live", "pinned", "ready"], m
+        assert targets["churn"].line().startswith("churned")
+        stop(rec)
+
+    arenas = read_table(rec.out, "malloc_arenas")
+    ds = load(rec.out, outstanding_columns=None)
+    assert detect_arena_bloat(ds) == [] and detect_arena_bloat(ds, min_bloat=32 << 20) == []
+    for m, t in targets.items():
+        walks = arenas[(arenas["pid"] == t.pid) & arenas["pinned_bytes"].notna()].groupby("ts")["pinned_bytes"].sum()
+        print(f"\n[pinning {m}] {len(walks)} walks, pinned at most {walks.max():.0f}")
+        assert len(walks) >= 2, m
+        assert walks.max() <= (256 << 10 if m == "plateau" else 16 << 20), walks.describe()
 
 
 @pytest.mark.bpf
@@ -103,9 +152,8 @@ def test_python_objects_that_keep_pymalloc_arenas_are_charged_for_them(record):
         r = subprocess.run(argv[m], input="go\n", capture_output=True, text=True, timeout=60, check=True)
         truth[m] = {k: int(v) for k, v in (ln.split() for ln in r.stdout.splitlines()[1:4])}
     targets = {m: GatedTarget(argv[m], ready="waiting", stream="stdout") for m in MODES}
-    try:
-        rec = record(*(a for t in targets.values() for a in ("--pid", str(t.pid))), "-i", "1", "--python-objects",
-                     "--sample-bytes", "32K", "--max-samples-per-s", "0")
+    with recording(record, targets, "-i", "1", "--python-objects", "--sample-bytes", "32K",
+                   "--max-samples-per-s", "0") as rec:
         deadline = time.monotonic() + 60
         while (read_table(rec.out, "targets")["detail"].str.contains("CPython objects sampled", regex=False)
                .sum() < len(targets)):
@@ -116,11 +164,7 @@ def test_python_objects_that_keep_pymalloc_arenas_are_charged_for_them(record):
             t.go()
             assert [t.line() for _ in range(4)] == ["live unknown", "pinned unknown", "arenas unknown", "ready"]
         rec.wait_snapshot(time.time() + 5)      # a scan follows the drop, at most 1% of a CPU later
-        code, _, err = rec.stop()
-        assert code == 0, err
-    finally:
-        for t in targets.values():
-            t.kill()
+        stop(rec)
 
     arenas = read_table(rec.out, "malloc_arenas")
     frames = read_table(rec.out, "frames")
@@ -151,3 +195,6 @@ def test_python_objects_that_keep_pymalloc_arenas_are_charged_for_them(record):
         else:
             assert t.pid not in findings, findings[t.pid].summary
     assert measured["first"] <= 0.1 * truth["interleaved"]["pinned"]
+    # the report charts each process's arenas: in use vs pinned at each scan
+    doc = render_html(load(rec.out), list(findings.values()))
+    assert doc.count("CPython object arenas (pymalloc): in use vs pinned") == len(targets)

@@ -23,7 +23,7 @@ import pytest
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding, to_document
 from analysis.frames import stack_frames, trim_frames
-from analysis.report import flamegraph
+from analysis.report import flamegraph, sections
 from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html
 from analysis.report.text import render
@@ -145,6 +145,26 @@ def test_process_without_outstanding_or_without_heap_columns():
     doc = render_html(ds, [])
     assert "No sampled allocations" in doc and 'class="flame"' not in doc
     assert doc.count('<svg class="chart"') == 2 and "thread stacks" not in doc
+
+
+def test_layout_charts_split_resident_into_in_use_pinned_and_free_at_each_read():
+    """malloc_arenas rows: two glibc arenas read at two of three snapshots (the middle one was not
+    walked, so it is not charted), and pymalloc scanned once."""
+    mib = 1 << 20
+    ts = [T0 + pd.Timedelta(seconds=10 * i) for i in range(3)]
+    walked = {"free_resident_bytes": 30.0 * mib, "pinned_bytes": 20.0 * mib}
+    rows = [{"ts": t, "pid": 42, "allocator": "glibc", "rss": 50 * mib, **(walked if i != 1 else
+            {"free_resident_bytes": None, "pinned_bytes": None})} for i, t in enumerate(ts) for _ in range(2)]
+    rows.append({"ts": ts[2], "pid": 42, "allocator": "pymalloc", "rss": 8 * mib,
+                 "free_resident_bytes": 6.0 * mib, "pinned_bytes": 6.0 * mib})
+    glibc, py = sections.layout_charts(pd.DataFrame(rows))
+    assert glibc.title.startswith("glibc heap pages") and "(2 reads)" in glibc.title
+    assert [k.text for k in glibc.keys] == ["resident 100.0 MiB", "other free resident 20.0 MiB", "pinned 40.0 MiB",
+                                            "in use 40.0 MiB"]
+    assert "pymalloc" in py.title and "(1 reads)" in py.title and "pinned 6.0 MiB" in [k.text for k in py.keys]
+    hover = json.loads(re.search(r'<script type="application/json">(.*?)</script>', str(glibc.svg)).group(1))
+    assert len(hover["t"]) == 2                                  # the unwalked snapshot is not a read
+    assert sections.layout_charts(pd.DataFrame(rows[2:4])) == []  # no complete read
 
 
 def test_findings_ranked_with_units_and_any_details():
@@ -366,7 +386,9 @@ def test_real_recording_report_renders_in_chromium(workload, record, tmp_path):
 
     dom = chromium(tmp_path, "--dump-dom", page.as_uri()).stdout
     assert '<html lang="en" class="js">' in dom                    # the page's script ran
-    assert dom.count('<svg class="chart"') == 3                     # top stacks, memory by kind, arenas
+    # top stacks, memory by kind, arenas, and the pages of each allocator whose layout was read
+    assert "glibc heap pages: in use vs pinned" in dom
+    assert dom.count('<svg class="chart"') == 3 + dom.count(": in use vs pinned (")
     assert len(flame_frames(dom)) >= 3                              # malloc and mmap at the end, growth
     assert 'data-l="leak_malloc"' in dom and "leak_malloc (libleaky.so)" in dom
     for text in ("glibc arenas", "estimated live", "18.6 GiB/h", "61.0 MiB ± 2.9 MiB"):
