@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -46,12 +48,17 @@ READ_ATTEMPTS = 5
 HIVE = ds.HivePartitioning.discover(infer_dictionary=True)
 
 
-def _scan(path: Path, table, filter, columns: list[str] | None) -> pd.DataFrame:
+def _dataset(path: Path, table) -> ds.Dataset:
     dataset = ds.dataset(path, format="parquet", partitioning=HIVE)
     missing = [f for f in table.read_schema if f.name not in dataset.schema.names]
     if missing:     # columns added since the first file was written: null there
         dataset = ds.dataset(path, format="parquet", partitioning=HIVE, schema=pa.schema([*dataset.schema, *missing]))
-    return dataset.to_table(filter=filter, columns=columns).to_pandas(self_destruct=True, split_blocks=True)
+    return dataset
+
+
+def _scan(path: Path, table, filter, columns: list[str] | None) -> pd.DataFrame:
+    return _dataset(path, table).to_table(filter=filter, columns=columns).to_pandas(self_destruct=True,
+                                                                                    split_blocks=True)
 
 
 # A process's last running snapshot within this many seconds of its exit, with less than half of
@@ -97,15 +104,17 @@ def exit_events(root: str | Path, pids: list[int] | None = None) -> pd.DataFrame
     return read_table(root, "targets", filter=flt, columns=["ts", "recording_id", "pid"])
 
 
+AT_EXIT = ds.field("exiting") == True  # noqa: E712  (an Arrow expression)
+RUNNING = ds.field("exiting").is_null() | (ds.field("exiting") == False)  # noqa: E712
+
+
 def read_outstanding(root: str | Path, *, filter=None, columns: list[str] | None = None,
                      pids: list[int] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(running rows, teardown rows) of the `outstanding` table (split_exit). The rows written at
     exits are filtered apart while scanning, so the big running frame is never copied for them."""
     cols = None if columns is None else [c for c in columns if c != "exiting"]
-    at_exit = ds.field("exiting") == True  # noqa: E712  (an Arrow expression)
-    running = ds.field("exiting").is_null() | (ds.field("exiting") == False)  # noqa: E712
-    teardown = read_table(root, "outstanding", filter=at_exit if filter is None else filter & at_exit, columns=cols)
-    out = read_table(root, "outstanding", filter=running if filter is None else filter & running, columns=cols)
+    teardown = read_table(root, "outstanding", filter=AT_EXIT if filter is None else filter & AT_EXIT, columns=cols)
+    out = read_table(root, "outstanding", filter=RUNNING if filter is None else filter & RUNNING, columns=cols)
     for df in (out, teardown):
         if "exiting" in df:     # all of one kind here (read with columns=None): ours to drop in place
             del df["exiting"]
@@ -131,23 +140,105 @@ def latest_outstanding(root: str | Path, pids: list[int] | None = None, pinned: 
     return out.merge(stacks, on="stack_id", how="left")
 
 
+class _ReadOnUse:
+    """A Dataset field that `load` leaves unread: the outstanding rows (and the teardown rows read
+    with them) are read on first use; the detectors stream the table instead (`batches`)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None                     # the field's default: not read yet
+        if obj.__dict__.get(self.slot) is None and obj.scan is not None and obj.__dict__.get("_outstanding") is None:
+            sc = obj.scan
+            obj.__dict__["_outstanding"], obj.__dict__["_teardown"] = read_outstanding(
+                obj.root, filter=sc.filter, columns=sc.columns, pids=sc.pids)
+        return obj.__dict__.get(self.slot)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.slot] = value
+
+
 @dataclass
 class Dataset:
     """The tables of one dataset directory, filtered, as DataFrames."""
 
     root: Path | Source
-    outstanding: pd.DataFrame          # running state only (split_exit)
-    processes: pd.DataFrame
-    stacks: pd.DataFrame
-    frames: pd.DataFrame
-    vm_events: pd.DataFrame
-    targets: pd.DataFrame
-    recordings: pd.DataFrame
+    outstanding: pd.DataFrame = _ReadOnUse()          # running state only (split_exit)
+    processes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    stacks: pd.DataFrame = field(default_factory=pd.DataFrame)
+    frames: pd.DataFrame = field(default_factory=pd.DataFrame)
+    vm_events: pd.DataFrame = field(default_factory=pd.DataFrame)
+    targets: pd.DataFrame = field(default_factory=pd.DataFrame)
+    recordings: pd.DataFrame = field(default_factory=pd.DataFrame)
     sources: list[str] | None = None    # the source filter it was loaded with (None: all)
-    teardown: pd.DataFrame | None = None   # outstanding rows of exiting processes' teardowns
+    teardown: pd.DataFrame | None = _ReadOnUse()      # outstanding rows of exiting processes' teardowns
+    scan: OutstandingScan | None = None  # how `load` filtered `outstanding`, to read it on use
+    derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # detectors' caches
+
+    def _read(self) -> bool:
+        """Whether `outstanding` is in memory (given, or read since)."""
+        return self.__dict__.get("_outstanding") is not None or self.scan is None
+
+    def batches(self, columns: list[str], rows: int = 1 << 18) -> Iterator[pa.RecordBatch]:
+        """The running rows of `outstanding` (the `exiting` ones left out; split_exit's late
+        teardown snapshots are not) in Arrow batches of `columns`, streamed from the files."""
+        if self._read():
+            df = self.outstanding if self.outstanding is not None else pd.DataFrame(columns=columns)
+            table = pa.Table.from_pandas(df[[c for c in columns if c in df]], preserve_index=False)
+            yield from table.to_batches(rows)
+            return
+        flt = RUNNING if self.scan.filter is None else self.scan.filter & RUNNING
+        if isinstance(self.root, Source):       # one host's files: read whole (analysis/fleet.py streams hosts)
+            yield from self.root.read("outstanding", filter=flt, columns=columns, arrow=True).to_batches(rows)
+            return
+        path = Path(self.root) / "outstanding"
+        if not path.is_dir() or not layout.has_files(path):
+            return
+        # files hold a flush or an hour each: small batches are joined, as the per-batch work is fixed
+        buf: list[pa.RecordBatch] = []
+        n = 0
+        for b in _dataset(path, TABLES["outstanding"]).to_batches(columns=columns, filter=flt, batch_size=rows):
+            buf.append(b)
+            n += b.num_rows
+            if n >= rows:
+                yield from _joined(buf)
+                buf, n = [], 0
+        yield from _joined(buf)
+
+    def exits(self) -> dict[tuple[str, int], int]:
+        """(recording, pid) -> when it was first seen exiting (us): its `exiting` rows or its exit
+        event; {} when the rows are in memory (their teardown is split off already)."""
+        if self._read():        # rows in memory are the running ones already (read_outstanding split them)
+            return {}
+        flt, pids = self.scan.filter, self.scan.pids
+        keys = ["recording_id", "pid", "ts"]
+        rows = read_table(self.root, "outstanding", filter=AT_EXIT if flt is None else flt & AT_EXIT, columns=keys)
+        both = pd.concat([rows, exit_events(self.root, pids)]) if len(rows) else exit_events(self.root, pids)
+        if both.empty:
+            return {}
+        first = both.groupby(["recording_id", "pid"], observed=True)["ts"].min()
+        return {(str(r), int(p)): int(pd.Timestamp(t).value // 1000) for (r, p), t in first.items()}
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:
         return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
+
+
+def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    if len(batches) == 1:
+        yield batches[0]
+    elif batches:
+        yield from pa.Table.from_batches(batches).unify_dictionaries().combine_chunks().to_batches()
+
+
+@dataclass(frozen=True)
+class OutstandingScan:
+    """How `load` filtered the outstanding table, to read it later."""
+
+    filter: Any
+    columns: list[str] | None
+    pids: list[int] | None
 
 
 def _time_filter(since: dt.datetime | None, until: dt.datetime | None):
@@ -188,14 +279,12 @@ def load(root: str | Path | Source, *, pids: list[int] | None = None, sources: l
         return out
 
     src = ds.field("source").isin(sources) if sources else None
-    outstanding, teardown = read_outstanding(root, filter=both(when, by_pid, src), columns=outstanding_columns,
-                                             pids=pids)
     targets = read_table(root, "targets", filter=by_pid)
     stacks = read_table(root, "stacks").drop_duplicates("stack_id")
     frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
     return Dataset(
         root=root,
-        outstanding=outstanding,
+        outstanding=None,
         processes=read_table(root, "processes", filter=both(when, by_pid)),
         stacks=stacks,
         frames=frames,
@@ -203,5 +292,5 @@ def load(root: str | Path | Source, *, pids: list[int] | None = None, sources: l
         targets=targets,
         recordings=read_table(root, "recordings"),
         sources=sources,
-        teardown=teardown,
+        scan=OutstandingScan(both(when, by_pid, src), outstanding_columns, pids),
     )

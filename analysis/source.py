@@ -21,7 +21,6 @@ import re
 import urllib.parse
 from dataclasses import dataclass, replace
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
@@ -207,11 +206,12 @@ class Source:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def read(self, table: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
-        """One table, as analysis.dataset.read_table gives it, of the selected files and rows."""
+    def read(self, table: str, *, filter=None, columns: list[str] | None = None, arrow: bool = False):
+        """One table, as analysis.dataset.read_table gives it, of the selected files and rows (with
+        `arrow`: as a pyarrow Table)."""
         for attempt in range(READ_ATTEMPTS):
             try:
-                return self.read_once(table, filter, columns)
+                return self.read_once(table, filter, columns, arrow)
             except FileNotFoundError:
                 if attempt == READ_ATTEMPTS - 1:
                     raise
@@ -219,7 +219,7 @@ class Source:
                     del self.cache[key]
         raise AssertionError("unreachable")
 
-    def read_once(self, table: str, filter, columns: list[str] | None) -> pd.DataFrame:
+    def read_once(self, table: str, filter, columns: list[str] | None, arrow: bool = False):
         files = self.files(table)
         rows = both(filter, self.selection.rows(table))
         new = [f.path for f in files if f.host is not None]
@@ -239,10 +239,11 @@ class Source:
         if old:
             parts.append(self.scan(table, old, both(rows, host_rows), columns))
         if not parts:
-            empty = TABLES[table].read_schema.empty_table().to_pandas()
-            return empty[columns] if columns else empty
+            empty = TABLES[table].read_schema.empty_table()
+            empty = empty.select(columns) if columns else empty
+            return empty if arrow else empty.to_pandas()
         data = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="permissive")
-        return data.to_pandas(self_destruct=True, split_blocks=True)
+        return data if arrow else data.to_pandas(self_destruct=True, split_blocks=True)
 
     def scan(self, table: str, paths: list[str], filter, columns: list[str] | None) -> pa.Table:
         kw = dict(filesystem=self.filesystem, format="parquet", partitioning=HIVE,

@@ -264,8 +264,8 @@ def _carried(p: pd.DataFrame, resident: np.ndarray) -> tuple[np.ndarray, np.ndar
     free = p["free_resident"].to_numpy(float)
     rows = np.maximum.accumulate(np.where(np.isnan(free), -1, np.arange(len(p))))
     j = np.maximum(rows, 0)
-    ts = p["ts"].to_numpy()
-    age = (ts - ts[j]) / np.timedelta64(1, "s")
+    ts = p["ts"].dt.as_unit("us").astype("int64").to_numpy()
+    age = (ts - ts[j]) / 1e6
     stands = (rows >= 0) & (age <= WALK_STANDS_S)
     carried = np.maximum(0.0, free[j] - np.maximum(0.0, resident[j] - resident))
     return np.where(stands, carried, np.nan), np.where(stands, rows, -1)

@@ -32,6 +32,7 @@ from analysis.dataset import Dataset
 from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen, theil_sen_interval
 from analysis.findings import Finding
 from analysis.frames import ALLOCATOR_MODULES, cause_representatives, frames_json, site, site_key
+from analysis.series import ProcessSums, StackSeries, read_series
 from analysis.units import fmt_hours
 from sampler.dataset.sources import ALLOCATION_TIERS, FAULT, GPU_SOURCES, MALLOC, MMAP, PYTHON, RSS, TORCH
 from sampler.units import fmt_bytes
@@ -64,7 +65,7 @@ def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | No
     samples) and cannot see for a busy cache (turnover at a constant level). Without churn counts
     the conservative sqrt(s_a^2 + s_b^2) is used."""
     if len(t) < 3 or t[-1] <= t[0]:
-        return Trend("insufficient", "linear", 0.0, 0.0, 0.0, 0.0, 1.0, 0, 0.0)
+        return INSUFFICIENT
     t, y, s = (np.asarray(a, float) for a in (t, y, s))
     cum = np.cumsum(churn) if churn is not None else None
     var1 = 0.0
@@ -74,6 +75,17 @@ def classify(t: np.ndarray, y: np.ndarray, s: np.ndarray, churn: np.ndarray | No
         if cum is not None:     # churn up to the end of each bin, aligned with the binned points
             cum = cum[np.append(bin_starts(t, max_points)[1:], len(t)) - 1]
         t, y, s = bin_series(t, y, s, max_points)
+    return classify_points(t, y, s, cum, var1, z_min=z_min, tail_z_min=tail_z_min, alpha=alpha)
+
+
+INSUFFICIENT = Trend("insufficient", "linear", 0.0, 0.0, 0.0, 0.0, 1.0, 0, 0.0)
+
+
+def classify_points(t: np.ndarray, y: np.ndarray, s: np.ndarray, cum: np.ndarray | None, var1: float, *,
+                    z_min: float = 3.0, tail_z_min: float = 3.0, alpha: float = 0.01) -> Trend:
+    """`classify` of a series already binned (at most max_points points): `cum` the sampled
+    allocations + frees up to the end of each point, `var1` the per-sample variance term (0:
+    unknown, the conservative change noise instead)."""
     n = len(t)
 
     def sigma(a: int | np.ndarray, b: int | np.ndarray) -> np.ndarray:
@@ -152,77 +164,61 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
     """One row per (recording, pid, source, stack) whose outstanding reached `min_bytes`: its
     classification and numbers. A stack absent from a snapshot has nothing outstanding (0).
 
-    A day of 10 s snapshots of 50 processes is millions of rows: rows are grouped by process
-    with one argsort, and each process's slice is sorted into series with index arithmetic, so
-    temporary arrays stay the size of one process."""
-    out = ds.outstanding
-    if out.empty:
-        return pd.DataFrame(columns=["recording_id", "pid", "source", "stack_id", "classification"])
-    reps = cause_representatives(ds.frames[ds.frames["stack_id"].isin(out["stack_id"].unique())])
-    out = merge_causes(out, reps)
+    The rows are read as binned series in two streaming passes (analysis/series.py): memory is
+    the processes' snapshot times and at most 200 points per stack, not the table."""
+    streamed, sums = _streamed(ds, min_bytes)
     merged: dict[int, list[int]] = {}
-    for other, rep in reps.items():
+    for other, rep in ds.derived["reps"].items():
         merged.setdefault(rep, []).append(other)
-    rec = out["recording_id"].astype("category")
-    src = out["source"].astype("category")
-    comm = out["comm"].astype("category")
-    proc = rec.cat.codes.to_numpy().astype(np.int64) << 32 | out["pid"].to_numpy().astype(np.int64)
-    by_proc = np.argsort(proc, kind="stable")
-    edges = np.flatnonzero(np.diff(proc[by_proc])) + 1
-    cols = {name: out[name].to_numpy() for name in ("outstanding_bytes", "outstanding_stderr_bytes",
-                                                    "live_samples", "alloc_samples", "free_samples", "stack_id")}
-    ts_all = out["ts"].dt.as_unit("us")
-    tiers = _tiers(ds)
     rows = []
-    for idx in np.split(by_proc, edges):
-        p = int(proc[idx[0]])
-        ts = ts_all.iloc[idx].astype("int64").to_numpy()                 # microseconds
-        grid = np.unique(ts)                                              # every snapshot of the process
-        measured = _measured(tiers.get((str(rec.cat.categories[p >> 32]), p & 0xFFFFFFFF)), grid)
-        skey, stack = src.cat.codes.to_numpy()[idx], cols["stack_id"][idx]
-        order = np.lexsort((ts, stack, skey))
-        ts, skey, stack = ts[order], skey[order], stack[order]
-        y_all = cols["outstanding_bytes"][idx][order].astype(float)
-        s_all = cols["outstanding_stderr_bytes"][idx][order].astype(float)
-        live_all = cols["live_samples"][idx][order].astype(float)
-        churn_all = (cols["alloc_samples"][idx][order] + cols["free_samples"][idx][order]).astype(float)
-        new = np.ones(len(order), bool)
-        new[1:] = (skey[1:] != skey[:-1]) | (stack[1:] != stack[:-1])
-        starts = np.flatnonzero(new)
-        ends = np.append(starts[1:], len(order))
-        peak = np.maximum.reduceat(y_all, starts)
-        last_comm = str(comm.iloc[idx[-1]])
-        t = (grid - grid[0]) / 1e6
-        for a, b in zip(starts[peak >= min_bytes], ends[peak >= min_bytes], strict=True):
-            at = np.searchsorted(grid, ts[a:b])
-            y, sd, live, churn = (np.zeros(len(grid)) for _ in range(4))
-            y[at], sd[at], live[at], churn[at] = y_all[a:b], s_all[a:b], live_all[a:b], churn_all[a:b]
-            source = str(src.cat.categories[skey[a]])
-            # unknown is not zero: only the snapshots in which the process's tier measured this source
-            m = measured.get(source)
-            if m is not None and not m.all():
-                y, sd, live, churn, tm = y[m], sd[m], live[m], churn[m], t[m]
-                ends_at = grid[m][-1] if m.any() else grid[0]
-            else:
-                tm, ends_at = t, grid[-1]
-            tr = classify(tm, y, sd, churn, live)
-            seen = live_all[a:b] > 0
-            first = grid[at[seen][0]] if seen.any() else grid[0]
-            rows.append({
-                "recording_id": rec.cat.categories[p >> 32], "pid": p & 0xFFFFFFFF, "comm": last_comm,
-                "source": source, "stack_id": int(stack[a]),
-                "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
-                "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
-                "confidence": tr.confidence, "outstanding_bytes": float(y[-1]) if len(y) else 0.0,
-                "outstanding_stderr_bytes": float(sd[-1]) if len(sd) else 0.0,
-                "first_seen": pd.Timestamp(int(first), unit="us", tz="UTC"),
-                "last_seen": pd.Timestamp(int(ends_at), unit="us", tz="UTC"),
-                "measured_until": (pd.Timestamp(int(ends_at), unit="us", tz="UTC") if ends_at != grid[-1]
-                                   else None),
-                "window_s": float(tm[-1] - tm[0]) if len(tm) else 0.0, "points": len(tm),
-                "merged_stack_ids": merged.get(int(stack[a])),
-            })
+    for x in streamed:
+        tr = classify_points(x.t, x.y, x.s, x.cum, x.var1) if x.points >= 3 and x.window_s > 0 else INSUFFICIENT
+        ends = pd.Timestamp(x.ends_us, unit="us", tz="UTC")
+        rows.append({
+            "recording_id": x.recording_id, "pid": x.pid, "comm": sums[(x.recording_id, x.pid)].comm,
+            "source": x.source, "stack_id": x.stack_id,
+            "classification": tr.classification, "pattern": tr.pattern, "rate_bytes_per_s": tr.rate,
+            "growth_bytes": tr.growth, "z": tr.z, "tail_z": tr.tail_z, "mk_p": tr.mk_p, "drops": tr.drops,
+            "confidence": tr.confidence, "outstanding_bytes": x.y_last, "outstanding_stderr_bytes": x.s_last,
+            "first_seen": pd.Timestamp(x.first_us, unit="us", tz="UTC"), "last_seen": ends,
+            "measured_until": ends if x.ends_us != x.last_us else None,
+            "window_s": x.window_s, "points": x.points, "merged_stack_ids": merged.get(x.stack_id),
+        })
+    if not rows:
+        return pd.DataFrame(columns=["recording_id", "pid", "source", "stack_id", "classification"])
     return pd.DataFrame(rows)
+
+
+SUM_KINDS = ("allocations", MMAP, FAULT)
+
+
+def _streamed(ds: Dataset, min_bytes: float = 1 * MiB) -> tuple[list[StackSeries], dict[tuple[str, int], ProcessSums]]:
+    """The stacks' series and the processes' sums (series.read_series), once per dataset."""
+    key = ("series", min_bytes)
+    if key not in ds.derived:
+        tiers = _tiers(ds)
+        frames = ds.frames
+
+        def merge(stacks: np.ndarray) -> dict[int, int]:
+            ds.derived["reps"] = cause_representatives(frames[frames["stack_id"].isin(stacks)])
+            return ds.derived["reps"]
+
+        libc = set(frames.loc[(frames["depth"] == 0) & frames["module"].astype(str).str.startswith("libc.so"),
+                              "stack_id"])
+        libc_ids = np.fromiter(libc, np.int64, len(libc))
+
+        def kinds(src: np.ndarray, stack: np.ndarray, names: list[str]) -> dict[str, np.ndarray]:
+            code = {n: i for i, n in enumerate(names)}
+            # the mmaps made outside the allocator: glibc's own large-chunk mmaps count under malloc
+            return {"allocations": np.isin(src, [code.get(MALLOC, -2), code.get(PYTHON, -2)]),
+                    MMAP: (src == code.get(MMAP, -2)) & ~np.isin(stack, libc_ids),
+                    FAULT: src == code.get(FAULT, -2)}
+
+        ds.derived[key] = read_series(ds.batches, ds.exits(),
+                                      lambda rec, pid, grid: _measured(tiers.get((rec, pid)), grid),
+                                      merge, kinds, min_bytes=min_bytes, grid_kinds=("allocations",))
+        ds.derived.setdefault("reps", {})
+    return ds.derived[key]
 
 
 # Which sources a tier measures (sampler/dataset/sources.py): allocations only in the allocation
@@ -550,8 +546,8 @@ def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
     (the recorder's per-snapshot totals in `processes`, over the snapshots that measured them)
     plus the mmap made outside the allocator (glibc's own large-chunk mmaps are already counted
     under malloc, pymalloc's arenas are not sampled when its objects are); for a process in the
-    always-on tier, the memory its sampled page faults brought in. The big table is only masked:
-    no per-row strings or copies of it."""
+    always-on tier, the memory its sampled page faults brought in: sums of the rows at the first
+    and last snapshot, read with the series (analysis/series.py)."""
     out: dict[tuple[str, int], float] = {}
 
     def add(rec, pid, v: float) -> None:     # a process that changed tier has both, in turn
@@ -566,31 +562,11 @@ def _sampled_growth(ds: Dataset) -> dict[tuple[str, int], float]:
         for (rec, pid), g in q.sort_values("ts").groupby(["recording_id", "pid"], observed=True)["b"]:
             add(rec, pid, float(g.iloc[-1] - g.iloc[0]))
             totals.add((str(rec), int(pid)))
-    o = ds.outstanding
-    if o.empty:
-        return out
-    src = pd.Categorical(o["source"])
-    code = {str(c): i for i, c in enumerate(src.categories)}
-    mmap, fault = src.codes == code.get(MMAP, -2), src.codes == code.get(FAULT, -2)
-    allocs = (src.codes == code.get(MALLOC, -2)) | (src.codes == code.get(PYTHON, -2))
-    if allocs.any() and (p.empty or len(totals) < p[["recording_id", "pid"]].drop_duplicates().shape[0]):
-        # processes without the recorder's totals (imported or synthetic data): from the rows,
-        # masked in place (one float column), grouped without copying the table
-        vals = o["outstanding_bytes"].where(allocs, 0.0)
-        per_ts = vals.groupby([o["recording_id"], o["pid"], o["ts"]], observed=True).sum()
-        for (rec, pid), v in per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"]).iterrows():
-            if (str(rec), int(pid)) not in totals:
-                add(rec, pid, float(v["last"] - v["first"]))
-    if mmap.any():
-        f = ds.frames
-        top = f[(f["depth"] == 0) & f["module"].astype(str).str.startswith("libc.so")]["stack_id"]
-        mmap &= ~o["stack_id"].isin(set(top)).to_numpy()
-    for use in (mmap, fault):
-        idx = np.flatnonzero(use)
-        if not len(idx):
-            continue
-        rows = o.iloc[idx]
-        per_ts = rows.groupby(["recording_id", "pid", "ts"], observed=True)["outstanding_bytes"].sum()
-        for (rec, pid), v in per_ts.groupby(level=[0, 1], observed=True).agg(["first", "last"]).iterrows():
-            add(rec, pid, float(v["last"] - v["first"]))
+    _, sums = _streamed(ds)
+    for (rec, pid), s in sums.items():
+        for kind, (first, last) in s.first_last.items():
+            # allocations from the rows for processes without the recorder's totals (imported or
+            # synthetic data); mmap and faults are not in the totals
+            if kind != "allocations" or (rec, pid) not in totals:
+                add(rec, pid, last - first)
     return out

@@ -53,6 +53,7 @@ MAX_HEAP_BYTES = 32 << 30
 _MAX_LIBC_DATA = 4 << 20
 _MAX_CANDIDATES = 1024
 DEFAULT_BUDGET = 1 << 17              # free chunks read per process and snapshot (~0.5 s)
+WALK_TRIES = 3                        # reads of an arena whose lists changed while they were read
 FREE_COLUMNS = ("free_bytes", "free_chunks", "top_bytes", "free_resident_bytes", "trimmable_bytes",
                 "pinned_bytes", "pinned_pages")
 
@@ -139,7 +140,12 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple
         rows = []
         for arena, hs in by_arena.items():
             is_main = hs[0] is main
-            free = _free_chunks(mem, arena, hs, is_main, left, pins) if arena and walk else None
+            free = None
+            for _ in range(WALK_TRIES if arena and walk else 0):
+                # a busy process relinks its bins while they are read: a torn read is read again
+                free = _free_chunks(mem, arena, hs, is_main, left, pins)
+                if free is not None or left[0] <= 0:
+                    break
             lb, lv, ls = (sum(live[id(h)][k] for h in hs) for k in range(3))
             rows.append({
                 "pid": pid, "arena": arena, "main": is_main, "heaps": len(hs),

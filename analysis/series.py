@@ -1,0 +1,357 @@
+"""The `outstanding` table reduced, in two streaming passes, to what the growth detectors read:
+per (recording, process, source, stack) a series of at most MAX_POINTS points, and per process
+the sums that `unexplained_growth` compares with RSS.
+
+A day of 10 s snapshots of 50 processes is millions of rows; the detectors' tests are
+O(points^2), so they have always binned long series to MAX_POINTS equal-time bins
+(detect/stats.py bin_series). Here the rows are binned as they are read, in Arrow batches: memory
+is the processes' snapshot times and the bins, not the rows, and a week costs what a day does but
+for its snapshot times. The bins are those bin_series makes of the complete series (absent rows
+count as 0: a stack absent from a snapshot held nothing), so the detectors see what they saw when
+the whole table was read into pandas.
+
+Pass 1 reads the (recording, pid, ts, source, stack, bytes) columns: every process's snapshot
+times (its grid), the stack ids, and what each exited process held at its last snapshots (a last
+snapshot taken while its teardown ran is the teardown's: dataset.split_exit). Pass 2 reads the rest
+and adds each row to its bin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analysis.dataset import HELD_SOURCES, TEARDOWN_S
+from analysis.detect.stats import bin_starts
+
+MAX_POINTS = 200
+BATCH_ROWS = 1 << 18
+PASS1 = ["recording_id", "pid", "ts", "source", "stack_id", "outstanding_bytes"]
+PASS2 = [*PASS1, "comm", "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples"]
+
+# measured(recording, pid, grid in us) -> {source: which grid points measured it}; sources absent: all
+Measured = Callable[[str, int, np.ndarray], dict[str, np.ndarray]]
+Batches = Callable[[list[str]], Iterator[pa.RecordBatch]]
+Kinds = Callable[[np.ndarray, np.ndarray, list[str]], dict[str, np.ndarray]]
+
+
+@dataclass
+class StackSeries:
+    """One (recording, process, source, stack) over the snapshots that measured its source."""
+
+    recording_id: str
+    pid: int
+    source: str
+    stack_id: int
+    points: int                 # snapshots that measured it (before binning)
+    t: np.ndarray               # seconds since the process's first snapshot, per point (bin means)
+    y: np.ndarray               # outstanding bytes per point (bin means; 0 where it had no row)
+    s: np.ndarray               # their standard error (rms over a bin)
+    cum: np.ndarray             # sampled allocations + frees up to the end of each point
+    var1: float                 # per-sample variance term: sum s^2 / sum live samples (0: unknown)
+    window_s: float             # from its first to its last measured snapshot
+    y_last: float               # outstanding bytes at its last measured snapshot
+    s_last: float               # and their standard error
+    peak: float                 # the largest outstanding bytes of one snapshot (every snapshot)
+    first_us: int               # the first snapshot with live samples (or the process's first)
+    ends_us: int                # its last measured snapshot (the process's first when none)
+    last_us: int                # the process's last snapshot
+
+
+@dataclass
+class ProcessSums:
+    """Per process: its last `comm`, its first and last snapshot, and the sampled bytes (sums of
+    every stack) of a kind at the first and the last snapshot that had rows of that kind."""
+
+    comm: str = ""
+    first_last: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
+class _Intern:
+    """Keys (strings, packed process keys) as dense integer codes, in order of first sight."""
+
+    def __init__(self) -> None:
+        self.names: list = []
+        self.index: dict = {}
+
+    def code(self, key) -> int:
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.names)
+            self.names.append(key)
+        return i
+
+
+class _Codes(_Intern):
+    """Strings of Arrow columns (dictionary or plain) as stable integer codes."""
+
+    def of(self, arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        if isinstance(arr, pa.ChunkedArray):
+            arr = arr.combine_chunks()
+        if not pa.types.is_dictionary(arr.type):
+            arr = pc.dictionary_encode(arr)
+        local = np.array([self.code(str(v)) for v in arr.dictionary.to_pylist()] or [0], np.int64)
+        return local[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)]
+
+
+def _micros(arr: pa.Array) -> np.ndarray:
+    if pa.types.is_timestamp(arr.type) and arr.type.unit != "us":
+        arr = pc.cast(arr, pa.timestamp("us", arr.type.tz), safe=False)
+    return arr.cast(pa.int64()).to_numpy(zero_copy_only=False)
+
+
+def _num(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    return batch.column(name).to_numpy(zero_copy_only=False).astype(float)
+
+
+class _Procs(_Intern):
+    """Processes by (recording code << 32 | pid) -> dense index."""
+
+    def of(self, rec: np.ndarray, pid: np.ndarray) -> np.ndarray:
+        uniq, inv = np.unique(rec << 32 | pid.astype(np.int64), return_inverse=True)
+        return np.array([self.code(int(k)) for k in uniq], np.int64)[inv]
+
+
+def _by_point(proc: np.ndarray, ts: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(process, ts) pairs in order, unique, with each of `values` summed per pair."""
+    order = np.lexsort((ts, proc))
+    proc, ts = proc[order], ts[order]
+    new = np.ones(len(order), bool)
+    new[1:] = (proc[1:] != proc[:-1]) | (ts[1:] != ts[:-1])
+    grp = np.cumsum(new) - 1
+    return (proc[new], ts[new], *(np.bincount(grp, weights=v[order]) for v in values))
+
+
+def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: Measured,
+                merge: Callable[[np.ndarray], dict[int, int]], kinds: Kinds, *, min_bytes: float,
+                grid_kinds: tuple[str, ...] = ()) -> tuple[list[StackSeries], dict[tuple[str, int], ProcessSums]]:
+    """The series of every stack whose outstanding bytes reached `min_bytes` in one snapshot, and
+    per process its sums: `kinds(source codes, stack ids, source names)` gives per batch the rows
+    of each kind, summed at the first and last snapshot with such rows (`grid_kinds`: at the
+    process's first and last snapshot).
+
+    `batches(columns)` yields the running rows (no `exiting` ones), `exits` the time (us) each
+    exited process was first seen exiting, `merge(stack_ids)` the stacks that stand for others
+    (frames.cause_representatives)."""
+    recs, srcs, procs = _Codes(), _Codes(), _Procs()
+    held = srcs.of(pa.array(list(HELD_SOURCES)))
+
+    # -- pass 1: grids, stacks, what exited processes held at their last snapshots ---------------
+    parts, stacks_seen = [], []
+    for b in batches(PASS1):
+        if not b.num_rows:
+            continue
+        proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
+        hold = np.isin(srcs.of(b.column("source")), held)
+        parts.append(_by_point(proc, _micros(b.column("ts")), np.where(hold, _num(b, "outstanding_bytes"), 0.0),
+                               hold.astype(float)))
+        stacks_seen.append(np.unique(b.column("stack_id").to_numpy(zero_copy_only=False)))
+    if not parts:
+        return [], {}
+    proc_u, ts_u, held_u, nheld = _by_point(*(np.concatenate([p[k] for p in parts]) for k in range(4)))
+    has_u = nheld > 0
+    del parts, nheld
+    # a last snapshot within TEARDOWN_S of the exit with less than half of what the one before
+    # held (in the sources that hold memory) belongs to the teardown: its rows are left out
+    dropped: set[tuple[int, int]] = set()
+    bounds = np.searchsorted(proc_u, np.arange(len(procs.names) + 1))
+    for i, key in enumerate(procs.names):
+        when = exits.get((recs.names[key >> 32], key & 0xFFFFFFFF))
+        if when is None:
+            continue
+        sel = np.arange(bounds[i], bounds[i + 1])[has_u[bounds[i]:bounds[i + 1]]]
+        if len(sel) >= 2 and when - ts_u[sel[-1]] <= TEARDOWN_S * 1e6 and held_u[sel[-1]] < 0.5 * held_u[sel[-2]]:
+            dropped.add((i, int(ts_u[sel[-1]])))
+    keep = np.ones(len(ts_u), bool)
+    for i, t in dropped:
+        keep[bounds[i] + np.searchsorted(ts_u[bounds[i]:bounds[i + 1]], t)] = False
+    grids = [ts_u[bounds[i]:bounds[i + 1]][keep[bounds[i]:bounds[i + 1]]] for i in range(len(procs.names))]
+    del proc_u, ts_u, held_u, has_u, keep
+    reps = merge(np.unique(np.concatenate(stacks_seen)))
+    rep_src = np.fromiter(reps.keys(), np.int64, len(reps))
+    rep_dst = np.fromiter(reps.values(), np.int64, len(reps))
+    rep_order = np.argsort(rep_src)
+    rep_src, rep_dst = rep_src[rep_order], rep_dst[rep_order]
+
+    # -- per process and source: which grid point falls in which bin -----------------------------
+    masks = [{s: m for s, m in measured(recs.names[k >> 32], k & 0xFFFFFFFF, g).items() if not m.all()}
+             for k, g in zip(procs.names, grids, strict=True)]
+    layouts: dict[tuple[int, str | None], _Layout] = {}
+
+    def layout(p: int, source: str) -> _Layout:
+        m = masks[p].get(source)
+        key = (p, source if m is not None else None)
+        if key not in layouts:
+            layouts[key] = _Layout.of(grids[p], m)
+        return layouts[key]
+
+    # -- pass 2: every row into its bin --------------------------------------------------------
+    series: dict[tuple[int, int, int], _Acc] = {}
+    sums = [ProcessSums() for _ in procs.names]
+    kind_ends: dict[str, dict[int, list]] = {}
+    for b in batches(PASS2):
+        if not b.num_rows:
+            continue
+        proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
+        ts = _micros(b.column("ts"))
+        pos = np.zeros(len(ts), np.int64)
+        on_grid = np.zeros(len(ts), bool)
+        for p in np.unique(proc):
+            rows = np.flatnonzero(proc == p)
+            g = grids[p]
+            if not len(g):
+                continue
+            at = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
+            pos[rows], on_grid[rows] = at, g[at] == ts[rows]      # the teardown's rows are not
+        if not on_grid.all():
+            b, proc, ts, pos = b.filter(pa.array(on_grid)), proc[on_grid], ts[on_grid], pos[on_grid]
+            if not b.num_rows:
+                continue
+        src = srcs.of(b.column("source"))
+        stack = b.column("stack_id").to_numpy(zero_copy_only=False).astype(np.int64)
+        y, s = _num(b, "outstanding_bytes"), _num(b, "outstanding_stderr_bytes")
+        live = _num(b, "live_samples")
+        churn = _num(b, "alloc_samples") + _num(b, "free_samples")
+        last_p, k = np.unique(proc[::-1], return_index=True)       # each process's last row in the batch
+        for p, name in zip(last_p, b.column("comm").take(pa.array(len(proc) - 1 - k)).to_pylist(), strict=True):
+            sums[p].comm = str(name)
+        for kind, rows in kinds(src, stack, srcs.names).items():
+            if kind in grid_kinds:       # at the process's first and last snapshot, whatever had rows there
+                _ends(kind_ends.setdefault(kind, {}), proc[rows], pos[rows], y[rows], grids)
+            else:
+                _ends(kind_ends.setdefault(kind, {}), proc[rows], pos[rows], y[rows])
+        if len(rep_src):
+            at = np.minimum(np.searchsorted(rep_src, stack), len(rep_src) - 1)
+            hit = rep_src[at] == stack
+            stack = np.where(hit, rep_dst[at], stack)
+            merged = hit | np.isin(stack, rep_dst)
+        else:
+            merged = np.zeros(len(stack), bool)
+        order = np.lexsort((stack, src, proc))
+        trio = np.stack([proc[order], src[order], stack[order]])
+        cut = np.flatnonzero(np.any(trio[:, 1:] != trio[:, :-1], axis=0)) + 1
+        for a, z in zip(np.concatenate(([0], cut)), np.append(cut, len(order)), strict=True):
+            rows = order[a:z]
+            p, sc, st = int(trio[0, a]), int(trio[1, a]), int(trio[2, a])
+            acc = series.get((p, sc, st))
+            if acc is None:
+                acc = series[(p, sc, st)] = _Acc(layout(p, srcs.names[sc]), len(grids[p]))
+            acc.add(pos[rows], y[rows], s[rows], live[rows], churn[rows], bool(merged[rows].any()))
+
+    out = []
+    for (p, sc, st), acc in series.items():
+        if acc.peak() < min_bytes:
+            continue
+        key, grid = procs.names[p], grids[p]
+        out.append(acc.series(recs.names[key >> 32], key & 0xFFFFFFFF, srcs.names[sc], st, grid))
+    per_proc = {}
+    for p, key in enumerate(procs.names):
+        s = sums[p]
+        for kind, ends in kind_ends.items():
+            if p in ends:
+                s.first_last[kind] = (ends[p][1], ends[p][3])
+        per_proc[(recs.names[key >> 32], key & 0xFFFFFFFF)] = s
+    return out, per_proc
+
+
+def _ends(state: dict[int, list], proc: np.ndarray, pos: np.ndarray, y: np.ndarray,
+          grids: list[np.ndarray] | None = None) -> None:
+    """Per process [first point, bytes there, last point, bytes there] of the rows of one kind:
+    the first and last points that had such rows, or with `grids` the process's own first and
+    last snapshots (0 bytes where no such row was)."""
+    if not len(proc):
+        return
+    p, at, sums = _by_point(proc, pos, y)
+    starts = np.flatnonzero(np.append(True, p[1:] != p[:-1]))
+    for a, z in zip(starts, np.append(starts[1:], len(p)) - 1, strict=True):
+        i = int(p[a])
+        cur = state.setdefault(i, [0, 0.0, len(grids[i]) - 1, 0.0] if grids is not None else
+                               [int(at[a]), 0.0, int(at[z]), 0.0])
+        if at[a] < cur[0]:
+            cur[0], cur[1] = int(at[a]), 0.0
+        if at[z] > cur[2]:
+            cur[2], cur[3] = int(at[z]), 0.0
+        sel = slice(a, z + 1)
+        cur[1] += float(sums[sel][at[sel] == cur[0]].sum())
+        cur[3] += float(sums[sel][at[sel] == cur[2]].sum())
+
+
+@dataclass
+class _Layout:
+    """The measured points of a process's grid for one source, and their bins (bin_series)."""
+
+    bin_of: np.ndarray          # per grid point: its bin, -1 when not measured
+    t: np.ndarray               # per bin: mean seconds since the grid's first point
+    count: np.ndarray           # per bin: grid points in it
+    last: int                   # the last measured grid point, -1 when none
+    points: int
+    t_span: float               # seconds from the first measured point to the last
+
+    @staticmethod
+    def of(grid: np.ndarray, mask: np.ndarray | None) -> _Layout:
+        idx = np.arange(len(grid)) if mask is None else np.flatnonzero(mask)
+        t = (grid[idx] - grid[0]) / 1e6 if len(grid) else np.zeros(0)
+        bin_of = np.full(len(grid), -1, np.int64)
+        if len(idx) > MAX_POINTS:
+            starts = bin_starts(t, MAX_POINTS)
+            which = np.searchsorted(starts, np.arange(len(idx)), side="right") - 1
+            count = np.diff(np.append(starts, len(idx)))
+            tb = np.add.reduceat(t, starts) / count
+        else:
+            which, count, tb = np.arange(len(idx)), np.ones(len(idx), np.int64), t
+        bin_of[idx] = which
+        return _Layout(bin_of, tb, count, int(idx[-1]) if len(idx) else -1, len(idx),
+                       float(t[-1] - t[0]) if len(t) else 0.0)
+
+
+class _Acc:
+    """One series' sums per bin, and what the detectors read besides."""
+
+    def __init__(self, lay: _Layout, n_grid: int) -> None:
+        self.lay = lay
+        nb = len(lay.count)
+        self.y, self.s2, self.churn = np.zeros(nb), np.zeros(nb), np.zeros(nb)
+        self.s2_all = self.live_all = 0.0
+        self.max_row = 0.0
+        self.first_live = n_grid
+        self.y_last = self.s2_last = 0.0
+        self.per_point: np.ndarray | None = None     # merged stacks: sums per grid point (their peak)
+        self.n_grid = n_grid
+
+    def add(self, pos, y, s, live, churn, merged: bool) -> None:
+        b = self.lay.bin_of[pos]
+        m = b >= 0
+        nb = len(self.y)
+        self.y += np.bincount(b[m], weights=y[m], minlength=nb)
+        self.s2 += np.bincount(b[m], weights=s[m] ** 2, minlength=nb)
+        self.churn += np.bincount(b[m], weights=churn[m], minlength=nb)
+        self.s2_all += float((s[m] ** 2).sum())
+        self.live_all += float(live[m].sum())
+        last = pos == self.lay.last
+        self.y_last += float(y[last].sum())
+        self.s2_last += float((s[last] ** 2).sum())
+        seen = pos[live > 0]
+        if len(seen):
+            self.first_live = min(self.first_live, int(seen.min()))
+        if merged or self.per_point is not None:
+            if self.per_point is None:
+                self.per_point = np.zeros(self.n_grid)
+            np.add.at(self.per_point, pos, y)
+        elif len(y):
+            self.max_row = max(self.max_row, float(y.max()))
+
+    def peak(self) -> float:
+        return float(self.per_point.max()) if self.per_point is not None else self.max_row
+
+    def series(self, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
+        lay = self.lay
+        first = grid[self.first_live] if self.first_live < len(grid) else grid[0]
+        return StackSeries(
+            rec, pid, source, stack, lay.points, lay.t, self.y / lay.count, np.sqrt(self.s2 / lay.count),
+            np.cumsum(self.churn), self.s2_all / self.live_all if self.live_all > 0 else 0.0,
+            float(lay.t_span), self.y_last, self.s2_last ** 0.5, self.peak(),
+            int(first), int(grid[lay.last]) if lay.last >= 0 else int(grid[0]), int(grid[-1]))
