@@ -181,15 +181,20 @@ class Dataset:
         """Whether `outstanding` is in memory (given, or read since)."""
         return self.__dict__.get("_outstanding") is not None or self.scan is None
 
-    def batches(self, columns: list[str], rows: int = 1 << 18) -> Iterator[pa.RecordBatch]:
-        """The running rows of `outstanding` (the `exiting` ones left out; split_exit's late
-        teardown snapshots are not) in Arrow batches of `columns`, streamed from the files."""
+    def batches(self, columns: list[str], rows: int = 1 << 18, running: bool = True) -> Iterator[pa.RecordBatch]:
+        """The rows of `outstanding` in Arrow batches of `columns`, streamed from the files: the
+        running ones (split_exit's late teardown snapshots too), or with `running=False` every row,
+        the `exiting` column with them. Rows in memory are all running ones."""
         if self._read():
             df = self.outstanding if self.outstanding is not None else pd.DataFrame(columns=columns)
             table = pa.Table.from_pandas(df[[c for c in columns if c in df]], preserve_index=False)
             yield from table.to_batches(rows)
             return
-        flt = RUNNING if self.scan.filter is None else self.scan.filter & RUNNING
+        flt = self.scan.filter
+        if running:
+            flt = RUNNING if flt is None else flt & RUNNING
+        else:
+            columns = [*columns, "exiting"]
         if isinstance(self.root, Source):       # one host's files: read whole (analysis/fleet.py streams hosts)
             yield from self.root.read("outstanding", filter=flt, columns=columns, arrow=True).to_batches(rows)
             return
@@ -208,17 +213,11 @@ class Dataset:
         yield from _joined(buf)
 
     def exits(self) -> dict[tuple[str, int], int]:
-        """(recording, pid) -> when it was first seen exiting (us): its `exiting` rows or its exit
-        event; {} when the rows are in memory (their teardown is split off already)."""
+        """(recording, pid) -> its exit event's time (us; the `exiting` rows say it too: `batches`);
+        {} when the rows are in memory (their teardown is split off already)."""
         if self._read():        # rows in memory are the running ones already (read_outstanding split them)
             return {}
-        flt, pids = self.scan.filter, self.scan.pids
-        keys = ["recording_id", "pid", "ts"]
-        rows = read_table(self.root, "outstanding", filter=AT_EXIT if flt is None else flt & AT_EXIT, columns=keys)
-        both = pd.concat([rows, exit_events(self.root, pids)]) if len(rows) else exit_events(self.root, pids)
-        if both.empty:
-            return {}
-        first = both.groupby(["recording_id", "pid"], observed=True)["ts"].min()
+        first = exit_events(self.root, self.scan.pids).groupby(["recording_id", "pid"], observed=True)["ts"].min()
         return {(str(r), int(p)): int(pd.Timestamp(t).value // 1000) for (r, p), t in first.items()}
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:

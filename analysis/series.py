@@ -35,7 +35,7 @@ PASS2 = [*PASS1, "comm", "outstanding_stderr_bytes", "live_samples", "alloc_samp
 
 # measured(recording, pid, grid in us) -> {source: which grid points measured it}; sources absent: all
 Measured = Callable[[str, int, np.ndarray], dict[str, np.ndarray]]
-Batches = Callable[[list[str]], Iterator[pa.RecordBatch]]
+Batches = Callable[..., Iterator[pa.RecordBatch]]       # Dataset.batches
 Kinds = Callable[[np.ndarray, np.ndarray, list[str]], dict[str, np.ndarray]]
 
 
@@ -97,6 +97,9 @@ class _Codes(_Intern):
         local = np.array([self.code(str(v)) for v in arr.dictionary.to_pylist()] or [0], np.int64)
         return local[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)]
 
+    def names_of(self, arr: pa.Array | pa.ChunkedArray) -> list[str]:
+        return [self.names[c] for c in self.of(arr)]
+
 
 def _micros(arr: pa.Array) -> np.ndarray:
     if pa.types.is_timestamp(arr.type) and arr.type.unit != "us":
@@ -134,17 +137,29 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     of each kind, summed at the first and last snapshot with such rows (`grid_kinds`: at the
     process's first and last snapshot).
 
-    `batches(columns)` yields the running rows (no `exiting` ones), `exits` the time (us) each
-    exited process was first seen exiting, `merge(stack_ids)` the stacks that stand for others
+    `batches(columns, running=)` yields the rows (Dataset.batches), `exits` the time (us) of
+    each process's exit event (its `exiting` rows count too), `merge(stack_ids)` the stacks that stand for others
     (frames.cause_representatives)."""
     recs, srcs, procs = _Codes(), _Codes(), _Procs()
     held = srcs.of(pa.array(list(HELD_SOURCES)))
 
     # -- pass 1: grids, stacks, what exited processes held at their last snapshots ---------------
     parts, stacks_seen = [], []
-    for b in batches(PASS1):
+    exits = dict(exits)
+    for b in batches(PASS1, running=False):
         if not b.num_rows:
             continue
+        if "exiting" in b.schema.names:         # what a teardown left, written at the exit: its time
+            at_exit = b.column("exiting").fill_null(False).to_numpy(zero_copy_only=False)
+            if at_exit.any():
+                gone = b.filter(pa.array(at_exit))
+                for key, t in zip(zip(recs.names_of(gone.column("recording_id")),
+                                      gone.column("pid").to_pylist(), strict=True),
+                                  _micros(gone.column("ts")), strict=True):
+                    exits[key] = min(exits.get(key, t), int(t))
+                b = b.filter(pa.array(~at_exit))
+                if not b.num_rows:
+                    continue
         proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
         hold = np.isin(srcs.of(b.column("source")), held)
         parts.append(_by_point(proc, _micros(b.column("ts")), np.where(hold, _num(b, "outstanding_bytes"), 0.0),

@@ -7,13 +7,16 @@ estimate is T x (live samples) with standard error T x sqrt(live samples).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.dataset import Dataset
+from analysis.dataset import Dataset, load
 from analysis.detect.growth import classify, classify_series, detect_growth
-from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS
+from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS, TARGETS
+from sampler.dataset.writer import DatasetWriter
 
 T = 512 << 10
 MiB = 1 << 20
@@ -322,3 +325,53 @@ def test_a_growth_shared_by_a_server_family_is_one_finding():
     assert f.summary.startswith("4 processes of postgres (pid 100) grow at site_1 (libx.so)")
     rest = sorted((g.pid, g.details["frames"][0]["function"]) for g in findings if g.kind == "persistent_growth")
     assert rest == [(103, "site_2"), (200, "site_1")]
+
+
+# -- the table streamed (analysis/series.py) ------------------------------------------------------
+
+def _written(ds: Dataset, root, exits: list[tuple[float, int]] = ()) -> None:
+    """`ds`'s tables in files under `root`, through the recorder's writer; `exits`: (seconds after
+    the first snapshot, pid) of exit events, with an `exiting` row of what the teardown left."""
+    w = DatasetWriter(root, "r", host="h")
+    out = ds.outstanding
+    teardown = [{**out[out["pid"] == pid].iloc[-1].to_dict(), "ts": out["ts"].min() + pd.Timedelta(seconds=at),
+                 "exiting": True, "outstanding_bytes": 1.0} for at, pid in exits]
+    for table, df in ((OUTSTANDING, pd.concat([out, pd.DataFrame(teardown)]) if teardown else out),
+                      (PROCESSES, ds.processes), (FRAMES, ds.frames), (STACKS, ds.stacks)):
+        rows = [{k: v for k, v in r.items() if not (pd.api.types.is_scalar(v) and pd.isna(v))}
+                for r in df.to_dict("records")]
+        w.write(table, rows)
+    w.write(TARGETS, [{"ts": out["ts"].min() + pd.Timedelta(seconds=at), "recording_id": "r", "pid": pid,
+                       "event": "exit"} for at, pid in exits])
+
+
+def test_series_do_not_depend_on_batches_files_or_memory(tmp_path):
+    """The same series whether the rows are in memory in one batch, in batches of 97 rows, or read
+    back from files (two passes over a dataset on disk, an exit among them): stacks merged by
+    cause, snapshots of another tier left out, long series binned."""
+    rng = np.random.default_rng(13)
+    n = 400
+    before = np.arange(n) < 250
+    frames = {1: [("leak_blocks", "app"), ("main", "app")],
+              2: [("_int_malloc", "libc.so.6"), ("malloc", "libc.so.6"), ("leak_blocks", "app"), ("main", "app")],
+              3: [("grow", "srv"), ("w_a", "srv"), ("start_thread", "libc.so.6")],
+              4: [("grow", "srv"), ("w_b", "srv"), ("start_thread", "libc.so.6")]}
+    ds = _causes_dataset([("malloc", 1, simulate(rng, n * 10, 10, rate=2 * MiB), before),
+                          ("fault", 2, simulate(rng, n * 10, 10, rate=2 * MiB, start=2500), ~before),
+                          ("malloc", 3, simulate(rng, n * 10, 10, rate=1 * MiB), None),
+                          ("malloc", 4, simulate(rng, n * 10, 10, rate=1 * MiB), None)],
+                         frames, tiers=["attach" if b else "rss" for b in before])
+    def ordered(df: pd.DataFrame) -> pd.DataFrame:        # series come in the order first read
+        return df.sort_values(["source", "stack_id"]).reset_index(drop=True)
+
+    whole = ordered(classify_series(ds))
+    assert len(whole) == 3 and whole["merged_stack_ids"].dropna().tolist() == [[4]]
+    assert sorted(whole["points"]) == [150, 250, 250]          # malloc is not measured in the rss tier
+    small = Dataset(**{k: getattr(ds, k) for k in ("root", "outstanding", "processes", "stacks", "frames",
+                                                   "vm_events", "targets", "recordings")})
+    small.batches = functools.partial(Dataset.batches, small, rows=97)
+    pd.testing.assert_frame_equal(ordered(classify_series(small)), whole, rtol=1e-9)
+
+    _written(ds, tmp_path, exits=[(n * 10 + 1, 9)])
+    read = ordered(classify_series(load(tmp_path)))
+    pd.testing.assert_frame_equal(read.drop(columns="comm"), whole.drop(columns="comm"), rtol=1e-9)
