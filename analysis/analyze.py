@@ -21,11 +21,19 @@ __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "d
 
 
 def run(ds: Dataset) -> list[Finding]:
-    """Every detector's findings, most severe first."""
+    """Every detector's findings, most severe first. The stacks' series are read once, streamed
+    (analysis/series.py); the detectors run on parts of whole processes (Dataset.parts), so that
+    memory is bounded by a part's `processes` rows rather than the dataset's."""
     series = classify_series(ds)
-    findings = (by_family(ds, detect_growth(ds, series)) + detect_arena_bloat(ds) + detect_pymalloc_bloat(ds)
-                + detect_gpu(ds, series))
-    return sorted(findings, key=lambda f: -f.severity)
+    growth, others = [], []
+    for part in ds.parts():
+        procs = part.index()[["recording_id", "pid"]].drop_duplicates() if part is not ds else None
+        mine = series if procs is None or series.empty else series.merge(
+            procs.astype({"recording_id": str, "pid": series["pid"].dtype}), on=["recording_id", "pid"])
+        growth += detect_growth(part, mine)
+        others += detect_arena_bloat(part) + detect_pymalloc_bloat(part) + detect_gpu(part, mine)
+        del part, mine      # before the next part is read
+    return sorted(by_family(ds, growth) + others, key=lambda f: -f.severity)
 
 
 def findings_frame(findings: list[Finding]):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from analysis.source import Source
 from sampler.dataset import layout
@@ -141,8 +145,9 @@ def latest_outstanding(root: str | Path, pids: list[int] | None = None, pinned: 
 
 
 class _ReadOnUse:
-    """A Dataset field that `load` leaves unread: the outstanding rows (and the teardown rows read
-    with them) are read on first use; the detectors stream the table instead (`batches`)."""
+    """A Dataset field that `load` leaves unread, read on first use with the load's filters: the
+    outstanding rows (with the teardown rows read beside them), the processes rows. The detectors
+    stream the first (`batches`) and read the second a part at a time (`parts`)."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.slot = "_" + name
@@ -150,14 +155,21 @@ class _ReadOnUse:
     def __get__(self, obj, objtype=None):
         if obj is None:
             return None                     # the field's default: not read yet
-        if obj.__dict__.get(self.slot) is None and obj.scan is not None and obj.__dict__.get("_outstanding") is None:
-            sc = obj.scan
-            obj.__dict__["_outstanding"], obj.__dict__["_teardown"] = read_outstanding(
-                obj.root, filter=sc.filter, columns=sc.columns, pids=sc.pids)
-        return obj.__dict__.get(self.slot)
+        d, sc = obj.__dict__, obj.scan
+        if d.get(self.slot) is None and sc is not None:
+            if self.slot == "_processes":
+                d["_processes"] = read_table(obj.root, "processes", filter=sc.rows)
+            elif d.get("_outstanding") is None:
+                d["_outstanding"], d["_teardown"] = read_outstanding(obj.root, filter=sc.filter, columns=sc.columns,
+                                                                     pids=sc.pids)
+        return d.get(self.slot)
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.slot] = value
+
+
+# A part of the processes table (Dataset.parts): at most this many rows, ~25 MiB in pandas
+PART_ROWS = 1 << 16
 
 
 @dataclass
@@ -166,7 +178,7 @@ class Dataset:
 
     root: Path | Source
     outstanding: pd.DataFrame = _ReadOnUse()          # running state only (split_exit)
-    processes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    processes: pd.DataFrame = _ReadOnUse()
     stacks: pd.DataFrame = field(default_factory=pd.DataFrame)
     frames: pd.DataFrame = field(default_factory=pd.DataFrame)
     vm_events: pd.DataFrame = field(default_factory=pd.DataFrame)
@@ -174,14 +186,50 @@ class Dataset:
     recordings: pd.DataFrame = field(default_factory=pd.DataFrame)
     sources: list[str] | None = None    # the source filter it was loaded with (None: all)
     teardown: pd.DataFrame | None = _ReadOnUse()      # outstanding rows of exiting processes' teardowns
-    scan: OutstandingScan | None = None  # how `load` filtered `outstanding`, to read it on use
+    scan: Scan | None = None            # how `load` filtered the tables it left unread
     derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)   # detectors' caches
 
     def _read(self) -> bool:
         """Whether `outstanding` is in memory (given, or read since)."""
         return self.__dict__.get("_outstanding") is not None or self.scan is None
 
-    def batches(self, columns: list[str], rows: int = 1 << 18, running: bool = True) -> Iterator[pa.RecordBatch]:
+    def index(self) -> pd.DataFrame:
+        """(recording_id, pid, ts, comm, tier) of every processes row: the snapshots, without the
+        measurements (read once; a small part of the table)."""
+        if self.__dict__.get("_index") is None:
+            cols = ["recording_id", "pid", "ts", "comm", "tier"]
+            p = self.__dict__.get("_processes")
+            if p is None and self.scan is not None:
+                p = read_streamed(self.root, "processes", self.scan.rows, cols)
+            self.__dict__["_index"] = p.reindex(columns=cols) if p is not None else pd.DataFrame(columns=cols)
+        return self.__dict__["_index"]
+
+    def parts(self, rows: int | None = None) -> Iterator[Dataset]:
+        """The dataset as parts of whole processes whose `processes` rows are at most `rows` (one
+        part, itself, when all of them are): the detectors that read `processes` run part by part,
+        in memory bounded by a part. Every part shares the other tables and `derived`."""
+        rows = PART_ROWS if rows is None else rows
+        idx = self.index()
+        if len(idx) <= rows or self.__dict__.get("_processes") is not None:
+            yield self
+            return
+        counts = idx.groupby(["recording_id", "pid"], observed=True).size()
+        groups, size = [[]], 0
+        for key, n in counts.items():
+            if size and size + n > rows:
+                groups.append([])
+                size = 0
+            groups[-1].append(key)
+            size += n
+        group_of = {(str(r), int(pid)): g for g, keys in enumerate(groups) for r, pid in keys}
+        for p in _spilled(self.root, self.scan.rows, group_of, len(groups)):
+            part = copy.copy(self)      # not dataclasses.replace: that would read what is unread
+            part.processes = p
+            part.__dict__["_index"] = None
+            yield part
+            del part, p
+
+    def batches(self, columns: list[str], rows: int = 1 << 17, running: bool = True) -> Iterator[pa.RecordBatch]:
         """The rows of `outstanding` in Arrow batches of `columns`, streamed from the files: the
         running ones (split_exit's late teardown snapshots too), or with `running=False` every row,
         the `exiting` column with them. Rows in memory are all running ones."""
@@ -198,18 +246,15 @@ class Dataset:
         if isinstance(self.root, Source):       # one host's files: read whole (analysis/fleet.py streams hosts)
             yield from self.root.read("outstanding", filter=flt, columns=columns, arrow=True).to_batches(rows)
             return
-        path = Path(self.root) / "outstanding"
-        if not path.is_dir() or not layout.has_files(path):
-            return
         # files hold a flush or an hour each: small batches are joined, as the per-batch work is fixed
         buf: list[pa.RecordBatch] = []
         n = 0
-        for b in _dataset(path, TABLES["outstanding"]).to_batches(columns=columns, filter=flt, batch_size=rows):
-            buf.append(b)
-            n += b.num_rows
-            if n >= rows:
+        for b in stream(Path(self.root) / "outstanding", TABLES["outstanding"], columns, flt, rows):
+            if buf and (b.schema != buf[0].schema or n + b.num_rows > rows):
                 yield from _joined(buf)
                 buf, n = [], 0
+            buf.append(b)
+            n += b.num_rows
         yield from _joined(buf)
 
     def exits(self) -> dict[tuple[str, int], int]:
@@ -224,6 +269,83 @@ class Dataset:
         return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
 
 
+# the columns that load's filters name (window, processes, sources, exits)
+FILTER_COLUMNS = ("ts", "pid", "source", "exiting")
+
+
+def stream(path: Path, table, columns: list[str], filter, rows: int) -> Iterator[pa.RecordBatch]:
+    """The rows of a local table directory, file by file, in batches of `columns` (read_table's
+    files, both layouts); columns a file lacks are nulls. One file at a time: pyarrow's dataset
+    scanner keeps every file's footer until its scan ends (170 MiB for 2,400 files of
+    `outstanding`), a file's own reader only its own."""
+    schema = table.read_schema
+    extra = [c for c in FILTER_COLUMNS if filter is not None and c in schema.names and c not in columns]
+    for part in layout.table_partitions(path):
+        try:
+            names = sorted(e.name for e in os.scandir(part.path)
+                           if e.name.endswith(".parquet") and not e.name.startswith((".", "_")))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            f = pq.ParquetFile(part.path / name)
+            have = set(f.schema_arrow.names)
+            t = f.read(columns=[c for c in (*columns, *extra) if c in have])
+            for c in (*columns, *extra):
+                if c not in have:
+                    t = t.append_column(schema.field(c), pa.nulls(len(t), schema.field(c).type))
+            if filter is not None:
+                t = t.filter(filter)
+            yield from t.select(columns).to_batches(rows)
+            del t
+            pa.default_memory_pool().release_unused()     # mimalloc keeps what a file's decoding freed
+
+
+def read_streamed(root: Path | Source, name: str, filter, columns: list[str]) -> pd.DataFrame:
+    """read_table of a few columns of a big table: a local one is read a file at a time
+    (`stream`), so that memory is the columns kept rather than every file's footer."""
+    path = None if isinstance(root, Source) else Path(root) / name
+    if path is None or not path.is_dir() or not layout.has_files(path):
+        return read_table(root, name, filter=filter, columns=columns)
+    parts = [pa.Table.from_batches([b]) for b in stream(path, TABLES[name], columns, filter, 1 << 20)]
+    return pa.concat_tables(parts, promote_options="permissive").to_pandas(self_destruct=True, split_blocks=True)
+
+
+def _spilled(root: Path | Source, filter, group_of: dict[tuple[str, int], int], n: int) -> Iterator[pd.DataFrame]:
+    """The `processes` rows of each group of processes (`group_of`: (recording, pid) -> group), in
+    group order, from one pass over the table: each group's rows go to a compressed Arrow file
+    of their own in a temporary directory, read back one group at a time."""
+    schema = TABLES["processes"].read_schema
+    if isinstance(root, Source):        # one host's files (analysis/fleet.py): read whole
+        rows = root.read("processes", filter=filter, arrow=True)
+        batches: Iterator[pa.RecordBatch] = iter(rows.to_batches())
+    else:
+        batches = stream(Path(root) / "processes", TABLES["processes"], schema.names, filter, 1 << 16)
+    opts = pa.ipc.IpcWriteOptions(compression="zstd")
+    with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
+        files = [Path(tmp) / f"{g}.arrow" for g in range(n)]
+        writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]     # a stream: dictionaries may change
+        try:
+            for b in batches:
+                b = b.select(schema.names).cast(schema)
+                rec = b.column("recording_id")          # a dictionary (the read schema's type)
+                names = rec.dictionary.to_pylist()
+                key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
+                       | b.column("pid").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+                uniq, inv = np.unique(key, return_inverse=True)
+                g = np.array([group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
+                             np.int64)[inv]
+                for k in np.unique(g[g >= 0]):
+                    writers[k].write_batch(b.filter(pa.array(g == k)))
+        finally:
+            for w in writers:
+                w.close()
+        del batches
+        for f in files:
+            with pa.ipc.open_stream(f) as r:
+                yield r.read_all().to_pandas(self_destruct=True, split_blocks=True)
+            f.unlink()
+
+
 def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     if len(batches) == 1:
         yield batches[0]
@@ -232,11 +354,12 @@ def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 @dataclass(frozen=True)
-class OutstandingScan:
-    """How `load` filtered the outstanding table, to read it later."""
+class Scan:
+    """How `load` filtered the tables it left unread, to read them later."""
 
-    filter: Any
-    columns: list[str] | None
+    filter: Any                         # outstanding rows: window, processes, sources
+    rows: Any                           # processes rows: window, processes
+    columns: list[str] | None           # of outstanding (None: all)
     pids: list[int] | None
 
 
@@ -284,12 +407,12 @@ def load(root: str | Path | Source, *, pids: list[int] | None = None, sources: l
     return Dataset(
         root=root,
         outstanding=None,
-        processes=read_table(root, "processes", filter=both(when, by_pid)),
+        processes=None,
         stacks=stacks,
         frames=frames,
         vm_events=read_table(root, "vm_events", filter=both(when, by_pid)),
         targets=targets,
         recordings=read_table(root, "recordings"),
         sources=sources,
-        scan=OutstandingScan(both(when, by_pid, src), outstanding_columns, pids),
+        scan=Scan(both(when, by_pid, src), both(when, by_pid), outstanding_columns, pids),
     )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -115,12 +116,20 @@ class _Procs(_Intern):
     """Processes by (recording code << 32 | pid) -> dense index."""
 
     def of(self, rec: np.ndarray, pid: np.ndarray) -> np.ndarray:
-        uniq, inv = np.unique(rec << 32 | pid.astype(np.int64), return_inverse=True)
+        inv, uniq = pd.factorize(rec << 32 | pid.astype(np.int64))      # hashed: no sort of the batch
         return np.array([self.code(int(k)) for k in uniq], np.int64)[inv]
 
 
 def _by_point(proc: np.ndarray, ts: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
     """(process, ts) pairs in order, unique, with each of `values` summed per pair."""
+    lo, span = ts.min(initial=0), int(ts.max(initial=0)) - int(ts.min(initial=0)) + 1
+    if len(ts) and (int(proc.max()) + 1) * span < 1 << 62:      # one key: a hash, then a sort of the pairs
+        inv, uniq = pd.factorize(proc * span + (ts - lo))
+        order = np.argsort(uniq)
+        rank = np.empty(len(uniq), np.int64)
+        rank[order] = np.arange(len(uniq))
+        grp, key = rank[inv], uniq[order]
+        return (key // span, key % span + lo, *(np.bincount(grp, weights=v, minlength=len(key)) for v in values))
     order = np.lexsort((ts, proc))
     proc, ts = proc[order], ts[order]
     new = np.ones(len(order), bool)
@@ -205,7 +214,7 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
         return layouts[key]
 
     # -- pass 2: every row into its bin --------------------------------------------------------
-    series: dict[tuple[int, int, int], _Acc] = {}
+    store = _Store()
     sums = [ProcessSums() for _ in procs.names]
     kind_ends: dict[str, dict[int, list]] = {}
     for b in batches(PASS2):
@@ -215,13 +224,11 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
         ts = _micros(b.column("ts"))
         pos = np.zeros(len(ts), np.int64)
         on_grid = np.zeros(len(ts), bool)
-        for p in np.unique(proc):
-            rows = np.flatnonzero(proc == p)
+        for p, rows in _runs(proc):
             g = grids[p]
-            if not len(g):
-                continue
-            at = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
-            pos[rows], on_grid[rows] = at, g[at] == ts[rows]      # the teardown's rows are not
+            if len(g):
+                at = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
+                pos[rows], on_grid[rows] = at, g[at] == ts[rows]      # the teardown's rows are not
         if not on_grid.all():
             b, proc, ts, pos = b.filter(pa.array(on_grid)), proc[on_grid], ts[on_grid], pos[on_grid]
             if not b.num_rows:
@@ -246,23 +253,33 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
             merged = hit | np.isin(stack, rep_dst)
         else:
             merged = np.zeros(len(stack), bool)
-        order = np.lexsort((stack, src, proc))
-        trio = np.stack([proc[order], src[order], stack[order]])
-        cut = np.flatnonzero(np.any(trio[:, 1:] != trio[:, :-1], axis=0)) + 1
-        for a, z in zip(np.concatenate(([0], cut)), np.append(cut, len(order)), strict=True):
-            rows = order[a:z]
-            p, sc, st = int(trio[0, a]), int(trio[1, a]), int(trio[2, a])
-            acc = series.get((p, sc, st))
-            if acc is None:
-                acc = series[(p, sc, st)] = _Acc(layout(p, srcs.names[sc]), len(grids[p]))
-            acc.add(pos[rows], y[rows], s[rows], live[rows], churn[rows], bool(merged[rows].any()))
+        # each row's series, then its bin in the series' layout (one per process and source)
+        nsrc = len(srcs.names) + 1
+        ps = proc * nsrc + src
+        st_code, st_uniq = pd.factorize(stack)
+        inv, uniq = pd.factorize(ps * len(st_uniq) + st_code)
+        ids = []
+        for u in uniq:
+            p, sc = divmod(int(u) // len(st_uniq), nsrc)
+            ids.append(store.sid((p, sc, int(st_uniq[int(u) % len(st_uniq)])), layout(p, srcs.names[sc]),
+                                 len(grids[p])))
+        sid = np.array(ids, np.int64)[inv]
+        store.grow()
+        flat = np.full(len(ts), -1, np.int64)
+        last = np.zeros(len(ts), bool)
+        for key, rows in _runs(ps):
+            lay = layout(key // nsrc, srcs.names[key % nsrc])
+            bins = lay.bin_of[pos[rows]]
+            flat[rows] = np.where(bins >= 0, store.offset[sid[rows]] + bins, -1)
+            last[rows] = pos[rows] == lay.last
+        store.add(sid, flat, last, pos, y, s, live, churn, merged)
 
     out = []
-    for (p, sc, st), acc in series.items():
-        if acc.peak() < min_bytes:
+    for i, (p, sc, st) in enumerate(store.keys):
+        if store.peak(i) < min_bytes:
             continue
         key, grid = procs.names[p], grids[p]
-        out.append(acc.series(recs.names[key >> 32], key & 0xFFFFFFFF, srcs.names[sc], st, grid))
+        out.append(store.series(i, recs.names[key >> 32], key & 0xFFFFFFFF, srcs.names[sc], st, grid))
     per_proc = {}
     for p, key in enumerate(procs.names):
         s = sums[p]
@@ -323,50 +340,87 @@ class _Layout:
                        float(t[-1] - t[0]) if len(t) else 0.0)
 
 
-class _Acc:
-    """One series' sums per bin, and what the detectors read besides."""
+def _runs(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """(key, the rows that have it) for each distinct key, from one sort."""
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    cut = np.flatnonzero(k[1:] != k[:-1]) + 1
+    for a, z in zip(np.concatenate(([0], cut)), np.append(cut, len(k)), strict=True):
+        yield int(k[a]), order[a:z]
 
-    def __init__(self, lay: _Layout, n_grid: int) -> None:
-        self.lay = lay
-        nb = len(lay.count)
-        self.y, self.s2, self.churn = np.zeros(nb), np.zeros(nb), np.zeros(nb)
-        self.s2_all = self.live_all = 0.0
-        self.max_row = 0.0
-        self.first_live = n_grid
-        self.y_last = self.s2_last = 0.0
-        self.per_point: np.ndarray | None = None     # merged stacks: sums per grid point (their peak)
-        self.n_grid = n_grid
 
-    def add(self, pos, y, s, live, churn, merged: bool) -> None:
-        b = self.lay.bin_of[pos]
-        m = b >= 0
-        nb = len(self.y)
-        self.y += np.bincount(b[m], weights=y[m], minlength=nb)
-        self.s2 += np.bincount(b[m], weights=s[m] ** 2, minlength=nb)
-        self.churn += np.bincount(b[m], weights=churn[m], minlength=nb)
-        self.s2_all += float((s[m] ** 2).sum())
-        self.live_all += float(live[m].sum())
-        last = pos == self.lay.last
-        self.y_last += float(y[last].sum())
-        self.s2_last += float((s[last] ** 2).sum())
-        seen = pos[live > 0]
-        if len(seen):
-            self.first_live = min(self.first_live, int(seen.min()))
-        if merged or self.per_point is not None:
-            if self.per_point is None:
-                self.per_point = np.zeros(self.n_grid)
-            np.add.at(self.per_point, pos, y)
-        elif len(y):
-            self.max_row = max(self.max_row, float(y.max()))
+class _Store:
+    """Every series' sums per bin, in flat arrays (a series' bins from its `offset`), and what the
+    detectors read besides, per series."""
 
-    def peak(self) -> float:
-        return float(self.per_point.max()) if self.per_point is not None else self.max_row
+    def __init__(self) -> None:
+        self.index: dict[tuple[int, int, int], int] = {}
+        self.keys: list[tuple[int, int, int]] = []
+        self.layouts: list[_Layout] = []
+        self.starts: list[int] = []          # each series' first bin in the flat arrays
+        self.nbins = 0
+        self.offset = np.zeros(0, np.int64)
+        self.y = self.s2 = self.churn = np.zeros(0)
+        self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (np.zeros(0) for _ in range(5))
+        self.first_live = np.zeros(0, np.int64)
+        self.per_point: dict[int, np.ndarray] = {}      # merged stacks: sums per grid point (their peak)
+        self.n_grid: list[int] = []
 
-    def series(self, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
-        lay = self.lay
-        first = grid[self.first_live] if self.first_live < len(grid) else grid[0]
+    def sid(self, key: tuple[int, int, int], lay: _Layout, n_grid: int) -> int:
+        """The series of (process, source, stack), made with its layout when new."""
+        i = self.index.get(key)
+        if i is None:
+            i = self.index[key] = len(self.keys)
+            self.keys.append(key)
+            self.layouts.append(lay)
+            self.n_grid.append(n_grid)
+            self.starts.append(self.nbins)
+            self.nbins += len(lay.count)
+        return i
+
+    def grow(self) -> None:
+        """The arrays extended to the series made since (once per batch: no copy per series)."""
+        new = len(self.keys) - len(self.offset)
+        if not new:
+            return
+        self.offset = np.array(self.starts, np.int64)
+        pad = self.nbins - len(self.y)
+        self.y, self.s2, self.churn = (np.concatenate([a, np.zeros(pad)]) for a in (self.y, self.s2, self.churn))
+        self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (
+            np.concatenate([a, np.zeros(new)]) for a in (self.s2_all, self.live_all, self.y_last, self.s2_last,
+                                                         self.max_row))
+        self.first_live = np.concatenate([self.first_live, np.array(self.n_grid[-new:], np.int64)])
+
+    def add(self, sid, flat, last, pos, y, s, live, churn, merged) -> None:
+        m = flat >= 0                    # measured: in a bin
+        nb, ns = len(self.y), len(self.keys)
+        s2 = s * s
+        self.y += np.bincount(flat[m], weights=y[m], minlength=nb)
+        self.s2 += np.bincount(flat[m], weights=s2[m], minlength=nb)
+        self.churn += np.bincount(flat[m], weights=churn[m], minlength=nb)
+        self.s2_all += np.bincount(sid[m], weights=s2[m], minlength=ns)
+        self.live_all += np.bincount(sid[m], weights=live[m], minlength=ns)
+        self.y_last += np.bincount(sid[last], weights=y[last], minlength=ns)
+        self.s2_last += np.bincount(sid[last], weights=s2[last], minlength=ns)
+        seen = live > 0
+        np.minimum.at(self.first_live, sid[seen], pos[seen])
+        np.maximum.at(self.max_row, sid[~merged], y[~merged])
+        for i, rows in _runs(sid[merged]) if merged.any() else ():
+            rows = np.flatnonzero(merged)[rows]
+            pts = self.per_point.setdefault(i, np.zeros(self.n_grid[i]))
+            np.add.at(pts, pos[rows], y[rows])
+
+    def peak(self, i: int) -> float:
+        pts = self.per_point.get(i)
+        return max(float(pts.max()), float(self.max_row[i])) if pts is not None else float(self.max_row[i])
+
+    def series(self, i: int, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
+        lay = self.layouts[i]
+        a = self.offset[i]
+        y, s2, churn = (x[a:a + len(lay.count)] for x in (self.y, self.s2, self.churn))
+        first = grid[self.first_live[i]] if self.first_live[i] < len(grid) else grid[0]
         return StackSeries(
-            rec, pid, source, stack, lay.points, lay.t, self.y / lay.count, np.sqrt(self.s2 / lay.count),
-            np.cumsum(self.churn), self.s2_all / self.live_all if self.live_all > 0 else 0.0,
-            float(lay.t_span), self.y_last, self.s2_last ** 0.5, self.peak(),
+            rec, pid, source, stack, lay.points, lay.t, y / lay.count, np.sqrt(s2 / lay.count), np.cumsum(churn),
+            self.s2_all[i] / self.live_all[i] if self.live_all[i] > 0 else 0.0, float(lay.t_span),
+            float(self.y_last[i]), float(self.s2_last[i]) ** 0.5, self.peak(i),
             int(first), int(grid[lay.last]) if lay.last >= 0 else int(grid[0]), int(grid[-1]))

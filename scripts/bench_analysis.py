@@ -78,7 +78,9 @@ def arrow(table: Table, df: pd.DataFrame) -> pa.Table:
                                  for c in table.columns], schema=table.schema)
 
 
-def write(out: Path, processes: int, hours: float, stacks: int, interval: float) -> int:
+def write(out: Path, processes: int, hours: float, stacks: int, interval: float, per_process: bool = False) -> int:
+    """The dataset as the recorder writes it: one file per table and hour holding every process
+    (with `per_process`, one per process and hour: the layout of this bench before 2026-11-28)."""
     rng = np.random.default_rng(0)
     n = int(hours * 3600 / interval)
     t0 = pd.Timestamp("2026-11-01T00:00:00Z")
@@ -86,32 +88,38 @@ def write(out: Path, processes: int, hours: float, stacks: int, interval: float)
     w = DatasetWriter(out, "bench", host="h")
     frames, stack_rows = [], []
     per_file = int(3600 / interval)
-    rows = 0
-    for pid in range(1000, 1000 + processes):
+    pids = range(1000, 1000 + processes)
+    data = {}
+    for pid in pids:
         sids = [pid * 100 + k for k in range(stacks)]
-        data = {sid: series(rng, k % 4 if k < 4 else 3 + k, n, interval) for k, sid in enumerate(sids)}
+        data[pid] = {sid: series(rng, k % 4 if k < 4 else 3 + k, n, interval) for k, sid in enumerate(sids)}
         for sid in sids:
             frames.append({"ts": t0, "recording_id": "bench", "stack_id": sid, "depth": 0,
                            "function": f"site_{sid}", "module": "libapp.so", "kind": "native"})
             stack_rows.append({"ts": t0, "recording_id": "bench", "stack_id": sid, "n_frames": 1})
-        for lo in range(0, n, per_file):
-            hi = min(n, lo + per_file)
-            k = hi - lo
-            parts = []
-            for sid, (live, churn) in data.items():
-                parts.append(pd.DataFrame({
-                    "ts": ts[lo:hi], "recording_id": "bench", "interval_s": interval, "pid": pid,
-                    "comm": f"svc{pid % 7}", "source": "malloc", "stack_id": sid,
-                    "outstanding_bytes": live[lo:hi] * float(T),
-                    "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T),
-                    "live_samples": live[lo:hi], "alloc_samples": churn[lo:hi], "free_samples": np.zeros(k)}))
-            df = pd.concat(parts)
-            rows += len(df)
-            w.write(OUTSTANDING, arrow(OUTSTANDING, df), day=ts[lo].date())
-            w.write(PROCESSES, arrow(PROCESSES, pd.DataFrame({
+    rows = 0
+    for lo in range(0, n, per_file):
+        hi = min(n, lo + per_file)
+        k = hi - lo
+        out_parts, proc_parts = [], []
+        for pid in pids:
+            out_parts.append(pd.concat([pd.DataFrame({
+                "ts": ts[lo:hi], "recording_id": "bench", "interval_s": interval, "pid": pid,
+                "comm": f"svc{pid % 7}", "source": "malloc", "stack_id": sid,
+                "outstanding_bytes": live[lo:hi] * float(T),
+                "outstanding_stderr_bytes": np.sqrt(live[lo:hi]) * float(T),
+                "live_samples": live[lo:hi], "alloc_samples": churn[lo:hi], "free_samples": np.zeros(k)})
+                for sid, (live, churn) in data[pid].items()]))
+            proc_parts.append(pd.DataFrame({
                 "ts": ts[lo:hi], "recording_id": "bench", "pid": pid, "comm": f"svc{pid % 7}",
-                "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval,
-                "memory_limit": 16 << 30})), day=ts[lo].date())
+                "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval, "memory_limit": 16 << 30}))
+        by_ts = [(pd.concat(out_parts).sort_values("ts", kind="stable"),
+                  pd.concat(proc_parts).sort_values("ts", kind="stable"))]
+        groups = zip(out_parts, proc_parts, strict=True) if per_process else by_ts
+        for o, p in groups:
+            rows += len(o)
+            w.write(OUTSTANDING, arrow(OUTSTANDING, o), day=ts[lo].date())
+            w.write(PROCESSES, arrow(PROCESSES, p), day=ts[lo].date())
     w.write(FRAMES, arrow(FRAMES, pd.DataFrame(frames)))
     w.write(STACKS, arrow(STACKS, pd.DataFrame(stack_rows)))
     return rows

@@ -13,7 +13,7 @@ from sampler.text import printable
 
 def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
     lines = [f"allocsampler analysis of {ds.root}"]
-    procs = ds.processes
+    procs = ds.index()
     if not procs.empty:
         span = f"{procs['ts'].min():%Y-%m-%d %H:%M:%S} .. {procs['ts'].max():%H:%M:%S} UTC"
         lines.append(f"{procs['pid'].nunique()} process(es), {span}")

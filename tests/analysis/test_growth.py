@@ -13,8 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis import analyze, dataset
 from analysis.dataset import Dataset, load
 from analysis.detect.growth import classify, classify_series, detect_growth
+from analysis.findings import to_document
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS, TARGETS
 from sampler.dataset.writer import DatasetWriter
 
@@ -375,3 +377,19 @@ def test_series_do_not_depend_on_batches_files_or_memory(tmp_path):
     _written(ds, tmp_path, exits=[(n * 10 + 1, 9)])
     read = ordered(classify_series(load(tmp_path)))
     pd.testing.assert_frame_equal(read.drop(columns="comm"), whole.drop(columns="comm"), rtol=1e-9)
+
+
+def test_findings_do_not_depend_on_how_processes_are_cut_into_parts(tmp_path, monkeypatch):
+    """analyze.run reads `processes` a part of whole processes at a time (Dataset.parts, through
+    compressed files of each part): cut into parts of one process, the findings are those of
+    the whole table in one part."""
+    rng = np.random.default_rng(5)
+    procs = {pid: {pid * 10 + 1: simulate(rng, 1200, 10, rate=1 * MiB),
+                   pid * 10 + 2: simulate(rng, 1200, 10, rate=0.0)} for pid in range(100, 106)}
+    _written(_dataset(procs), tmp_path)
+    whole = to_document(analyze.run(load(tmp_path)))
+    monkeypatch.setattr(dataset, "PART_ROWS", 150)
+    ds = load(tmp_path)
+    assert len(list(ds.parts())) == 6
+    assert to_document(analyze.run(load(tmp_path))) == whole
+    assert len(whole["findings"]) == 6
