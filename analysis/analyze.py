@@ -27,7 +27,7 @@ def run(ds: Dataset) -> list[Finding]:
     series = classify_series(ds)
     growth, others = [], []
     for part in ds.parts():
-        procs = part.index()[["recording_id", "pid"]].drop_duplicates() if part is not ds else None
+        procs = part.processes[["recording_id", "pid"]].drop_duplicates() if part is not ds else None
         mine = series if procs is None or series.empty else series.merge(
             procs.astype({"recording_id": str, "pid": series["pid"].dtype}), on=["recording_id", "pid"])
         growth += detect_growth(part, mine)

@@ -14,12 +14,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from analysis.source import Source
 from sampler.dataset import layout
 from sampler.dataset.schema import TABLES
+from sampler.dataset.sources import ALLOCATION_TIERS
 
 
 def read_table(root: str | Path | Source, name: str, *, filter=None, columns: list[str] | None = None) -> pd.DataFrame:
@@ -193,27 +195,58 @@ class Dataset:
         """Whether `outstanding` is in memory (given, or read since)."""
         return self.__dict__.get("_outstanding") is not None or self.scan is None
 
-    def index(self) -> pd.DataFrame:
-        """(recording_id, pid, ts, comm, tier) of every processes row: the snapshots, without the
-        measurements (read once; a small part of the table)."""
-        if self.__dict__.get("_index") is None:
-            cols = ["recording_id", "pid", "ts", "comm", "tier"]
+    def summary(self) -> pd.DataFrame:
+        """Per process of `processes` (recording_id, pid): its rows, first and last snapshot, and
+        whether a tier that does not see allocations measured it (`other_tier`). Read once, a
+        file at a time: a week of snapshots costs what a day does."""
+        if self.__dict__.get("_summary") is None:
+            cols = ["recording_id", "pid", "ts", "tier"]
+            keys = ["recording_id", "pid"]
             p = self.__dict__.get("_processes")
-            if p is None and self.scan is not None:
-                p = read_streamed(self.root, "processes", self.scan.rows, cols)
-            self.__dict__["_index"] = p.reindex(columns=cols) if p is not None else pd.DataFrame(columns=cols)
-        return self.__dict__["_index"]
+            batches = pa.Table.from_pandas(p.reindex(columns=cols).astype({"recording_id": str, "tier": object}),
+                                           preserve_index=False).to_batches() if p is not None else \
+                _batches(self.root, "processes", cols, self.scan.rows)
+            per = []
+            for b in batches:       # Arrow's group_by per batch, then the few per-process rows joined
+                tier = b.column("tier").cast(pa.string())      # null: older data, an allocation tier
+                other = pc.and_(pc.is_valid(tier), pc.invert(pc.is_in(tier, pa.array(ALLOCATION_TIERS))))
+                t = pa.table({"recording_id": b.column("recording_id").cast(pa.string()), "pid": b.column("pid"),
+                              "ts": b.column("ts"), "other": pc.fill_null(other, False)})
+                per.append(t.group_by(keys).aggregate([("ts", "count"), ("ts", "min"), ("ts", "max"),
+                                                       ("other", "any")]).to_pandas())
+            out = pd.concat(per).groupby(keys).agg({"ts_count": "sum", "ts_min": "min", "ts_max": "max",
+                                                    "other_any": "any"}).reset_index() if per else \
+                pd.DataFrame(columns=[*keys, "ts_count", "ts_min", "ts_max", "other_any"])
+            out = out.rename(columns={"ts_count": "rows", "ts_min": "first_ts", "ts_max": "last_ts",
+                                      "other_any": "other_tier"})
+            self.__dict__["_summary"] = out
+        return self.__dict__["_summary"]
+
+    def tiers(self) -> pd.DataFrame:
+        """(recording_id, pid, ts, tier) of the processes that a tier blind to allocations measured
+        at some snapshot (summary().other_tier); the others' snapshots all measured them."""
+        cols = ["recording_id", "pid", "ts", "tier"]
+        odd = self.summary()
+        odd = odd[odd["other_tier"].astype(bool)]
+        if odd.empty:
+            return pd.DataFrame(columns=cols)
+        p = self.__dict__.get("_processes")
+        if p is None:
+            flt = ds.field("pid").isin(sorted({int(x) for x in odd["pid"]}))
+            p = read_streamed(self.root, "processes", flt if self.scan.rows is None else self.scan.rows & flt, cols)
+        p = p.reindex(columns=cols)
+        wanted = pd.MultiIndex.from_frame(odd[["recording_id", "pid"]].astype({"recording_id": str}))
+        return p[pd.MultiIndex.from_arrays([p["recording_id"].astype(str), p["pid"]]).isin(wanted)]
 
     def parts(self, rows: int | None = None) -> Iterator[Dataset]:
         """The dataset as parts of whole processes whose `processes` rows are at most `rows` (one
         part, itself, when all of them are): the detectors that read `processes` run part by part,
         in memory bounded by a part. Every part shares the other tables and `derived`."""
         rows = PART_ROWS if rows is None else rows
-        idx = self.index()
-        if len(idx) <= rows or self.__dict__.get("_processes") is not None:
+        counts = self.summary().set_index(["recording_id", "pid"])["rows"]
+        if counts.sum() <= rows or self.__dict__.get("_processes") is not None:
             yield self
             return
-        counts = idx.groupby(["recording_id", "pid"], observed=True).size()
         groups, size = [[]], 0
         for key, n in counts.items():
             if size and size + n > rows:
@@ -225,7 +258,7 @@ class Dataset:
         for p in _spilled(self.root, self.scan.rows, group_of, len(groups)):
             part = copy.copy(self)      # not dataclasses.replace: that would read what is unread
             part.processes = p
-            part.__dict__["_index"] = None
+            part.__dict__["_summary"] = None
             yield part
             del part, p
 
@@ -310,9 +343,19 @@ def read_streamed(root: Path | Source, name: str, filter, columns: list[str]) ->
     return pa.concat_tables(parts, promote_options="permissive").to_pandas(self_destruct=True, split_blocks=True)
 
 
+def _batches(root: Path | Source, name: str, columns: list[str], filter) -> Iterator[pa.RecordBatch]:
+    """A table's rows in batches: a local one streamed a file at a time, a Source's read whole."""
+    path = None if isinstance(root, Source) else Path(root) / name
+    if path is None or not path.is_dir():
+        yield from pa.Table.from_pandas(read_table(root, name, filter=filter, columns=columns),
+                                       preserve_index=False).to_batches()
+        return
+    yield from stream(path, TABLES[name], columns, filter, 1 << 20)
+
+
 def _spilled(root: Path | Source, filter, group_of: dict[tuple[str, int], int], n: int) -> Iterator[pd.DataFrame]:
     """The `processes` rows of each group of processes (`group_of`: (recording, pid) -> group), in
-    group order, from one pass over the table: each group's rows go to a compressed Arrow file
+    group order, from one pass over the table: each group's rows go to an lz4-compressed Arrow file
     of their own in a temporary directory, read back one group at a time."""
     schema = TABLES["processes"].read_schema
     if isinstance(root, Source):        # one host's files (analysis/fleet.py): read whole
@@ -320,7 +363,7 @@ def _spilled(root: Path | Source, filter, group_of: dict[tuple[str, int], int], 
         batches: Iterator[pa.RecordBatch] = iter(rows.to_batches())
     else:
         batches = stream(Path(root) / "processes", TABLES["processes"], schema.names, filter, 1 << 16)
-    opts = pa.ipc.IpcWriteOptions(compression="zstd")
+    opts = pa.ipc.IpcWriteOptions(compression="lz4")
     with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
         files = [Path(tmp) / f"{g}.arrow" for g in range(n)]
         writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]     # a stream: dictionaries may change

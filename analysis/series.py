@@ -154,6 +154,7 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
 
     # -- pass 1: grids, stacks, what exited processes held at their last snapshots ---------------
     parts, stacks_seen = [], []
+    last_held: dict[int, dict[int, float]] = {}     # per process: its last two snapshots that held memory
     exits = dict(exits)
     for b in batches(PASS1, running=False):
         if not b.num_rows:
@@ -171,30 +172,26 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                     continue
         proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
         hold = np.isin(srcs.of(b.column("source")), held)
-        parts.append(_by_point(proc, _micros(b.column("ts")), np.where(hold, _num(b, "outstanding_bytes"), 0.0),
-                               hold.astype(float)))
+        up, ut, sums, nheld = _by_point(proc, _micros(b.column("ts")),
+                                        np.where(hold, _num(b, "outstanding_bytes"), 0.0), hold.astype(float))
+        parts.append((up.astype(np.int32), ut))
+        _last_two(last_held, up[nheld > 0], ut[nheld > 0], sums[nheld > 0])
         stacks_seen.append(np.unique(b.column("stack_id").to_numpy(zero_copy_only=False)))
     if not parts:
         return [], {}
-    proc_u, ts_u, held_u, nheld = _by_point(*(np.concatenate([p[k] for p in parts]) for k in range(4)))
-    has_u = nheld > 0
-    del parts, nheld
+    # each batch's points are in process order: a process's grid joins its slices of them
+    cuts = [np.searchsorted(up, np.arange(len(procs.names) + 1)) for up, _ in parts]
     # a last snapshot within TEARDOWN_S of the exit with less than half of what the one before
     # held (in the sources that hold memory) belongs to the teardown: its rows are left out
-    dropped: set[tuple[int, int]] = set()
-    bounds = np.searchsorted(proc_u, np.arange(len(procs.names) + 1))
+    grids = []
     for i, key in enumerate(procs.names):
+        g = np.unique(np.concatenate([ut[c[i]:c[i + 1]] for (_, ut), c in zip(parts, cuts, strict=True)]))
         when = exits.get((recs.names[key >> 32], key & 0xFFFFFFFF))
-        if when is None:
-            continue
-        sel = np.arange(bounds[i], bounds[i + 1])[has_u[bounds[i]:bounds[i + 1]]]
-        if len(sel) >= 2 and when - ts_u[sel[-1]] <= TEARDOWN_S * 1e6 and held_u[sel[-1]] < 0.5 * held_u[sel[-2]]:
-            dropped.add((i, int(ts_u[sel[-1]])))
-    keep = np.ones(len(ts_u), bool)
-    for i, t in dropped:
-        keep[bounds[i] + np.searchsorted(ts_u[bounds[i]:bounds[i + 1]], t)] = False
-    grids = [ts_u[bounds[i]:bounds[i + 1]][keep[bounds[i]:bounds[i + 1]]] for i in range(len(procs.names))]
-    del proc_u, ts_u, held_u, has_u, keep
+        two = sorted(last_held.get(i, {}).items())
+        if when is not None and len(two) == 2 and when - two[1][0] <= TEARDOWN_S * 1e6 and two[1][1] < 0.5 * two[0][1]:
+            g = g[g != two[1][0]]
+        grids.append(g)
+    del parts, cuts
     reps = merge(np.unique(np.concatenate(stacks_seen)))
     rep_src = np.fromiter(reps.keys(), np.int64, len(reps))
     rep_dst = np.fromiter(reps.values(), np.int64, len(reps))
@@ -288,6 +285,20 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                 s.first_last[kind] = (ends[p][1], ends[p][3])
         per_proc[(recs.names[key >> 32], key & 0xFFFFFFFF)] = s
     return out, per_proc
+
+
+def _last_two(state: dict[int, dict[int, float]], proc: np.ndarray, ts: np.ndarray, held: np.ndarray) -> None:
+    """Per process, the held bytes of its two latest snapshots (sums over batches: a snapshot's
+    rows may be in two), from one batch's (process, ts) points in order."""
+    if not len(proc):
+        return
+    ends = np.append(np.flatnonzero(proc[1:] != proc[:-1]), len(proc) - 1)
+    for z in ends:
+        cur = state.setdefault(int(proc[z]), {})
+        for k in (z - 1, z) if z >= 1 and proc[z - 1] == proc[z] else (z,):
+            cur[int(ts[k])] = cur.get(int(ts[k]), 0.0) + float(held[k])
+        while len(cur) > 2:
+            del cur[min(cur)]
 
 
 def _ends(state: dict[int, list], proc: np.ndarray, pos: np.ndarray, y: np.ndarray,

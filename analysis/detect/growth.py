@@ -228,7 +228,7 @@ ALLOCATION_SOURCES = (MALLOC, PYTHON, TORCH)
 
 def _tiers(ds: Dataset) -> dict[tuple[str, int], tuple[np.ndarray, np.ndarray]]:
     """(recording, pid) -> (snapshot times in us, tier at each) from `processes`."""
-    p = ds.index()
+    p = ds.tiers()
     if p.empty or "tier" not in p or set(p["tier"].dropna().astype(str).unique()) <= set(ALLOCATION_TIERS):
         return {}       # every snapshot measured allocations (and no page faults were sampled)
     out = {}

@@ -13,9 +13,9 @@ from sampler.text import printable
 
 def render(ds: Dataset, findings: list[Finding], width: int = 100) -> str:
     lines = [f"allocsampler analysis of {ds.root}"]
-    procs = ds.index()
+    procs = ds.summary()
     if not procs.empty:
-        span = f"{procs['ts'].min():%Y-%m-%d %H:%M:%S} .. {procs['ts'].max():%H:%M:%S} UTC"
+        span = f"{procs['first_ts'].min():%Y-%m-%d %H:%M:%S} .. {procs['last_ts'].max():%H:%M:%S} UTC"
         lines.append(f"{procs['pid'].nunique()} process(es), {span}")
     if not findings:
         lines.append("\nNo findings: no stack grows persistently and no glibc arena bloat was detected.")

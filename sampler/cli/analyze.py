@@ -43,7 +43,7 @@ def run_fleet(args: argparse.Namespace, source) -> int:
     from sampler.text import printable
 
     def visit(host, ds, findings):
-        n = len(ds.index()[["recording_id", "pid"]].drop_duplicates())
+        n = len(ds.summary())
         if not args.json:       # rendered now: the host's frames are released after this
             print(f"== host {printable(host)}: {n} processes, {len(findings)} findings ==")
             print(render(ds, findings), end="\n\n", flush=True)
