@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import datetime as dt
 import os
@@ -272,17 +273,16 @@ class Dataset:
             yield from table.to_batches(rows)
             return
         flt = self.scan.filter
-        if running:
-            flt = RUNNING if flt is None else flt & RUNNING
-        else:
+        if not running:
             columns = [*columns, "exiting"]
         if isinstance(self.root, Source):       # one host's files: read whole (analysis/fleet.py streams hosts)
+            flt = flt if not running else RUNNING if flt is None else flt & RUNNING
             yield from self.root.read("outstanding", filter=flt, columns=columns, arrow=True).to_batches(rows)
             return
         # files hold a flush or an hour each: small batches are joined, as the per-batch work is fixed
         buf: list[pa.RecordBatch] = []
         n = 0
-        for b in stream(Path(self.root) / "outstanding", TABLES["outstanding"], columns, flt, rows):
+        for b in stream(Path(self.root) / "outstanding", TABLES["outstanding"], columns, flt, rows, running):
             if buf and (b.schema != buf[0].schema or n + b.num_rows > rows):
                 yield from _joined(buf)
                 buf, n = [], 0
@@ -299,38 +299,62 @@ class Dataset:
         return {(str(r), int(p)): int(pd.Timestamp(t).value // 1000) for (r, p), t in first.items()}
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:
-        return self.frames[self.frames["stack_id"] == stack_id].sort_values("depth")
+        """A stack's frames, innermost first (the table sorted once: findings ask for many)."""
+        if "frames_sorted" not in self.derived:
+            f = self.frames.sort_values(["stack_id", "depth"], kind="stable") if len(self.frames) else self.frames
+            self.derived["frames_sorted"] = (f, f["stack_id"].to_numpy() if len(f) else np.zeros(0, np.int64))
+        f, ids = self.derived["frames_sorted"]
+        return f.iloc[np.searchsorted(ids, stack_id, "left"):np.searchsorted(ids, stack_id, "right")]
 
 
 # the columns that load's filters name (window, processes, sources, exits)
 FILTER_COLUMNS = ("ts", "pid", "source", "exiting")
 
 
-def stream(path: Path, table, columns: list[str], filter, rows: int) -> Iterator[pa.RecordBatch]:
+def stream(path: Path, table, columns: list[str], filter, rows: int, running: bool = False,
+           ) -> Iterator[pa.RecordBatch]:
     """The rows of a local table directory, file by file, in batches of `columns` (read_table's
-    files, both layouts); columns a file lacks are nulls. One file at a time: pyarrow's dataset
-    scanner keeps every file's footer until its scan ends (170 MiB for 2,400 files of
-    `outstanding`), a file's own reader only its own."""
+    files, both layouts); columns a file lacks are nulls; with `running`, the `exiting` rows left
+    out. One file at a time: pyarrow's dataset scanner keeps every file's footer until its scan
+    ends (170 MiB for 2,400 files of `outstanding`), a file's own reader only its own. Two files
+    are read at once (the reads release the GIL)."""
     schema = table.read_schema
-    extra = [c for c in FILTER_COLUMNS if filter is not None and c in schema.names and c not in columns]
+    extra = [c for c in FILTER_COLUMNS if (filter is not None or running and c == "exiting")
+             and c in schema.names and c not in columns]
+    paths = []
     for part in layout.table_partitions(path):
         try:
-            names = sorted(e.name for e in os.scandir(part.path)
-                           if e.name.endswith(".parquet") and not e.name.startswith((".", "_")))
+            paths += sorted(part.path / e.name for e in os.scandir(part.path)
+                            if e.name.endswith(".parquet") and not e.name.startswith((".", "_")))
         except (FileNotFoundError, NotADirectoryError):
             continue
-        for name in names:
-            f = pq.ParquetFile(part.path / name)
-            have = set(f.schema_arrow.names)
-            t = f.read(columns=[c for c in (*columns, *extra) if c in have])
-            for c in (*columns, *extra):
-                if c not in have:
-                    t = t.append_column(schema.field(c), pa.nulls(len(t), schema.field(c).type))
-            if filter is not None:
-                t = t.filter(filter)
-            yield from t.select(columns).to_batches(rows)
+
+    def read(p: Path) -> pa.Table:
+        f = pq.ParquetFile(p)
+        have = set(f.schema_arrow.names)
+        t = f.read(columns=[c for c in (*columns, *extra) if c in have])
+        for c in (*columns, *extra):
+            if c not in have:
+                t = t.append_column(schema.field(c), pa.nulls(len(t), schema.field(c).type))
+        if running:         # a plain mask: Acero's filter costs more than reading a small file
+            t = t.filter(pc.invert(pc.fill_null(t.column("exiting"), False)))
+        if filter is not None:
+            t = t.filter(filter)
+        return t.select(columns)
+
+    freed = 0
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        ahead = [pool.submit(read, p) for p in paths[:2]]
+        for i in range(len(paths)):
+            t = ahead.pop(0).result()
+            if i + 2 < len(paths):
+                ahead.append(pool.submit(read, paths[i + 2]))
+            yield from t.to_batches(rows)
+            freed += t.nbytes
             del t
-            pa.default_memory_pool().release_unused()     # mimalloc keeps what a file's decoding freed
+            if freed > 16 << 20:      # mimalloc keeps what decoding freed: given back now and then
+                pa.default_memory_pool().release_unused()
+                freed = 0
 
 
 def read_streamed(root: Path | Source, name: str, filter, columns: list[str]) -> pd.DataFrame:
