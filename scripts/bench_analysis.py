@@ -5,7 +5,9 @@
     .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--quick]
 
 Each process gets `stacks` stacks: a slow leak, a bounded cache, churn and steady pools, written
-through the recorder's own DatasetWriter (one file per table per simulated hour), then
+through the recorder's own DatasetWriter (one file per table per simulated hour holding every
+process; --per-process-files: one per process and hour,
+the layout of this bench before 2026-11-28, 1,200 files a day), then
 `analysis.analyze.run(load(DIR))` runs in a fresh child process whose wall time and peak RSS are
 reported.
 
@@ -318,6 +320,8 @@ def main() -> None:
     ap.add_argument("--stacks", type=int, help=f"default {FULL['stacks']}, --quick {QUICK['stacks']}")
     ap.add_argument("--interval", type=float, default=10)
     ap.add_argument("--quick", action="store_true", help="smallest sizes that still exercise every step")
+    ap.add_argument("--per-process-files", action="store_true",
+                    help="one file per process and hour (this bench's layout before 2026-11-28)")
     ap.add_argument("--fleet", action="store_true", help="the fleet benchmark (hosts x days, schema-6 layout)")
     ap.add_argument("--hosts", type=int, help=f"--fleet: default {FLEET['hosts']}")
     ap.add_argument("--days", type=int, help=f"--fleet: default {FLEET['days']}")
@@ -334,7 +338,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "ds"
         t = time.perf_counter()
-        rows = write(out, args.processes, args.hours, args.stacks, args.interval)
+        rows = write(out, args.processes, args.hours, args.stacks, args.interval, args.per_process_files)
         print(f"wrote {rows:,} outstanding rows in {time.perf_counter() - t:.0f} s")
         res = subprocess.run([sys.executable, "-c", CHILD.format(root=str(ROOT), out=str(out))],
                              capture_output=True, text=True, check=True).stdout.split(maxsplit=2)
