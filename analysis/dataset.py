@@ -316,8 +316,8 @@ def stream(path: Path, table, columns: list[str], filter, rows: int, running: bo
     """The rows of a local table directory, file by file, in batches of `columns` (read_table's
     files, both layouts); columns a file lacks are nulls; with `running`, the `exiting` rows left
     out. One file at a time: pyarrow's dataset scanner keeps every file's footer until its scan
-    ends (170 MiB for 2,400 files of `outstanding`), a file's own reader only its own. Two files
-    are read at once (the reads release the GIL)."""
+    ends (170 MiB for 2,400 files of `outstanding`), a file's own reader only its own. The next
+    file is read while one is used (the reads release the GIL)."""
     schema = table.read_schema
     extra = [c for c in FILTER_COLUMNS if (filter is not None or running and c == "exiting")
              and c in schema.names and c not in columns]
@@ -344,11 +344,11 @@ def stream(path: Path, table, columns: list[str], filter, rows: int, running: bo
 
     freed = 0
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        ahead = [pool.submit(read, p) for p in paths[:2]]
+        ahead = [pool.submit(read, p) for p in paths[:1]]
         for i in range(len(paths)):
             t = ahead.pop(0).result()
-            if i + 2 < len(paths):
-                ahead.append(pool.submit(read, paths[i + 2]))
+            if i + 1 < len(paths):
+                ahead.append(pool.submit(read, paths[i + 1]))
             yield from t.to_batches(rows)
             freed += t.nbytes
             del t
@@ -393,7 +393,9 @@ def _spilled(root: Path | Source, filter, group_of: dict[tuple[str, int], int], 
         writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]     # a stream: dictionaries may change
         try:
             for b in batches:
-                b = b.select(schema.names).cast(schema)
+                b = b.select(schema.names)
+                if b.schema != schema:          # an older file's types
+                    b = b.cast(schema)
                 rec = b.column("recording_id")          # a dictionary (the read schema's type)
                 names = rec.dictionary.to_pylist()
                 key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
