@@ -343,7 +343,7 @@ def stream(path: Path, table, columns: list[str], filter, rows: int, running: bo
         return t.select(columns)
 
     freed = 0
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         ahead = [pool.submit(read, p) for p in paths[:1]]
         for i in range(len(paths)):
             t = ahead.pop(0).result()
