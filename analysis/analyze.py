@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from analysis.dataset import Dataset, load
+from analysis.dataset import READ_ATTEMPTS, Dataset, load
 from analysis.detect.arenas import detect_arena_bloat
 from analysis.detect.families import by_family
 from analysis.detect.gpu import detect_gpu
@@ -23,7 +23,19 @@ __all__ = ["load", "run", "findings_frame", "to_document", "classify_series", "d
 def run(ds: Dataset) -> list[Finding]:
     """Every detector's findings, most severe first. The stacks' series are read once, streamed
     (analysis/series.py); the detectors run on parts of whole processes (Dataset.parts), so that
-    memory is bounded by a part's `processes` rows rather than the dataset's."""
+    memory is bounded by a part's `processes` rows rather than the dataset's. A live daemon's
+    compaction may replace files while they are streamed: then everything is read again."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return _run(ds)
+        except FileNotFoundError:
+            if attempt == READ_ATTEMPTS - 1:
+                raise
+            ds.forget()
+    raise AssertionError("unreachable")
+
+
+def _run(ds: Dataset) -> list[Finding]:
     series = classify_series(ds)
     growth, others = [], []
     for part in ds.parts():

@@ -196,6 +196,11 @@ class Dataset:
         """Whether `outstanding` is in memory (given, or read since)."""
         return self.__dict__.get("_outstanding") is not None or self.scan is None
 
+    def forget(self) -> None:
+        """Drop what was derived from the files (their rows may have moved: a compaction)."""
+        self.derived.clear()
+        self.__dict__["_summary"] = None
+
     def summary(self) -> pd.DataFrame:
         """Per process of `processes` (recording_id, pid): its rows, first and last snapshot, and
         whether a tier that does not see allocations measured it (`other_tier`). Read once, a

@@ -393,3 +393,22 @@ def test_findings_do_not_depend_on_how_processes_are_cut_into_parts(tmp_path, mo
     assert len(list(ds.parts())) == 6
     assert to_document(analyze.run(load(tmp_path))) == whole
     assert len(whole["findings"]) == 6
+
+
+def test_a_file_replaced_while_it_is_streamed_reads_everything_again(tmp_path, monkeypatch):
+    """A live daemon's compaction replaces files: a file gone between the listing and its read
+    makes analyze.run read the dataset again, with the same findings as an undisturbed read."""
+    rng = np.random.default_rng(5)
+    _written(_dataset({pid: {pid * 10 + 1: simulate(rng, 1200, 10, rate=1 * MiB)} for pid in (100, 101)}), tmp_path)
+    whole = to_document(analyze.run(load(tmp_path)))
+    real, calls = dataset.pq.ParquetFile, []
+
+    def vanishing(path, *a, **kw):          # the third file opened is gone (once)
+        calls.append(path)
+        if len(calls) == 3:
+            raise FileNotFoundError(path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(dataset.pq, "ParquetFile", vanishing)
+    assert to_document(analyze.run(load(tmp_path))) == whole and len(whole["findings"]) == 2
+    assert len(calls) > 3
