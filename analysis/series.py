@@ -30,7 +30,6 @@ from analysis.dataset import HELD_SOURCES, TEARDOWN_S
 from analysis.detect.stats import bin_starts
 
 MAX_POINTS = 200
-BATCH_ROWS = 1 << 18
 PASS1 = ["recording_id", "pid", "ts", "source", "stack_id", "outstanding_bytes"]
 PASS2 = [*PASS1, "comm", "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples"]
 
