@@ -121,10 +121,12 @@ class NameWorker:
     def idle(self) -> None:
         """Called between snapshots: the child exits after IDLE_S without work."""
         if self._child.running and time.monotonic() - self._last_used > IDLE_S:
-            self.close()
+            self._child.close()
+        self._child.reap()
 
     def close(self) -> None:
         self._child.close()
+        self._child.reap(wait=True)
 
 
 def _ours(f: FileBytes) -> str:

@@ -104,11 +104,13 @@ class TableWorker:
         if self._jobs:
             self._idle_since = now
         elif self._child.running and now - self._idle_since > IDLE_S:
-            self.close()
+            self._child.close()
+        self._child.reap()
         return out
 
     def close(self) -> None:
         self._child.close()
+        self._child.reap(wait=True)
 
 
 def _read_exactly(out: IO[bytes], n: int) -> bytearray | None:

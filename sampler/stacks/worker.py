@@ -21,6 +21,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import IO
 
@@ -33,6 +34,7 @@ from sampler.lifetime import die_with_parent
 # libtorch_cpu's CFI peaks at 246 MiB, naming its symbols at 191 MiB (2026-11-28, f0798c0).
 ADDRESS_SPACE = 384 << 20
 IDLE_S = 30.0               # a child exits after this long without work
+LEAVE_S = 2.0               # a closed child has this long to exit before it is killed
 
 
 class Child:
@@ -45,6 +47,7 @@ class Child:
         self.network = network          # it downloads: the proxies and CA certificates it needs
         self.proc: subprocess.Popen | None = None
         self._exited_cpu_s = 0.0          # CPU time of children that have exited
+        self._leaving: list[tuple[subprocess.Popen, float]] = []     # closed, not yet reaped
 
     @property
     def running(self) -> bool:
@@ -53,6 +56,7 @@ class Child:
     def start(self) -> IO[bytes]:
         """A fresh child (the old one closed); its stdout."""
         self.close()
+        self.reap()
         argv = [sys.executable, "-m", self.module, str(os.getpid()), *self.args]
         env = environ.worker_environ(self.network, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -79,7 +83,9 @@ class Child:
         return self._exited_cpu_s + running
 
     def close(self, kill: bool = False) -> None:
-        """Let the child finish what it has (or `kill` it: stuck on a file) and reap it."""
+        """Let the child finish what it has (or `kill` it: stuck on a file); it is reaped later
+        (reap): a child at its low priority on a busy host may take seconds to exit, and the
+        recorder's loop does not wait for it."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -89,12 +95,26 @@ class Child:
             proc.kill()
         with contextlib.suppress(OSError):
             proc.stdin.close()
-        try:
-            proc.wait(2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        self._leaving.append((proc, time.monotonic() + LEAVE_S))
+        self.reap()
 
+    def reap(self, wait: bool = False) -> None:
+        """Collect the closed children that exited, kill those past LEAVE_S (`wait`: wait for
+        each until then, as the owner closes)."""
+        left = []
+        for proc, deadline in self._leaving:
+            if wait:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+            if proc.poll() is not None:
+                continue
+            if wait or time.monotonic() >= deadline:
+                proc.kill()
+                if wait:
+                    proc.wait()
+                    continue
+            left.append((proc, deadline))
+        self._leaving = left
 
 def child_setup(argv: list[str], nice: int = 10) -> None:
     """The child's side, first: dies with its parent (argv[0]), under the address-space limit,
