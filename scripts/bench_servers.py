@@ -22,7 +22,8 @@ recorder's CPU beside that of the same recorder on the idle parent.
     sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis,gunicorn]
                                                    [--storm-rate 300]
 
---quick: one short round, a smoke test whose numbers mean nothing.
+--quick: one short round, a smoke test whose numbers mean nothing (0.2 s rather than 1 s for a
+recorder to settle after its attach row, a 1 s gap rather than 2 s in pg-S-beside).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from servers import Gunicorn, Postgres, Redis
 ROOT = Path(__file__).resolve().parent.parent
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 TICK = os.sysconf("SC_CLK_TCK")
+SETTLE_S = 1.0          # after a recorder's attach row: its first placements and tables settle
+GAP_S = 2               # pg-S-beside: between the recorder's stop and the window after it
 
 
 def pgbench(connect: bool):
@@ -171,7 +174,7 @@ def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, 
 def _beside(start, seconds: float, work: Path) -> tuple[float, float, float]:
     """One server under one `pgbench -P 1` run in three windows of `seconds`: unrecorded, a
     recorder of another (idle) process launched at the second's start and stopped at its end,
-    unrecorded again after a 2 s gap. Returns (unrecorded rate: the mean of the first and third
+    unrecorded again after a gap of GAP_S. Returns (unrecorded rate: the mean of the first and third
     windows, rate in the second, the recorder's CPU in % of a core over the second). Within one
     server: fresh servers differ by up to 20% from each other here, more than what is measured."""
     idle = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(1e6)"],
@@ -180,7 +183,7 @@ def _beside(start, seconds: float, work: Path) -> tuple[float, float, float]:
     try:
         idle.stdout.readline()
         with start() as server:
-            bench = server.tool("pgbench", "-S", "-c", "4", "-j", "2", "-T", str(3 * win + 2), "-n", "-P", "1",
+            bench = server.tool("pgbench", "-S", "-c", "4", "-j", "2", "-T", str(3 * win + GAP_S), "-n", "-P", "1",
                                 "postgres", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             t0 = time.monotonic()
             time.sleep(win)
@@ -193,14 +196,14 @@ def _beside(start, seconds: float, work: Path) -> tuple[float, float, float]:
             cpu = 100 * _cpu_s(rec.pid) / win
             rec.send_signal(signal.SIGINT)
             rec.wait(120)
-            _, err = bench.communicate(timeout=3 * win + 120)
+            _, err = bench.communicate(timeout=3 * win + GAP_S + 120)
     finally:
         idle.kill()
         idle.wait()
     per_s = [float(x) for x in re.findall(r"progress: [\d.]+ s, ([\d.]+) tps", err)]
-    if len(per_s) < 3 * win + 1:
-        raise SystemExit(f"pgbench reported {len(per_s)} of {3 * win + 2} seconds")
-    before, during, after = per_s[:win], per_s[win:2 * win], per_s[2 * win + 2:3 * win + 2] or per_s[-win:]
+    if len(per_s) < 3 * win + GAP_S - 1:
+        raise SystemExit(f"pgbench reported {len(per_s)} of {3 * win + GAP_S} seconds")
+    before, during, after = per_s[:win], per_s[win:2 * win], per_s[2 * win + GAP_S:3 * win + GAP_S] or per_s[-win:]
     return (statistics.mean(before) + statistics.mean(after)) / 2, statistics.mean(during), cpu
 
 
@@ -212,7 +215,7 @@ def _wait_attached(rec: subprocess.Popen, out: Path) -> None:
             raise SystemExit(f"recorder exited: {rec.stderr.read()}")
         for f in (out / "targets").glob("host=*/date=*/*.parquet"):
             if "attach" in pq.read_table(f, columns=["event"]).column("event").to_pylist():
-                time.sleep(1.0)             # its first placements and tables settle
+                time.sleep(SETTLE_S)
                 return
         time.sleep(0.1)
     raise SystemExit("recorder did not attach in 120 s")
@@ -226,6 +229,9 @@ def main() -> None:
     ap.add_argument("--storm-rate", type=float, help="children forked per second (default 300, --quick 20)")
     ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
     args = ap.parse_args()
+    global SETTLE_S, GAP_S
+    if args.quick:
+        SETTLE_S, GAP_S = 0.2, 1
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (1.0 if args.quick else 10.0)
     names = args.servers.split(",")

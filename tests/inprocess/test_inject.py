@@ -160,6 +160,11 @@ class Stress:
         self.p.stdin.write("go\n")
         self.p.stdin.flush()
 
+    def release(self) -> None:
+        """go, and stop after the first round (what closing stdin says): result() is that round's."""
+        self.p.stdin.write("go\nstop\n")
+        self.p.stdin.flush()
+
     def result(self, timeout: float = 120) -> list[str]:
         out, _ = self.p.communicate(timeout=timeout)
         assert self.p.returncode == 0, f"the workload failed (exit {self.p.returncode}): {out!r}"
@@ -167,9 +172,15 @@ class Stress:
 
 
 def _reference(argv: list[str], env: dict | None = None) -> str:
+    return _unrecorded(argv, env).result()[1]
+
+
+def _unrecorded(argv: list[str], env: dict | None = None) -> Stress:
+    """The reference run (nothing placed into it), started and released: its first round's checksum
+    is the recorded run's expected one (result()[1])."""
     s = Stress(argv, env)
-    s.go()
-    return s.result()[1]
+    s.release()
+    return s
 
 
 CYCLER = """
@@ -196,7 +207,7 @@ def test_stress_keeps_its_checksum_through_redirects_restores_and_a_killed_recor
     redirect/restore cycles, a recorder killed with SIGKILL in the middle of its cycles, a second
     one adopting the sampler; the workload's checksum is the unrecorded run's and it never crashes."""
     argv = [str(stress[0]), "1500000", str(stress[1])]
-    _cycle_through(argv, _reference(argv))
+    _cycle_through(argv, _unrecorded(argv))
 
 
 @pytest.mark.parametrize(("mode", "iterations"), [("python", 6000), ("torch", 1200)])
@@ -205,12 +216,22 @@ def test_python_and_torch_keep_their_checksum_through_redirects_restores_and_a_k
     building and checking objects of every small size class, an allocating signal handler, forks,
     an extension module loaded midway; the checksum is the unrecorded run's."""
     argv = [sys.executable, str(WORKLOADS / "py_stress.py"), mode, str(iterations)]
-    _cycle_through(argv, _reference(argv))
+    _cycle_through(argv, _unrecorded(argv))
 
 
-def _cycle_through(argv: list[str], expected: str) -> None:
+def _cycle_through(argv: list[str], reference: Stress) -> None:
     """Runs the workload while a recorder cycles redirect/restore and is SIGKILLed midway, then a
-    second adopts the sampler and cycles up to 200 times; checks the workload's own verdict."""
+    second adopts the sampler and cycles up to 200 times; checks the workload's own verdict, and
+    its checksum against the `reference` run's (beside it: a Python workload holds one CPU, its GIL)."""
+    try:
+        _cycle_through_beside(argv, reference)
+    finally:
+        if reference.p.poll() is None:
+            reference.p.kill()
+            reference.p.wait()
+
+
+def _cycle_through_beside(argv: list[str], reference: Stress) -> None:
     s = Stress(argv)
     s.go()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -226,6 +247,7 @@ def _cycle_through(argv: list[str], expected: str) -> None:
     said = second.stdout.split()
     assert said[:3] == ["adopted", "done", "8" if python else "0"] and int(said[3]) >= 1, second.stderr
     ok, checksum, signals, forks = s.result()
+    expected = reference.result()[1]
     name = " ".join(Path(a).name for a in argv[:3])
     print(f"\n[stress] {name}: checksum {checksum} (expected {expected}), {signals} signal handlers, {forks} forks")
     assert ok == "ok" and checksum == expected and int(signals) > 0 and int(forks) > 0
