@@ -47,6 +47,20 @@ def read_table(root: str | Path | Source, name: str, *, filter=None, columns: li
 
 
 READ_ATTEMPTS = 5
+# recordings of schema 5 and 6 named code no symbol covers after the nearest export before it,
+# `export+0xOFF`: no function's name ends so, and a reader took it for the function that ran
+_APPROXIMATE_NAME = r"\+0x[0-9a-f]+$"
+
+
+def read_frames(root: str | Path | Source) -> pd.DataFrame:
+    """The `frames` table, one row per (stack, depth), with the approximate names older
+    recordings wrote read as what they are: unnamed (null)."""
+    frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
+    if "function" in frames and len(frames):
+        guessed = frames["function"].astype("string").str.contains(_APPROXIMATE_NAME, regex=True).fillna(False)
+        if guessed.any():
+            frames["function"] = frames["function"].astype(object).where(~guessed.to_numpy(), None)
+    return frames
 
 
 # Partition values as dictionaries, as pandas reads them: in the layout of schema <= 5 `host` is a
@@ -477,7 +491,7 @@ def load(root: str | Path | Source, *, pids: list[int] | None = None, sources: l
     src = ds.field("source").isin(sources) if sources else None
     targets = read_table(root, "targets", filter=by_pid)
     stacks = read_table(root, "stacks").drop_duplicates("stack_id")
-    frames = read_table(root, "frames").drop_duplicates(["stack_id", "depth"])
+    frames = read_frames(root)
     return Dataset(
         root=root,
         outstanding=None,

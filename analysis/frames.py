@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.dataset import Dataset, read_table
+from analysis.dataset import Dataset, read_frames
+from sampler.text import UNNAMED, unnamed_frame
 
 Frame = dict[str, Any]
 Stacks = dict[int, list[Frame]]       # stack_id -> frames innermost first
@@ -54,7 +55,7 @@ def stack_frames(frames: pd.DataFrame) -> Stacks:
 
 def read_stack_frames(root: str | Path) -> Stacks:
     """`stack_frames()` of a dataset directory's `frames` table."""
-    return stack_frames(read_table(root, "frames"))
+    return stack_frames(read_frames(root))
 
 
 def frames_json(ds: Dataset, stack_id: int) -> list[Frame]:
@@ -93,18 +94,21 @@ def _where(f: Frame) -> str:
 
 
 def frame_text(f: Frame) -> str:
-    """One frame on one line: `function (module)`, `function (module:line)` for Python, the
-    address when unsymbolized."""
-    name = _text(f.get("function")) or _hex(f.get("offset"))
+    """One frame on one line: `function (module)`, `function (module:line)` for Python,
+    `module+0xOFF (unnamed)` where no symbol names it."""
+    name = _text(f.get("function"))
     if f.get("kind") == "python" and _finite(f.get("line")):
-        return f"{name} ({f.get('module') or '?'}:{int(f['line'])})"
-    return f"{name} ({f.get('module') or '?'})"
+        return f"{name or '?'} ({f.get('module') or '?'}:{int(f['line'])})"
+    if name is None and f.get("kind") != "python":
+        return unnamed_frame(f.get("module"), int(f["offset"]) if _finite(f.get("offset")) else None)
+    return f"{name or '?'} ({f.get('module') or '?'})"
 
 
-def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES) -> tuple[list[str], int]:
+def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES, interpreter: bool = False) -> tuple[list[str], int]:
     """The interesting frames of a stack (innermost first) as text, and how many were left out:
-    allocator-internal frames at the top and entry frames at the bottom are dropped, runs of
-    unsymbolized frames of one module become one line."""
+    allocator-internal frames at the top and entry frames at the bottom are dropped, the
+    interpreter's own frames between two Python frames are folded (as py-spy shows a stack;
+    `interpreter` keeps them), runs of unnamed frames of one module become one line."""
     def fn(f: Frame) -> str | None:
         return _text(f.get("function"))
 
@@ -113,17 +117,21 @@ def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES) -> tuple[list[str
         lo += 1
     while hi - lo > 1 and fn(frames[hi - 1]) in ENTRY_FUNCTIONS:
         hi -= 1
+    folded = set() if interpreter else interpreter_between_python(frames)
     lines: list[str] = []
     run_module, run = None, 0
-    for f in frames[lo:hi]:
+    for i in range(lo, hi):
+        f = frames[i]
+        if i in folded:
+            continue
         module = str(f.get("module") or "?")
-        if fn(f) is None:
+        if fn(f) is None and f.get("kind") != "python":
             if run and module == run_module:
                 run += 1
-                lines[-1] = f"[{run} frames in {module}]"
+                lines[-1] = f"[{run} unnamed frames in {module}]"
             else:
                 run_module, run = module, 1
-                lines.append(f"{module}+{_hex(f.get('offset'))}" if _finite(f.get("offset")) else f"? ({module})")
+                lines.append(frame_text(f))
             continue
         run = 0
         text = frame_text(f)
@@ -131,8 +139,34 @@ def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES) -> tuple[list[str
             line = f.get("line")
             text += f"  {Path(f['file']).name}" + (f":{int(line)}" if _finite(line) else "")
         lines.append(text)
-    dropped = len(frames) - (hi - lo)
+    dropped = len(frames) - (hi - lo) + len([i for i in folded if lo <= i < hi])
     return lines[:keep], max(0, len(lines) - keep) + dropped
+
+
+def interpreter_between_python(frames: list[Frame]) -> set[int]:
+    """Positions of the interpreter's native frames (INTERPRETER_MODULES) that lie between two
+    Python frames: how CPython ran the outer one's call, not who allocated."""
+    py = [i for i, f in enumerate(frames) if f.get("kind") == "python"]
+    if len(py) < 2:
+        return set()
+    return {i for i in range(py[0] + 1, py[-1]) if frames[i].get("kind") != "python"
+            and INTERPRETER_MODULES.match(str(frames[i].get("module") or ""))}
+
+
+def naming_hint(stacks: list[list[Frame]]) -> str | None:
+    """What to do about unnamed frames in `stacks` (None when every native frame has a name)."""
+    modules = sorted({str(f.get("module")) for frames in stacks for f in frames
+                      if f.get("kind") != "python" and _text(f.get("function")) is None
+                      and _text(f.get("module")) and not str(f["module"]).startswith("[")})
+    if not modules:
+        return None
+    shown = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    return (f"Frames marked {UNNAMED} are code of {shown} that no symbol covers (a stripped file: its "
+            "static functions have no name in it), shown as file+offset rather than guessed from the "
+            "exports around them. The files' debug symbols name them and give their lines: install the "
+            "debug package (e.g. python3.11-dbg, libc6-dbg, or a -dbgsym package; they land in "
+            "/usr/lib/debug/.build-id) or set DEBUGINFOD_URLS for the recorder, then record again "
+            "(names are read while recording, by build-id).")
 
 
 def _text(v: Any) -> str | None:

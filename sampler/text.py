@@ -1,5 +1,6 @@
 """Text a recorded process chose (its comm, exe, cmdline, function and file names) made safe to
-print: one function, used by every terminal output, log line and text export.
+print: one function, used by every terminal output, log line and text export; and how a frame
+that no symbol names is written, by the recorder's summaries and the reports alike.
 
 A target can name itself or its functions with newlines (forging lines of a log or of collapsed
 stacks), escape sequences (rewriting the terminal), bidirectional overrides or surrogate-escaped
@@ -13,6 +14,16 @@ from typing import Any
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 MAX_CHARS = 4096        # a name longer than this is cut (a cmdline may be 2 MiB)
+
+
+UNNAMED = "(unnamed)"
+
+
+def unnamed_frame(module: str | None, offset: int | None) -> str:
+    """A native frame no symbol covers: its file and offset, marked so that nobody takes it for
+    a function's name (`python3.11+0x1a2b3c (unnamed)`)."""
+    where = f"+{int(offset) & ((1 << 64) - 1):#x}" if offset is not None else ""
+    return f"{module or '?'}{where} {UNNAMED}"
 
 
 def printable(value: Any, max_chars: int = MAX_CHARS) -> str:

@@ -31,7 +31,7 @@ from markupsafe import Markup
 
 from analysis.dataset import Dataset, read_table
 from analysis.findings import Finding
-from analysis.frames import Frame, Stacks, frame_text, stack_frames, trim_frames
+from analysis.frames import Frame, Stacks, frame_text, naming_hint, stack_frames, trim_frames
 from analysis.report import gpu, sections
 from analysis.report.charts import seconds
 from analysis.units import fmt_duration, fmt_utc
@@ -75,6 +75,7 @@ class StackList:
     shown: tuple[str, ...]       # the interesting frames (analysis.frames.trim_frames)
     hidden: int                  # how many were left out of `shown`
     frames: tuple[str, ...]      # all of them
+    note: str | None = None      # how to name its unnamed frames (analysis.frames.naming_hint)
 
 
 @dataclass(frozen=True)
@@ -115,9 +116,11 @@ class ProcessSection:
 
 
 def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = None,
-                max_processes: int = 20) -> str:
+                max_processes: int = 20, interpreter_frames: bool = False) -> str:
     """The report as one HTML document. Processes are charted in order of their worst finding,
-    then of peak RSS; at most `max_processes` of them."""
+    then of peak RSS; at most `max_processes` of them. `interpreter_frames`: CPython's own
+    frames between two Python frames shown in each finding's stack (every frame is under its
+    "all frames" either way)."""
     title = title or f"allocsampler report: {ds.root.name or ds.root}"
     findings = sorted(findings, key=lambda f: -f.severity)
     pids = _process_order(ds, findings)
@@ -127,7 +130,7 @@ def render_html(ds: Dataset, findings: list[Finding], *, title: str | None = Non
     return _env().get_template("report.html.j2").render(
         title=title, style=_inline("report.css"), script=_inline("report.js"),
         header=_header(ds, findings, pids),
-        findings=[_finding_row(f, set(charted)) for f in findings],
+        findings=[_finding_row(f, set(charted), interpreter_frames) for f in findings],
         processes=[_process_row(tables, pid, set(charted), findings) for pid in pids],
         fold_processes=len(pids) > FOLD_PROCESSES,
         recordings=_recordings(ds), devices=gpu.devices_section(ds),
@@ -272,13 +275,14 @@ def _process_order(ds: Dataset, findings: list[Finding]) -> list[int]:
 
 # --- findings ----------------------------------------------------------------------------------
 
-def _finding_row(f: Finding, charted: set[int]) -> FindingRow:
+def _finding_row(f: Finding, charted: set[int], interpreter_frames: bool = False) -> FindingRow:
     frames = f.stack()
     advice = f.recommendation()
     return FindingRow(
         "high" if f.severity >= 70 else "mid" if f.severity >= 40 else "low", f"{f.severity:.0f}",
         f"{100 * f.confidence:.0f}", f.kind, PidLink(f.pid, f"{f.comm} ({f.pid})", f.pid in charted), f.summary,
-        _numbers(f.numbers()), _stack_list(frames) if frames else None, _advice(advice) if advice else None)
+        _numbers(f.numbers()), _stack_list(frames, interpreter_frames) if frames else None,
+        _advice(advice) if advice else None)
 
 
 def _numbers(d: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -336,9 +340,9 @@ def _advice(v: Any) -> Advice:
     return str(v)
 
 
-def _stack_list(frames: list[Frame]) -> StackList:
-    shown, hidden = trim_frames(frames)
-    return StackList(tuple(shown), hidden, tuple(frame_text(f) for f in frames))
+def _stack_list(frames: list[Frame], interpreter_frames: bool = False) -> StackList:
+    shown, hidden = trim_frames(frames, interpreter=interpreter_frames)
+    return StackList(tuple(shown), hidden, tuple(frame_text(f) for f in frames), naming_hint([frames]))
 
 
 # --- per process -------------------------------------------------------------------------------

@@ -77,8 +77,6 @@ STB_GLOBAL = 1
 STB_WEAK = 2
 SHN_UNDEF = 0
 SHN_LORESERVE = 0xFF00  # SHN_ABS, SHN_COMMON...: no section, not code
-SHF_ALLOC = 0x2
-SHF_EXECINSTR = 0x4
 VERSYM_HIDDEN = 0x8000  # a non-default (compat) symbol version
 R_X86_64_64 = 1
 R_X86_64_GLOB_DAT = 6
@@ -271,46 +269,6 @@ def preferred_names(entries: Iterable[tuple[_SymTab, int]]) -> list[str]:
     return list(dict.fromkeys(name for _, name in ranked))
 
 
-class _ExportIndex:
-    """Exported functions (.dynsym: defined, global or weak) sorted by address, each with the end of
-    the executable section holding it: names an address that no symbol covers, approximately."""
-
-    def __init__(self, file: _File, tables: list[_SymTab]):
-        secs = file.sections
-        executable = np.array([s.flags & (SHF_ALLOC | SHF_EXECINSTR) == SHF_ALLOC | SHF_EXECINSTR
-                               and s.type == SHT_PROGBITS for s in secs] or [False])
-        sec_lo = np.array([s.addr for s in secs] or [0], np.uint64)
-        sec_hi = np.array([s.addr + s.size for s in secs] or [0], np.uint64)
-        starts, ends, members = [np.empty(0, np.uint64)], [np.empty(0, np.uint64)], []
-        for tab in tables:
-            for first, syms in tab.pieces():
-                bind = syms["st_info"] >> 4
-                shndx = syms["st_shndx"].astype(np.intp)
-                sec = np.minimum(shndx, len(sec_lo) - 1)
-                value = syms["st_value"]
-                keep = tab.functions(syms) & ((bind == STB_GLOBAL) | (bind == STB_WEAK)) & (shndx < len(secs))
-                # only symbols that lie in an executable section bound the addresses they may name
-                keep &= executable[sec] & (value >= sec_lo[sec]) & (value < sec_hi[sec])
-                rows = np.flatnonzero(keep)
-                starts.append(value[rows])
-                ends.append(sec_hi[sec[rows]])
-                members += [(tab, first + int(r)) for r in rows]
-        start = np.concatenate(starts)
-        order = np.argsort(start, kind="stable")
-        self.start, self.end = start[order], np.concatenate(ends)[order]
-        self.members = [members[i] for i in order]
-
-    def nearest(self, vaddr: int) -> tuple[list[tuple[_SymTab, int]], int] | None:
-        """(the symbols at the nearest exported start at or before `vaddr`, that start), or None when
-        there is none or `vaddr` lies past the end of its section."""
-        v = np.uint64(vaddr)
-        hi = int(np.searchsorted(self.start, v, "right"))
-        if hi == 0 or self.end[hi - 1] <= v:
-            return None
-        lo = int(np.searchsorted(self.start, self.start[hi - 1], "left"))
-        return self.members[lo:hi], int(self.start[hi - 1])
-
-
 def _joined(pieces: list[np.ndarray], order: np.ndarray) -> np.ndarray:
     """The pieces joined then put in `order`; `pieces` is emptied on the way."""
     whole = np.concatenate(pieces)
@@ -421,7 +379,6 @@ class ElfImage:
         self._debug = debug
         self._symtabs: list[_SymTab] | None = None       # read when a name is first asked for
         self._index: _FuncIndex | None = None
-        self._exports: _ExportIndex | None = None
         self._names: dict[int, list[str]] = {}
         self._symbols: dict[str, Symbol | None] = {}     # symbol()'s answers: asked per process, per fork
         self._plt: dict[int, str] | None = None
@@ -609,11 +566,14 @@ class ElfImage:
         return [] if g is None else self._group_names(g)
 
     def lookup(self, vaddr: int) -> tuple[str, int] | None:
-        """(function containing `vaddr`, offset into it), or None when no symbol covers it."""
+        """(function containing `vaddr`, offset into it), or None when no symbol covers it. A
+        symbol without a size (hand-written assembly) covers up to the next one only where a
+        .symtab lists the static functions too: in a stripped file's .dynsym the next export may
+        be far past its end, so there it names its first byte alone."""
         self._late_debug()
         idx = self.index
         g = idx.group_at(vaddr)
-        if g is None:
+        if g is None or (not idx.sized[g] and vaddr != int(idx.ustart[g]) and not self.has_symtab):
             return None
         return self._group_names(g)[0], vaddr - int(idx.ustart[g])
 
@@ -627,22 +587,6 @@ class ElfImage:
         """The separate debug file, as read and verified when the image was opened (its path may
         hold another file since)."""
         return self._debug.elf if self._debug else None
-
-    def nearest_export(self, vaddr: int) -> tuple[str, int] | None:
-        """(the nearest exported function starting at or before `vaddr` in the same executable
-        section, offset from it): an approximate name for code no symbol covers (static functions of
-        stripped libraries). None before the section's first export or past the section's end."""
-        if self._exports is None:
-            dynsym = [t for t in self._main.symtabs() if not t.is_symtab]
-            try:
-                self._exports = _ExportIndex(self._main, dynsym)
-            except MALFORMED:  # tables that make no index: no names from them (lookups are per sample)
-                self._exports = _ExportIndex(self._main, [])
-        found = self._exports.nearest(vaddr)
-        if found is None:
-            return None
-        members, start = found
-        return preferred_names(members)[0], vaddr - start
 
     @property
     def index(self) -> _FuncIndex:

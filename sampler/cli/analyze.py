@@ -15,6 +15,8 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
     a.description = HELP
     add_window(a)
     a.add_argument("--json", action="store_true", help="print one JSON object (docs/findings.md)")
+    a.add_argument("--interpreter-frames", action="store_true",
+                   help="show CPython's own frames between two Python frames (folded by default)")
 
 
 def analyzed(args: argparse.Namespace, source=None):
@@ -33,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if len(source.hosts()) > 1:
         return run_fleet(args, source)
     ds, findings = analyzed(args, source)
-    print(json.dumps(analyze.to_document(findings), indent=2) if args.json else render(ds, findings))
+    print(json.dumps(analyze.to_document(findings), indent=2) if args.json
+          else render(ds, findings, interpreter_frames=args.interpreter_frames))
     return 0
 
 
@@ -46,7 +49,7 @@ def run_fleet(args: argparse.Namespace, source) -> int:
         n = len(ds.summary())
         if not args.json:       # rendered now: the host's frames are released after this
             print(f"== host {printable(host)}: {n} processes, {len(findings)} findings ==")
-            print(render(ds, findings), end="\n\n", flush=True)
+            print(render(ds, findings, interpreter_frames=args.interpreter_frames), end="\n\n", flush=True)
         return findings, n
 
     results = [(host, findings, n) for host, (findings, n) in per_host(source, visit, lambda s: load_window(args, s))]

@@ -15,6 +15,8 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
     a.description = HELP
     add_window(a)
     a.add_argument("--html", metavar="FILE", help="write a self-contained HTML report to FILE")
+    a.add_argument("--interpreter-frames", action="store_true",
+                   help="show CPython's own frames between two Python frames (folded by default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
         from sampler import files
 
         try:
-            files.write_output(args.html, render_html(ds, findings).encode())
+            page = render_html(ds, findings, interpreter_frames=args.interpreter_frames)
+            files.write_output(args.html, page.encode())
         except files.UnsafePath:
             raise
         except OSError as e:
@@ -41,5 +44,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         from analysis.report.text import render
 
-        print(render(ds, findings))       # escaped where it names what a target chose
+        # escaped where it names what a target chose
+        print(render(ds, findings, interpreter_frames=args.interpreter_frames))
     return 0

@@ -60,7 +60,9 @@ SCHEMA_VERSION = 6
 #   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
 #   version 5's; diff matches stacks by names, not ids).
 #   Later, compatible: recorder.children_forked/_recorded/_skipped (families registered at fork),
-#   recorder.name_worker_cpu_s.
+#   recorder.name_worker_cpu_s. frames.function is null again where no symbol covers the address
+#   (the `export+0xOFF` of version 5 was read as the function that ran); analysis reads an older
+#   recording's `+0xOFF` names as null (analysis/dataset.py::read_frames).
 
 TS = pa.timestamp("us", tz="UTC")
 STR = pa.dictionary(pa.int32(), pa.string())     # low-cardinality strings: cheap, pandas categorical
@@ -214,11 +216,10 @@ FRAMES = Table(
         Column("function", pa.string(), "Function name (demangled), null when unknown. From the "
                                         "symbol covering the address (the binary's, or its separate "
                                         "debug file's: by build-id, `.gnu_debuglink` or debuginfod "
-                                        "with `DEBUGINFOD_URLS`), else DWARF's; where none covers it "
-                                        "(a static function of a stripped library), `name+0xOFF`: the "
-                                        "nearest exported function before it in its section plus the "
-                                        "hex offset, an approximation (the `+0x` marks it; no "
-                                        "function name has one)."),
+                                        "with `DEBUGINFOD_URLS`), else DWARF's; null where none covers "
+                                        "it (a static function of a stripped file: `module` and "
+                                        "`offset` say where it is). Recordings of schema 5 and 6 "
+                                        "wrote `export+0xOFF` there, a guess; readers take it as null."),
         Column("module", STR, "Binary file name, `[unknown]` when the address is in no mapping."),
         Column("path", STR, "Binary path as the process sees it."),
         Column("offset", pa.int64(), "Address in the module's ELF address space (call site for "

@@ -17,6 +17,7 @@ from sampler.proc.memory import ProcessSample
 from sampler.record.outstanding import MALLOC, MMAP, PYTHON
 from sampler.record.target import ATTACH, Target
 from sampler.stacks.table import Stack
+from sampler.text import unnamed_frame
 
 _VM_NAME = {op.value: op.name.lower() for op in VmOp}
 
@@ -73,7 +74,7 @@ def label(f) -> str:
     """A frame as `stacks.summary` shows it."""
     if f.kind == "python":
         return f"{f.function} ({f.module}:{f.line})" if f.line else f"{f.function} ({f.module})"
-    return f"{f.function or hex(f.offset)} ({f.module})"
+    return f"{f.function} ({f.module})" if f.function else unnamed_frame(f.module, f.offset)
 
 
 def stack_rows(stacks: list[Stack], now: dt.datetime) -> tuple[list[dict], list[dict]]:

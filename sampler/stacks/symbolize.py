@@ -336,15 +336,12 @@ def _frame(named: Named, module: str, path: str, vaddr: int, build_id: str | Non
 
 def function_name(img: ElfImage, vaddr: int, dwarf_name: str | None = None) -> str | None:
     """The name of the function at `vaddr` (demangled): the symbol covering it, else DWARF's
-    subprogram, else the nearest exported function before it in its section as `name+0xOFF`
-    (static functions of a stripped library: the `+` marks an approximation); None when none."""
+    subprogram; None when neither does (a static function of a stripped file: no guess from the
+    exports around it, which a reader would take for the function that ran)."""
     sym = img.lookup(vaddr)
     if sym is not None:
         return demangle(sym[0])
-    if dwarf_name:
-        return demangle(dwarf_name)
-    near = img.nearest_export(vaddr)
-    return f"{demangle(near[0])}+{near[1]:#x}" if near is not None else None
+    return demangle(dwarf_name) if dwarf_name else None
 
 
 def _unknown(addr: int) -> Place:

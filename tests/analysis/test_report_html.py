@@ -18,11 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from analysis.dataset import Dataset, load
 from analysis.findings import Finding, to_document
-from analysis.frames import stack_frames, trim_frames
+from analysis.frames import naming_hint, read_stack_frames, stack_frames, trim_frames
 from analysis.report import flamegraph, sections
 from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html
@@ -266,13 +268,60 @@ def test_trim_frames_and_format_detail():
               {"function": "handler", "module": "svc", "file": math.nan, "line": math.nan},   # from pandas
               {"function": "_start", "module": "svc"}]
     shown, hidden = trim_frames(frames)
-    assert shown == ["[2 frames in python3.11]", "handler (svc)"] and hidden == 2
+    assert shown == ["[2 unnamed frames in python3.11]", "handler (svc)"] and hidden == 2
+    assert trim_frames(frames[1:2]) == (["python3.11+0x10 (unnamed)"], 0)
     assert trim_frames([{"function": "malloc", "module": "libc.so.6"}]) == (["malloc (libc.so.6)"], 0)
     assert format_detail("time_to_oom_hours", 30.0) == "30.0 h"
     assert format_detail("time_to_oom_hours", 100.0) == "4.2 days"
     assert format_detail("last_seen", "2026-01-02T03:04:05+00:00") == "2026-01-02 03:04:05 UTC"
     assert format_detail("arenas", np.int64(8)) == "8"
     assert format_detail("growth_bytes_per_hour", None) == "–"
+
+
+def test_interpreter_frames_between_python_frames_fold_unless_asked_and_unnamed_ones_say_how_to_name_them():
+    py = [{"function": f, "module": "app.py", "file": "/srv/app.py", "line": n, "kind": "python"}
+          for f, n in (("handle", 32), ("serve", 80))]
+    eval_ = [{"function": "_PyEval_EvalFrameDefault", "module": "libpython3.11.so.1.0", "kind": "native"},
+             {"function": None, "module": "python3.11", "offset": 0x1a2b3c, "kind": "native"}]
+    inner = [{"function": None, "module": "python3.11", "offset": 0x1000, "kind": "native"}]
+    frames = [*inner, py[0], *eval_, py[1]]
+    shown, hidden = trim_frames(frames)
+    assert shown == ["python3.11+0x1000 (unnamed)", "handle (app.py:32)", "serve (app.py:80)"] and hidden == 2
+    shown, hidden = trim_frames(frames, interpreter=True)
+    assert shown == ["python3.11+0x1000 (unnamed)", "handle (app.py:32)",
+                     "_PyEval_EvalFrameDefault (libpython3.11.so.1.0)", "python3.11+0x1a2b3c (unnamed)",
+                     "serve (app.py:80)"] and hidden == 0
+    # frames of other modules between Python frames are not the interpreter's: never folded
+    ext = {"function": "parse", "module": "myext.so", "kind": "native"}
+    assert trim_frames([py[0], ext, py[1]])[0] == ["handle (app.py:32)", "parse (myext.so)", "serve (app.py:80)"]
+    hint = naming_hint([frames])
+    assert "python3.11" in hint and "(unnamed)" in hint and "DEBUGINFOD_URLS" in hint and "libpython" not in hint
+    assert naming_hint([py, [ext, {"function": None, "module": "[anon]", "offset": 1}]]) is None
+    # the terminal report folds, says how to name, and shows all with the flag
+    finding = Finding("persistent_growth", 42, "svc", 90, 0.95, "leak", {"frames": frames})
+    ds = synthetic()
+    text = render(ds, [finding])
+    assert "_PyEval_EvalFrameDefault" not in text and "handle (app.py:32)" in text and "debug package" in text
+    assert "_PyEval_EvalFrameDefault" in render(ds, [finding], interpreter_frames=True)
+    doc = render_html(ds, [finding])
+    assert "python3.11+0x1000 (unnamed)" in doc and 'class="unnamed"' in doc
+    shown_html = doc[doc.index('<ol class="stack">'):doc.index("</ol>")]
+    assert "_PyEval_EvalFrameDefault" not in shown_html     # folded there, under "all frames" still
+    assert "_PyEval_EvalFrameDefault" in doc
+
+
+def test_older_recordings_approximate_names_read_as_unnamed(tmp_path):
+    """Schema 5 and 6 recordings named code no symbol covers `export+0xOFF`: read as unnamed."""
+    from sampler.dataset.schema import FRAMES
+    rows = [{"ts": pd.Timestamp("2026-01-02", tz="UTC"), "stack_id": 7, "depth": d, "function": fn,
+             "module": "python3.11", "offset": 0x100 + d, "kind": "native"}
+            for d, fn in enumerate(["PyObject_IS_GC+0x167f", "PyType_GenericAlloc", "operator+"])]
+    part = tmp_path / "frames" / "host=h" / "date=2026-01-02"
+    part.mkdir(parents=True)
+    table = pa.Table.from_pylist(rows, schema=pa.schema([FRAMES.schema.field(c) for c in rows[0]]))
+    pq.write_table(table, part / "0.parquet")
+    assert read_stack_frames(tmp_path)[7][0]["function"] is None
+    assert [f["function"] for f in read_stack_frames(tmp_path)[7][1:]] == ["PyType_GenericAlloc", "operator+"]
 
 
 # --- a real recording in a real browser ---------------------------------------------------------

@@ -90,6 +90,46 @@ def completeness(out: Path) -> float:
     return r["stacks_complete"].sum() / max(1, r["stacks_unwound"].sum())
 
 
+# opendir's DIR comes from __alloc_dir, a static function of libc: named only by libc's debug file
+OPENDIR_C = r"""
+#include <dirent.h>
+#include <stdio.h>
+int main(void)
+{
+    char line[16];
+    printf("ready\n");
+    fflush(stdout);
+    if (!fgets(line, sizeof line, stdin))
+        return 1;
+    for (int i = 0; i < 400; i++)       /* ~32 KiB each, never closed */
+        if (!opendir("/"))
+            return 2;
+    printf("done\n");
+    fflush(stdout);
+    fgets(line, sizeof line, stdin);
+    return 0;
+}
+"""
+LIBC = "/lib/x86_64-linux-gnu/libc.so.6"
+
+
+def test_a_static_libc_function_is_named_with_its_line_by_the_real_debug_file(gated, record, tmp_path):
+    """libc6-dbg's file under /usr/lib/debug/.build-id names __alloc_dir and its line (opendir.c)
+    in the recording; nothing in the stack is a guess (`export+0xOFF`)."""
+    from sampler.binary.elf import ElfImage
+    img = ElfImage.open(LIBC)
+    assert img.debug_path, f"no debug file for {LIBC}: scripts/setup.sh installs libc6-dbg"
+    src, exe = tmp_path / "opendir_leak.c", tmp_path / "opendir_leak"
+    src.write_text(OPENDIR_C)
+    compile_c(src, exe)
+    t, rec = record_gated(gated, record, [str(exe)], settle=0.5)
+    frames, _ = heaviest_stack(rec.out, t.pid)
+    assert_in_order(frames, [("__alloc_dir", "native", None), ("opendir", "native", None), ("main", "native", None)])
+    inner = frames[frames["function"] == "__alloc_dir"].iloc[0]
+    assert inner["module"] == "libc.so.6" and str(inner["file"]).endswith("opendir.c") and inner["line"] > 0, inner
+    assert not frames["function"].dropna().str.contains(r"\+0x").any(), frames[["function", "module"]]
+
+
 @pytest.mark.parametrize("mode", ["ext", "ext_nogil"])
 def test_c_extension_stack_from_python_line_to_c_function(gated, record, leakext, mode):
     """-O2 -fomit-frame-pointer extension called through three Python functions, with and without
