@@ -63,8 +63,10 @@ def frames_json(ds: Dataset, stack_id: int) -> list[Frame]:
     def val(v: Any) -> Any:
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
+    # offset: where an unnamed native frame is (reports write it `module+0xOFF (unnamed)`)
     return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
-             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind)}
+             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind),
+             "offset": None if r.kind == "python" or pd.isna(getattr(r, "offset", None)) else int(r.offset)}
             for r in ds.frames_of(stack_id).itertuples()]
 
 

@@ -22,9 +22,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis.dataset import Dataset, load
+from analysis.dataset import Dataset, load, read_frames
 from analysis.findings import Finding, to_document
-from analysis.frames import naming_hint, read_stack_frames, stack_frames, trim_frames
+from analysis.frames import frames_json, naming_hint, read_stack_frames, stack_frames, trim_frames
 from analysis.report import flamegraph, sections
 from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html
@@ -322,6 +322,11 @@ def test_older_recordings_approximate_names_read_as_unnamed(tmp_path):
     pq.write_table(table, part / "0.parquet")
     assert read_stack_frames(tmp_path)[7][0]["function"] is None
     assert [f["function"] for f in read_stack_frames(tmp_path)[7][1:]] == ["PyType_GenericAlloc", "operator+"]
+    # a finding's frames carry the offset: the report writes where the unnamed code is
+    bare = pd.DataFrame()
+    found = frames_json(Dataset(tmp_path, bare, bare, bare, read_frames(tmp_path)), 7)
+    assert (found[0]["function"], found[0]["offset"]) == (None, 0x100)
+    assert trim_frames(found[:1]) == (["python3.11+0x100 (unnamed)"], 0)
 
 
 # --- a real recording in a real browser ---------------------------------------------------------
