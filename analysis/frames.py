@@ -141,7 +141,7 @@ def trim_frames(frames: list[Frame], keep: int = SHOWN_FRAMES, interpreter: bool
             line = f.get("line")
             text += f"  {Path(f['file']).name}" + (f":{int(line)}" if _finite(line) else "")
         lines.append(text)
-    dropped = len(frames) - (hi - lo) + len([i for i in folded if lo <= i < hi])
+    dropped = len(frames) - (hi - lo) + sum(lo <= i < hi for i in folded)
     return lines[:keep], max(0, len(lines) - keep) + dropped
 
 

@@ -56,7 +56,6 @@ class Child:
     def start(self) -> IO[bytes]:
         """A fresh child (the old one closed); its stdout."""
         self.close()
-        self.reap()
         argv = [sys.executable, "-m", self.module, str(os.getpid()), *self.args]
         env = environ.worker_environ(self.network, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
