@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from analysis.dataset import READ_ATTEMPTS, Dataset, load
+from analysis.detect import arenas, gpu, growth, pymalloc
 from analysis.detect.arenas import detect_arena_bloat
 from analysis.detect.families import by_family
 from analysis.detect.gpu import detect_gpu
@@ -35,17 +36,21 @@ def run(ds: Dataset) -> list[Finding]:
     raise AssertionError("unreachable")
 
 
+# what the detectors read of `processes`: a part holds only these
+PART_COLUMNS = sorted({c for m in (arenas, gpu, growth, pymalloc) for c in m.PROCESS_COLUMNS})
+
+
 def _run(ds: Dataset) -> list[Finding]:
     series = classify_series(ds)
-    growth, others = [], []
-    for part in ds.parts():
+    grown, others = [], []
+    for part in ds.parts(columns=PART_COLUMNS):
         procs = part.processes[["recording_id", "pid"]].drop_duplicates() if part is not ds else None
         mine = series if procs is None or series.empty else series.merge(
             procs.astype({"recording_id": str, "pid": series["pid"].dtype}), on=["recording_id", "pid"])
-        growth += detect_growth(part, mine)
+        grown += detect_growth(part, mine)
         others += detect_arena_bloat(part) + detect_pymalloc_bloat(part) + detect_gpu(part, mine)
         del part, mine      # before the next part is read
-    return sorted(by_family(ds, growth) + others, key=lambda f: -f.severity)
+    return sorted(by_family(ds, grown) + others, key=lambda f: -f.severity)
 
 
 def findings_frame(findings: list[Finding]):

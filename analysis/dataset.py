@@ -183,6 +183,7 @@ class _ReadOnUse:
 
     def __set__(self, obj, value) -> None:
         obj.__dict__[self.slot] = value
+        obj.__dict__.pop("_by_process", None)       # Dataset.by_process: grouped from the old rows
 
 
 # A part of the processes table (Dataset.parts): at most this many rows, ~25 MiB in pandas
@@ -258,15 +259,15 @@ class Dataset:
         wanted = pd.MultiIndex.from_frame(odd[["recording_id", "pid"]].astype({"recording_id": str}))
         return p[pd.MultiIndex.from_arrays([p["recording_id"].astype(str), p["pid"]]).isin(wanted)]
 
-    def parts(self, rows: int | None = None) -> Iterator[Dataset]:
+    def parts(self, rows: int | None = None, columns: list[str] | None = None) -> Iterator[Dataset]:
         """The dataset as parts of whole processes whose `processes` rows are at most `rows` (one
         part, itself, when all of them are): the detectors that read `processes` run part by part,
-        in memory bounded by a part. Every part shares the other tables and `derived`."""
+        in memory bounded by a part, of `columns` only (None: all; recording_id and pid always).
+        Every part shares the other tables and `derived`."""
         rows = PART_ROWS if rows is None else rows
         counts = self.summary().set_index(["recording_id", "pid"])["rows"]
         if counts.sum() <= rows or self.__dict__.get("_processes") is not None:
-            yield self
-            return
+            return iter([self])
         groups, size = [[]], 0
         for key, n in counts.items():
             if size and size + n > rows:
@@ -275,7 +276,10 @@ class Dataset:
             groups[-1].append(key)
             size += n
         group_of = {(str(r), int(pid)): g for g, keys in enumerate(groups) for r, pid in keys}
-        for p in _spilled(self.root, self.scan.rows, group_of, len(groups)):
+        return self._parts(_Spill(self.root, self.scan.rows, group_of, len(groups), columns))
+
+    def _parts(self, spill: _Spill) -> Iterator[Dataset]:
+        for p in spill:
             part = copy.copy(self)      # not dataclasses.replace: that would read what is unread
             part.processes = p
             part.__dict__["_summary"] = None
@@ -317,13 +321,38 @@ class Dataset:
         first = exit_events(self.root, self.scan.pids).groupby(["recording_id", "pid"], observed=True)["ts"].min()
         return {(str(r), int(p)): int(pd.Timestamp(t).value // 1000) for (r, p), t in first.items()}
 
+    def by_process(self) -> dict[tuple[str, int], pd.DataFrame]:
+        """The `processes` rows per (recording, pid), each in time order: grouped once, for the
+        detectors that each look at every process."""
+        if self.__dict__.get("_by_process") is None:
+            p = self.processes
+            self.__dict__["_by_process"] = {
+                (str(rec), int(pid)): g.sort_values("ts")
+                for (rec, pid), g in (p.groupby(["recording_id", "pid"], observed=True) if len(p) else ())}
+        return self.__dict__["_by_process"]
+
     def frames_of(self, stack_id: int) -> pd.DataFrame:
         """A stack's frames, innermost first (the table sorted once: findings ask for many)."""
+        f, ids = self._frames_sorted()
+        return f.iloc[np.searchsorted(ids, stack_id, "left"):np.searchsorted(ids, stack_id, "right")]
+
+    def frame_records(self, stack_id: int) -> list[dict[str, Any]]:
+        """A stack's frames as plain records (column -> value, None where null), innermost first:
+        the columns are turned into Python lists once, not a DataFrame slice per stack."""
+        if "frame_lists" not in self.derived:
+            f, _ = self._frames_sorted()
+            self.derived["frame_lists"] = {c: f[c].astype(object).where(f[c].notna(), None).tolist()
+                                           for c in f.columns}
+        _, ids = self._frames_sorted()
+        cols = self.derived["frame_lists"]
+        return [{c: v[i] for c, v in cols.items()}
+                for i in range(np.searchsorted(ids, stack_id, "left"), np.searchsorted(ids, stack_id, "right"))]
+
+    def _frames_sorted(self) -> tuple[pd.DataFrame, np.ndarray]:
         if "frames_sorted" not in self.derived:
             f = self.frames.sort_values(["stack_id", "depth"], kind="stable") if len(self.frames) else self.frames
             self.derived["frames_sorted"] = (f, f["stack_id"].to_numpy() if len(f) else np.zeros(0, np.int64))
-        f, ids = self.derived["frames_sorted"]
-        return f.iloc[np.searchsorted(ids, stack_id, "left"):np.searchsorted(ids, stack_id, "right")]
+        return self.derived["frames_sorted"]
 
 
 # the columns that load's filters name (window, processes, sources, exits)
@@ -396,42 +425,93 @@ def _batches(root: Path | Source, name: str, columns: list[str], filter) -> Iter
     yield from stream(path, TABLES[name], columns, filter, 1 << 20)
 
 
-def _spilled(root: Path | Source, filter, group_of: dict[tuple[str, int], int], n: int) -> Iterator[pd.DataFrame]:
-    """The `processes` rows of each group of processes (`group_of`: (recording, pid) -> group), in
-    group order, from one pass over the table: each group's rows go to an lz4-compressed Arrow file
-    of their own in a temporary directory, read back one group at a time."""
-    schema = TABLES["processes"].read_schema
-    if isinstance(root, Source):        # one host's files (analysis/fleet.py): read whole
-        rows = root.read("processes", filter=filter, arrow=True)
-        batches: Iterator[pa.RecordBatch] = iter(rows.to_batches())
-    else:
-        batches = stream(Path(root) / "processes", TABLES["processes"], schema.names, filter, 1 << 16)
-    opts = pa.ipc.IpcWriteOptions(compression="lz4")
-    with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
-        files = [Path(tmp) / f"{g}.arrow" for g in range(n)]
-        writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]     # a stream: dictionaries may change
+class _Spill:
+    """The `processes` rows (of `columns`; None: all) of each group of processes (`group_of`:
+    (recording, pid) -> group), from one pass over the table: each group's rows go to an
+    lz4-compressed Arrow file of their own in a temporary directory, read back one group at a time
+    in group order. Rows are split SPILL_ROWS at a time (a file holds an hour: splitting each
+    would write a few rows per group per file). The files are written when the first group is
+    asked for. (Writing them in a thread while the series are read saved 7% of a week's analysis
+    and cost 40 MiB more at its peak: not done.)"""
+
+    def __init__(self, root: Path | Source, filter, group_of: dict[tuple[str, int], int], n: int,
+                 columns: list[str] | None) -> None:
+        full = TABLES["processes"].read_schema
+        self.schema = pa.schema([f for f in full if columns is None or f.name in (*columns, "recording_id", "pid")])
+        self.root, self.filter, self.group_of, self.n = root, filter, group_of, n
+
+    def __iter__(self) -> Iterator[pd.DataFrame]:
+        with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
+            files = [Path(tmp) / f"{g}.arrow" for g in range(self.n)]
+            self._write(files)
+            for f in files:
+                with pa.ipc.open_stream(f) as r:
+                    yield r.read_all().to_pandas(self_destruct=True, split_blocks=True)
+                f.unlink()
+
+    def _write(self, files: list[Path]) -> None:
+        schema, n = self.schema, self.n
+        if isinstance(self.root, Source):        # one host's files (analysis/fleet.py): read whole
+            rows = self.root.read("processes", filter=self.filter, columns=schema.names, arrow=True)
+            batches: Iterator[pa.RecordBatch] = iter(rows.to_batches())
+        else:
+            batches = stream(Path(self.root) / "processes", TABLES["processes"], schema.names, self.filter, 1 << 16)
+        opts = pa.ipc.IpcWriteOptions(compression="lz4")
+        # a stream, not a file: a batch may bring a dictionary of its own
+        writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]
+
+        def group(t: pa.Table | pa.RecordBatch) -> np.ndarray:
+            rec = t.column("recording_id")          # a dictionary (the read schema's type)
+            rec = rec.chunk(0) if isinstance(rec, pa.ChunkedArray) else rec
+            names = rec.dictionary.to_pylist()
+            key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
+                   | t.column("pid").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+            inv, uniq = pd.factorize(key)
+            return np.array([self.group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
+                            np.int64)[inv]
+
+        def split(buf: list[pa.RecordBatch]) -> None:
+            if not buf:
+                return
+            t = pa.Table.from_batches(buf, schema).unify_dictionaries().combine_chunks()
+            buf.clear()
+            g = group(t)
+            order = np.argsort(g, kind="stable")
+            g = g[order]
+            t = t.take(pa.array(order))
+            cuts = np.searchsorted(g, np.arange(n + 1))
+            for k in range(n):
+                if cuts[k + 1] > cuts[k]:
+                    writers[k].write_table(t.slice(cuts[k], cuts[k + 1] - cuts[k]))
+
         try:
+            buf: list[pa.RecordBatch] = []
+            size = 0
             for b in batches:
                 b = b.select(schema.names)
                 if b.schema != schema:          # an older file's types
                     b = b.cast(schema)
-                rec = b.column("recording_id")          # a dictionary (the read schema's type)
-                names = rec.dictionary.to_pylist()
-                key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
-                       | b.column("pid").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
-                uniq, inv = np.unique(key, return_inverse=True)
-                g = np.array([group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
-                             np.int64)[inv]
-                for k in np.unique(g[g >= 0]):
-                    writers[k].write_batch(b.filter(pa.array(g == k)))
+                if not b.num_rows:
+                    continue
+                g = group(b)
+                if (g == g[0]).all():       # a file of one process (a recording's own): as it is
+                    split(buf)
+                    size = 0
+                    if g[0] >= 0:
+                        writers[g[0]].write_batch(b)
+                    continue
+                buf.append(b)
+                size += b.num_rows
+                if size >= SPILL_ROWS:
+                    split(buf)
+                    size = 0
+            split(buf)
         finally:
             for w in writers:
                 w.close()
-        del batches
-        for f in files:
-            with pa.ipc.open_stream(f) as r:
-                yield r.read_all().to_pandas(self_destruct=True, split_blocks=True)
-            f.unlink()
+
+
+SPILL_ROWS = 1 << 16
 
 
 def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

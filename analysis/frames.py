@@ -60,14 +60,11 @@ def read_stack_frames(root: str | Path) -> Stacks:
 
 def frames_json(ds: Dataset, stack_id: int) -> list[Frame]:
     """A stack's frames in the shape of a finding's `frames` detail (JSON-ready)."""
-    def val(v: Any) -> Any:
-        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
-
     # offset: where an unnamed native frame is (reports write it `module+0xOFF (unnamed)`)
-    return [{"function": val(r.function), "module": val(r.module), "file": val(r.file),
-             "line": None if pd.isna(r.line) else int(r.line), "kind": val(r.kind),
-             "offset": None if r.kind == "python" or pd.isna(getattr(r, "offset", None)) else int(r.offset)}
-            for r in ds.frames_of(stack_id).itertuples()]
+    return [{"function": r.get("function"), "module": r.get("module"), "file": r.get("file"),
+             "line": None if r.get("line") is None else int(r["line"]), "kind": r.get("kind"),
+             "offset": None if r.get("kind") == "python" or r.get("offset") is None else int(r["offset"])}
+            for r in ds.frame_records(stack_id)]
 
 
 # --- as text -------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from analysis.dataset import HELD_SOURCES, TEARDOWN_S
 from analysis.detect.stats import bin_starts
 
 MAX_POINTS = 200
+KEY_BITS = 62           # processes x span (us) of a dataset's grids that fit one key (_Grids)
 PASS1 = ["recording_id", "pid", "ts", "source", "stack_id", "outstanding_bytes"]
 PASS2 = [*PASS1, "comm", "outstanding_stderr_bytes", "live_samples", "alloc_samples", "free_samples"]
 
@@ -90,12 +91,18 @@ class _Codes(_Intern):
     """Strings of Arrow columns (dictionary or plain) as stable integer codes."""
 
     def of(self, arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
+        local, codes = self.local(arr)
+        return codes[local]
+
+    def local(self, arr: pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+        """The column's own dictionary indices, and the code of each index: work on the rows can
+        use the indices, and map only what it keeps."""
         if isinstance(arr, pa.ChunkedArray):
             arr = arr.combine_chunks()
         if not pa.types.is_dictionary(arr.type):
             arr = pc.dictionary_encode(arr)
-        local = np.array([self.code(str(v)) for v in arr.dictionary.to_pylist()] or [0], np.int64)
-        return local[arr.indices.fill_null(0).to_numpy(zero_copy_only=False)]
+        codes = np.array([self.code(str(v)) for v in arr.dictionary.to_pylist()] or [0], np.int64)
+        return arr.indices.fill_null(0).to_numpy(zero_copy_only=False), codes
 
     def names_of(self, arr: pa.Array | pa.ChunkedArray) -> list[str]:
         return [self.names[c] for c in self.of(arr)]
@@ -119,11 +126,29 @@ class _Procs(_Intern):
         return np.array([self.code(int(k)) for k in uniq], np.int64)[inv]
 
 
+def _snapshots(rec: np.ndarray, pid: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """Where each run of rows of one (recording, process, snapshot) starts. The recorder writes a
+    snapshot's rows together, so a batch holds about a tenth as many runs as rows and the work
+    per process and snapshot is done per run. Runs of one snapshot that are not adjacent only
+    cost more: the sums per point (_by_point) join them."""
+    new = np.empty(len(ts), bool)
+    new[:1] = True
+    np.not_equal(ts[1:], ts[:-1], out=new[1:])
+    new[1:] |= pid[1:] != pid[:-1]
+    new[1:] |= rec[1:] != rec[:-1]
+    return np.flatnonzero(new)
+
+
 def _by_point(proc: np.ndarray, ts: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, ...]:
     """(process, ts) pairs in order, unique, with each of `values` summed per pair."""
     lo, span = ts.min(initial=0), int(ts.max(initial=0)) - int(ts.min(initial=0)) + 1
-    if len(ts) and (int(proc.max()) + 1) * span < 1 << 62:      # one key: a hash, then a sort of the pairs
-        inv, uniq = pd.factorize(proc * span + (ts - lo))
+    if len(ts) and (int(proc.max()) + 1) * span < 1 << 62:      # one key: a sort, or a hash then a sort
+        key = proc * span + (ts - lo)
+        order = np.argsort(key)
+        k = key[order]
+        if len(k) < 2 or (k[1:] != k[:-1]).all():       # a run per snapshot (the usual): a sort is all it takes
+            return (k // span, k % span + lo, *(v[order].astype(float) for v in values))
+        inv, uniq = pd.factorize(key)
         order = np.argsort(uniq)
         rank = np.empty(len(uniq), np.int64)
         rank[order] = np.arange(len(uniq))
@@ -141,9 +166,10 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                 merge: Callable[[np.ndarray], dict[int, int]], kinds: Kinds, *, min_bytes: float,
                 grid_kinds: tuple[str, ...] = ()) -> tuple[list[StackSeries], dict[tuple[str, int], ProcessSums]]:
     """The series of every stack whose outstanding bytes reached `min_bytes` in one snapshot, and
-    per process its sums: `kinds(source codes, stack ids, source names)` gives per batch the rows
-    of each kind, summed at the first and last snapshot with such rows (`grid_kinds`: at the
-    process's first and last snapshot).
+    per process its sums: `kinds(source codes, stack ids, source names)` says which (source,
+    stack) pairs are of each kind (kinds do not overlap), and the rows of a kind are summed at
+    the first and last snapshot with such rows (`grid_kinds`: at the process's first and last
+    snapshot).
 
     `batches(columns, running=)` yields the rows (Dataset.batches), `exits` the time (us) of
     each process's exit event (its `exiting` rows count too), `merge(stack_ids)` the stacks that stand for others
@@ -152,7 +178,8 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     held = srcs.of(pa.array(list(HELD_SOURCES)))
 
     # -- pass 1: grids, stacks, what exited processes held at their last snapshots ---------------
-    parts, stacks_seen = [], []
+    points: list[list[np.ndarray]] = []     # per process: its snapshot times, a slice per batch
+    stacks_seen = []
     last_held: dict[int, dict[int, float]] = {}     # per process: its last two snapshots that held memory
     exits = dict(exits)
     for b in batches(PASS1, running=False):
@@ -169,28 +196,37 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                 b = b.filter(pa.array(~at_exit))
                 if not b.num_rows:
                     continue
-        proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
-        hold = np.isin(srcs.of(b.column("source")), held)
-        up, ut, sums, nheld = _by_point(proc, _micros(b.column("ts")),
-                                        np.where(hold, _num(b, "outstanding_bytes"), 0.0), hold.astype(float))
-        parts.append((up.astype(np.int32), ut))
+        (rec, rec_codes), pid, ts = recs.local(b.column("recording_id")), \
+            b.column("pid").to_numpy(zero_copy_only=False), _micros(b.column("ts"))
+        at = _snapshots(rec, pid, ts)
+        src, src_codes = srcs.local(b.column("source"))
+        hold = np.isin(src_codes, held)[src]
+        up, ut, sums, nheld = _by_point(procs.of(rec_codes[rec[at]], pid[at]), ts[at],
+                                        np.add.reduceat(np.where(hold, _num(b, "outstanding_bytes"), 0.0), at),
+                                        np.add.reduceat(hold.astype(float), at))
+        starts = np.flatnonzero(np.append(True, up[1:] != up[:-1]))     # points are in process order
+        points += [[] for _ in range(len(procs.names) - len(points))]
+        for a, z in zip(starts.tolist(), [*starts[1:].tolist(), len(up)], strict=True):
+            points[int(up[a])].append(ut[a:z])
         _last_two(last_held, up[nheld > 0], ut[nheld > 0], sums[nheld > 0])
-        stacks_seen.append(np.unique(b.column("stack_id").to_numpy(zero_copy_only=False)))
-    if not parts:
+        stacks_seen.append(pc.unique(b.column("stack_id")).to_numpy(zero_copy_only=False))
+    if not points:
         return [], {}
-    # each batch's points are in process order: a process's grid joins its slices of them
-    cuts = [np.searchsorted(up, np.arange(len(procs.names) + 1)) for up, _ in parts]
     # a last snapshot within TEARDOWN_S of the exit with less than half of what the one before
     # held (in the sources that hold memory) belongs to the teardown: its rows are left out
-    grids = []
+    grid_list = []
     for i, key in enumerate(procs.names):
-        g = np.unique(np.concatenate([ut[c[i]:c[i + 1]] for (_, ut), c in zip(parts, cuts, strict=True)]))
+        g = np.concatenate(points[i])
+        points[i] = []
+        if len(g) > 1 and not (g[1:] > g[:-1]).all():      # batches in time order: sorted already
+            g = np.unique(g)
         when = exits.get((recs.names[key >> 32], key & 0xFFFFFFFF))
         two = sorted(last_held.get(i, {}).items())
         if when is not None and len(two) == 2 and when - two[1][0] <= TEARDOWN_S * 1e6 and two[1][1] < 0.5 * two[0][1]:
             g = g[g != two[1][0]]
-        grids.append(g)
-    del parts, cuts
+        grid_list.append(g)
+    grids = _Grids(grid_list)
+    del points, grid_list
     reps = merge(np.unique(np.concatenate(stacks_seen)))
     rep_src = np.fromiter(reps.keys(), np.int64, len(reps))
     rep_dst = np.fromiter(reps.values(), np.int64, len(reps))
@@ -198,77 +234,73 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     rep_src, rep_dst = rep_src[rep_order], rep_dst[rep_order]
 
     # -- per process and source: which grid point falls in which bin -----------------------------
-    masks = [{s: m for s, m in measured(recs.names[k >> 32], k & 0xFFFFFFFF, g).items() if not m.all()}
-             for k, g in zip(procs.names, grids, strict=True)]
-    layouts: dict[tuple[int, str | None], _Layout] = {}
-
-    def layout(p: int, source: str) -> _Layout:
-        m = masks[p].get(source)
-        key = (p, source if m is not None else None)
-        if key not in layouts:
-            layouts[key] = _Layout.of(grids[p], m)
-        return layouts[key]
+    layouts = _Layouts(grids, [{s: m for s, m in measured(recs.names[k >> 32], k & 0xFFFFFFFF, grids[i]).items()
+                                if not m.all()} for i, k in enumerate(procs.names)])
 
     # -- pass 2: every row into its bin --------------------------------------------------------
     store = _Store()
     sums = [ProcessSums() for _ in procs.names]
-    kind_ends: dict[str, dict[int, list]] = {}
+    kind_ends: dict[str, _Ends] = {}
+    n_grid = grids.lengths
+    stack_codes = _Intern()                 # stack ids as dense codes, for packed series keys
     for b in batches(PASS2):
         if not b.num_rows:
             continue
-        proc = procs.of(recs.of(b.column("recording_id")), b.column("pid").to_numpy(zero_copy_only=False))
-        ts = _micros(b.column("ts"))
-        pos = np.zeros(len(ts), np.int64)
-        on_grid = np.zeros(len(ts), bool)
-        for p, rows in _runs(proc):
-            g = grids[p]
-            if len(g):
-                at = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
-                pos[rows], on_grid[rows] = at, g[at] == ts[rows]      # the teardown's rows are not
+        (rec, rec_codes), pid, ts = recs.local(b.column("recording_id")), \
+            b.column("pid").to_numpy(zero_copy_only=False), _micros(b.column("ts"))
+        at = _snapshots(rec, pid, ts)
+        run_proc = procs.of(rec_codes[rec[at]], pid[at])
+        run_pos, on_grid = grids.locate(run_proc, ts[at])      # the teardown's rows are not on the grid
+        lens = np.diff(np.append(at, len(ts)))
         if not on_grid.all():
-            b, proc, ts, pos = b.filter(pa.array(on_grid)), proc[on_grid], ts[on_grid], pos[on_grid]
+            b = b.filter(pa.array(np.repeat(on_grid, lens)))
+            run_proc, run_pos, lens = run_proc[on_grid], run_pos[on_grid], lens[on_grid]
+            at = np.cumsum(lens) - lens
             if not b.num_rows:
                 continue
+        proc, pos = np.repeat(run_proc, lens), np.repeat(run_pos, lens)
         src = srcs.of(b.column("source"))
-        stack = b.column("stack_id").to_numpy(zero_copy_only=False).astype(np.int64)
         y, s = _num(b, "outstanding_bytes"), _num(b, "outstanding_stderr_bytes")
         live = _num(b, "live_samples")
         churn = _num(b, "alloc_samples") + _num(b, "free_samples")
-        last_p, k = np.unique(proc[::-1], return_index=True)       # each process's last row in the batch
-        for p, name in zip(last_p, b.column("comm").take(pa.array(len(proc) - 1 - k)).to_pylist(), strict=True):
+        last_p, k = np.unique(run_proc[::-1], return_index=True)      # each process's last run in the batch
+        last_row = at[len(at) - 1 - k] + lens[len(at) - 1 - k] - 1
+        for p, name in zip(last_p, b.column("comm").take(pa.array(last_row)).to_pylist(), strict=True):
             sums[p].comm = str(name)
-        for kind, rows in kinds(src, stack, srcs.names).items():
-            if kind in grid_kinds:       # at the process's first and last snapshot, whatever had rows there
-                _ends(kind_ends.setdefault(kind, {}), proc[rows], pos[rows], y[rows], grids)
-            else:
-                _ends(kind_ends.setdefault(kind, {}), proc[rows], pos[rows], y[rows])
+        # per distinct stack of the batch: its representative, and per (source, stack) its kind
+        st_code, st_uniq = pd.factorize(b.column("stack_id").to_numpy(zero_copy_only=False).astype(np.int64),
+                                        size_hint=2 * len(stack_codes.names) + 1024)
+        nsrc, nst = len(srcs.names), len(st_uniq)
+        kind_names, table = _kind_table(kinds, srcs.names, st_uniq)
+        kind_of = table[src * nst + st_code]
+        # summed per run and kind, then per point
+        has, nk = kind_of >= 0, max(1, len(kind_names))
+        run_kind = np.repeat(np.arange(len(at)) * nk, lens)[has] + kind_of[has]
+        ysum = np.bincount(run_kind, weights=y[has], minlength=len(at) * nk).reshape(len(at), nk)
+        seen = np.bincount(run_kind, minlength=len(at) * nk).reshape(len(at), nk) > 0
+        for j, kind in enumerate(kind_names):
+            if kind not in kind_ends:
+                kind_ends[kind] = _Ends(len(grids), n_grid if kind in grid_kinds else None)
+            h = seen[:, j]
+            kind_ends[kind].add(run_proc[h], run_pos[h], ysum[h, j])
+        rep = st_uniq
         if len(rep_src):
-            at = np.minimum(np.searchsorted(rep_src, stack), len(rep_src) - 1)
-            hit = rep_src[at] == stack
-            stack = np.where(hit, rep_dst[at], stack)
-            merged = hit | np.isin(stack, rep_dst)
-        else:
-            merged = np.zeros(len(stack), bool)
+            i = np.minimum(np.searchsorted(rep_src, st_uniq), len(rep_src) - 1)
+            rep = np.where(rep_src[i] == st_uniq, rep_dst[i], st_uniq)
+        merged_u = (rep != st_uniq) | np.isin(rep, rep_dst)
+        rep_code, rep_uniq = pd.factorize(rep)
         # each row's series, then its bin in the series' layout (one per process and source)
-        nsrc = len(srcs.names) + 1
-        ps = proc * nsrc + src
-        st_code, st_uniq = pd.factorize(stack)
-        inv, uniq = pd.factorize(ps * len(st_uniq) + st_code)
-        ids = []
-        for u in uniq:
-            p, sc = divmod(int(u) // len(st_uniq), nsrc)
-            ids.append(store.sid((p, sc, int(st_uniq[int(u) % len(st_uniq)])), layout(p, srcs.names[sc]),
-                                 len(grids[p])))
-        sid = np.array(ids, np.int64)[inv]
-        store.grow()
-        flat = np.full(len(ts), -1, np.int64)
-        last = np.zeros(len(ts), bool)
-        for key, rows in _runs(ps):
-            lay = layout(key // nsrc, srcs.names[key % nsrc])
-            bins = lay.bin_of[pos[rows]]
-            flat[rows] = np.where(bins >= 0, store.offset[sid[rows]] + bins, -1)
-            last[rows] = pos[rows] == lay.last
-        store.add(sid, flat, last, pos, y, s, live, churn, merged)
+        inv, uniq = pd.factorize((proc * nsrc + src) * len(rep_uniq) + rep_code[st_code],
+                                 size_hint=2 * len(store.keys) + 1024)   # a table the size of the keys: cached
+        ps, r = np.divmod(uniq, len(rep_uniq))
+        codes = np.array([stack_codes.code(int(x)) for x in rep_uniq.tolist()], np.int64)
+        sid = store.sids(ps // nsrc, ps % nsrc, codes[r], rep_uniq[r], layouts, srcs.names)[inv]
+        store.grow(layouts)
+        lid = store.lid[sid]
+        bins = layouts.bins[layouts.starts[lid] + pos]
+        flat = np.where(bins >= 0, store.offset[sid] + bins, -1)
+        merged = merged_u[st_code]
+        store.add(sid, flat, pos == layouts.lasts[lid], pos, y, s, live, churn, merged)
 
     out = []
     for i, (p, sc, st) in enumerate(store.keys):
@@ -280,10 +312,23 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     for p, key in enumerate(procs.names):
         s = sums[p]
         for kind, ends in kind_ends.items():
-            if p in ends:
-                s.first_last[kind] = (ends[p][1], ends[p][3])
+            if ends.seen[p]:
+                s.first_last[kind] = (float(ends.first_y[p]), float(ends.last_y[p]))
         per_proc[(recs.names[key >> 32], key & 0xFFFFFFFF)] = s
     return out, per_proc
+
+
+def _kind_table(kinds: Kinds, sources: list[str], stacks: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """The kinds' names, and per (source code, stack) of a batch, flat (source-major), the index
+    of its kind among them (-1: none). Kinds do not overlap."""
+    src = np.repeat(np.arange(len(sources)), len(stacks))
+    masks = kinds(src, np.tile(stacks, len(sources)), sources)
+    out = np.full(len(src), -1, np.int64)
+    for j, m in enumerate(masks.values()):
+        if (out[m] >= 0).any():
+            raise ValueError(f"the kind {list(masks)[j]} overlaps another")
+        out[m] = j
+    return list(masks), out
 
 
 def _last_two(state: dict[int, dict[int, float]], proc: np.ndarray, ts: np.ndarray, held: np.ndarray) -> None:
@@ -300,33 +345,43 @@ def _last_two(state: dict[int, dict[int, float]], proc: np.ndarray, ts: np.ndarr
             del cur[min(cur)]
 
 
-def _ends(state: dict[int, list], proc: np.ndarray, pos: np.ndarray, y: np.ndarray,
-          grids: list[np.ndarray] | None = None) -> None:
-    """Per process [first point, bytes there, last point, bytes there] of the rows of one kind:
-    the first and last points that had such rows, or with `grids` the process's own first and
-    last snapshots (0 bytes where no such row was)."""
-    if not len(proc):
-        return
-    p, at, sums = _by_point(proc, pos, y)
-    starts = np.flatnonzero(np.append(True, p[1:] != p[:-1]))
-    for a, z in zip(starts, np.append(starts[1:], len(p)) - 1, strict=True):
-        i = int(p[a])
-        cur = state.setdefault(i, [0, 0.0, len(grids[i]) - 1, 0.0] if grids is not None else
-                               [int(at[a]), 0.0, int(at[z]), 0.0])
-        if at[a] < cur[0]:
-            cur[0], cur[1] = int(at[a]), 0.0
-        if at[z] > cur[2]:
-            cur[2], cur[3] = int(at[z]), 0.0
-        sel = slice(a, z + 1)
-        cur[1] += float(sums[sel][at[sel] == cur[0]].sum())
-        cur[3] += float(sums[sel][at[sel] == cur[2]].sum())
+class _Ends:
+    """Per process, of the rows of one kind: [first point, bytes there, last point, bytes there],
+    the first and last points that had such rows, or with `n_grid` (each process's grid length)
+    the process's own first and last snapshots (0 bytes where no such row was)."""
+
+    def __init__(self, n: int, n_grid: np.ndarray | None) -> None:
+        self.seen = np.zeros(n, bool)
+        self.fixed = n_grid is not None
+        self.first = np.zeros(n, np.int64) if n_grid is not None else np.full(n, np.iinfo(np.int64).max)
+        self.last = n_grid - 1 if n_grid is not None else np.full(n, -1, np.int64)
+        self.first_y, self.last_y = np.zeros(n), np.zeros(n)
+
+    def add(self, proc: np.ndarray, pos: np.ndarray, y: np.ndarray) -> None:
+        """One batch's rows (or sums per run) of the kind."""
+        self.seen[proc] = True
+        if self.fixed:          # only the rows at the grid's ends count
+            at_end = (pos == 0) | (pos == self.last[proc])
+            proc, pos, y = proc[at_end], pos[at_end], y[at_end]
+        if not len(proc):
+            return
+        p, at, sums = _by_point(proc, pos, y)           # in (process, point) order: a process's first and last
+        starts = np.flatnonzero(np.append(True, p[1:] != p[:-1]))
+        ends = np.append(starts[1:], len(p)) - 1
+        p = p[starts]
+        for mark, y_at, at_end, earlier in ((self.first, self.first_y, at[starts], np.less),
+                                            (self.last, self.last_y, at[ends], np.greater)):
+            sums_end = sums[starts] if mark is self.first else sums[ends]
+            new = earlier(at_end, mark[p])
+            mark[p[new]], y_at[p[new]] = at_end[new], 0.0
+            hit = at_end == mark[p]
+            y_at[p[hit]] += sums_end[hit]
 
 
 @dataclass
 class _Layout:
     """The measured points of a process's grid for one source, and their bins (bin_series)."""
 
-    bin_of: np.ndarray          # per grid point: its bin, -1 when not measured
     t: np.ndarray               # per bin: mean seconds since the grid's first point
     count: np.ndarray           # per bin: grid points in it
     last: int                   # the last measured grid point, -1 when none
@@ -334,10 +389,11 @@ class _Layout:
     t_span: float               # seconds from the first measured point to the last
 
     @staticmethod
-    def of(grid: np.ndarray, mask: np.ndarray | None) -> _Layout:
+    def of(grid: np.ndarray, mask: np.ndarray | None) -> tuple[_Layout, np.ndarray]:
+        """The layout, and per grid point its bin (-1: not measured)."""
         idx = np.arange(len(grid)) if mask is None else np.flatnonzero(mask)
         t = (grid[idx] - grid[0]) / 1e6 if len(grid) else np.zeros(0)
-        bin_of = np.full(len(grid), -1, np.int64)
+        bin_of = np.full(len(grid), -1, np.int16)       # MAX_POINTS bins
         if len(idx) > MAX_POINTS:
             starts = bin_starts(t, MAX_POINTS)
             which = np.searchsorted(starts, np.arange(len(idx)), side="right") - 1
@@ -346,8 +402,90 @@ class _Layout:
         else:
             which, count, tb = np.arange(len(idx)), np.ones(len(idx), np.int64), t
         bin_of[idx] = which
-        return _Layout(bin_of, tb, count, int(idx[-1]) if len(idx) else -1, len(idx),
-                       float(t[-1] - t[0]) if len(t) else 0.0)
+        return _Layout(tb, count, int(idx[-1]) if len(idx) else -1, len(idx),
+                       float(t[-1] - t[0]) if len(t) else 0.0), bin_of
+
+
+class _Grids:
+    """Every process's grid (its snapshot times, in us) end to end in one array of keys, process
+    index * span + time since the first snapshot of all, so that a batch's snapshots find their
+    points with one search (where processes x span would not fit in 62 bits, the keys are the
+    times and the search is per process). A grid is made again when asked for (`grids[p]`)."""
+
+    def __init__(self, grids: list[np.ndarray]) -> None:
+        """From the grids, each dropped from the list once copied (a week's grids are tens of MB)."""
+        self.lengths = np.array([len(g) for g in grids], np.int64)
+        self.offsets = np.concatenate(([0], np.cumsum(self.lengths)))
+        self.t0 = min((int(g[0]) for g in grids if len(g)), default=0)
+        self.span = max((int(g[-1]) for g in grids if len(g)), default=0) - self.t0 + 1
+        self.keyed = len(grids) * self.span < 1 << KEY_BITS
+        self.keys = np.empty(int(self.offsets[-1]), np.int64)
+        for p in range(len(grids)):
+            self.keys[self.offsets[p]:self.offsets[p + 1]] = grids[p] - (self.t0 - (p * self.span if self.keyed else 0))
+            grids[p] = np.zeros(0, np.int64)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, p: int) -> np.ndarray:
+        return self.keys[self.offsets[p]:self.offsets[p + 1]] - ((p * self.span if self.keyed else 0) - self.t0)
+
+    def locate(self, proc: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per (process, time): its point in the process's grid, and whether the grid has it."""
+        pos, found = np.zeros(len(proc), np.int64), np.zeros(len(proc), bool)
+        if not self.keyed:
+            for p, rows in _runs(proc):
+                g = self[p] if p < len(self) else np.zeros(0, np.int64)
+                if len(g):
+                    i = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
+                    pos[rows], found[rows] = i, g[i] == ts[rows]
+            return pos, found
+        known = proc < len(self.lengths)
+        p = np.where(known, proc, 0)
+        key = p * self.span + (ts - self.t0)
+        if len(self.keys):
+            i = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
+            found = known & (self.keys[i] == key)
+            pos = np.where(found, i - self.offsets[p], 0)
+        return pos, found
+
+
+class _Layouts:
+    """The layouts of (process, source), made on first use: one per process, and one more per
+    source that only some of its snapshots measured (`masks`). Their bins per grid point are
+    kept in one flat array, so that a batch's rows find their bins with one gather."""
+
+    def __init__(self, grids: _Grids, masks: list[dict[str, np.ndarray]]) -> None:
+        self.grids, self.masks = grids, masks
+        self.ids: dict[tuple[int, str | None], int] = {}
+        self.made: list[_Layout] = []
+        self.bins = np.zeros(1024, np.int16)    # the layouts' bin_of, end to end (capacity doubles)
+        self.used = 0
+        self.starts = self.lasts = np.zeros(0, np.int64)        # per layout, as arrays (`sync`)
+        self._starts: list[int] = []
+
+    def of(self, p: int, source: str) -> int:
+        m = self.masks[p].get(source)
+        key = (p, source if m is not None else None)
+        i = self.ids.get(key)
+        if i is None:
+            lay, bin_of = _Layout.of(self.grids[p], m)
+            i = self.ids[key] = len(self.made)
+            self.made.append(lay)
+            if self.used + len(bin_of) > len(self.bins):
+                grown = np.zeros(max(2 * len(self.bins), self.used + len(bin_of)), np.int16)
+                grown[:self.used] = self.bins[:self.used]
+                self.bins = grown
+            self.bins[self.used:self.used + len(bin_of)] = bin_of
+            self._starts.append(self.used)
+            self.used += len(bin_of)
+        return i
+
+    def sync(self) -> None:
+        """The per-layout arrays extended to the layouts made since."""
+        if len(self.starts) < len(self.made):
+            self.starts = np.array(self._starts, np.int64)
+            self.lasts = np.array([lay.last for lay in self.made], np.int64)
 
 
 def _runs(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
@@ -364,36 +502,47 @@ class _Store:
     detectors read besides, per series."""
 
     def __init__(self) -> None:
-        self.index: dict[tuple[int, int, int], int] = {}
+        self.index: dict[int, int] = {}          # packed (process, source, stack code) -> series
         self.keys: list[tuple[int, int, int]] = []
         self.layouts: list[_Layout] = []
+        self.lids: list[int] = []
         self.starts: list[int] = []          # each series' first bin in the flat arrays
         self.nbins = 0
-        self.offset = np.zeros(0, np.int64)
+        self.offset = self.lid = np.zeros(0, np.int64)
         self.y = self.s2 = self.churn = np.zeros(0)
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (np.zeros(0) for _ in range(5))
         self.first_live = np.zeros(0, np.int64)
         self.per_point: dict[int, np.ndarray] = {}      # merged stacks: sums per grid point (their peak)
         self.n_grid: list[int] = []
 
-    def sid(self, key: tuple[int, int, int], lay: _Layout, n_grid: int) -> int:
-        """The series of (process, source, stack), made with its layout when new."""
-        i = self.index.get(key)
-        if i is None:
-            i = self.index[key] = len(self.keys)
-            self.keys.append(key)
+    def sids(self, proc: np.ndarray, src: np.ndarray, stack_code: np.ndarray, stack: np.ndarray,
+             layouts: _Layouts, sources: list[str]) -> np.ndarray:
+        """The series of each (process, source code, stack), those not seen before made with
+        their layout. Keys are packed in one int (process < 2^23, source < 2^8, stack code
+        < 2^32): one dict lookup each."""
+        packed = proc << 40 | src << 32 | stack_code
+        out = np.array([self.index.get(k, -1) for k in packed.tolist()], np.int64)
+        for j in np.flatnonzero(out < 0).tolist():
+            p, sc = int(proc[j]), int(src[j])
+            out[j] = self.index[int(packed[j])] = len(self.keys)
+            lid = layouts.of(p, sources[sc])
+            lay = layouts.made[lid]
+            self.keys.append((p, sc, int(stack[j])))
             self.layouts.append(lay)
-            self.n_grid.append(n_grid)
+            self.lids.append(lid)
+            self.n_grid.append(int(layouts.grids.lengths[p]))
             self.starts.append(self.nbins)
             self.nbins += len(lay.count)
-        return i
+        return out
 
-    def grow(self) -> None:
+    def grow(self, layouts: _Layouts) -> None:
         """The arrays extended to the series made since (once per batch: no copy per series)."""
+        layouts.sync()
         new = len(self.keys) - len(self.offset)
         if not new:
             return
         self.offset = np.array(self.starts, np.int64)
+        self.lid = np.array(self.lids, np.int64)
         pad = self.nbins - len(self.y)
         self.y, self.s2, self.churn = (np.concatenate([a, np.zeros(pad)]) for a in (self.y, self.s2, self.churn))
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (
@@ -402,19 +551,25 @@ class _Store:
         self.first_live = np.concatenate([self.first_live, np.array(self.n_grid[-new:], np.int64)])
 
     def add(self, sid, flat, last, pos, y, s, live, churn, merged) -> None:
-        m = flat >= 0                    # measured: in a bin
-        nb, ns = len(self.y), len(self.keys)
         s2 = s * s
-        self.y += np.bincount(flat[m], weights=y[m], minlength=nb)
-        self.s2 += np.bincount(flat[m], weights=s2[m], minlength=nb)
-        self.churn += np.bincount(flat[m], weights=churn[m], minlength=nb)
-        self.s2_all += np.bincount(sid[m], weights=s2[m], minlength=ns)
-        self.live_all += np.bincount(sid[m], weights=live[m], minlength=ns)
-        self.y_last += np.bincount(sid[last], weights=y[last], minlength=ns)
-        self.s2_last += np.bincount(sid[last], weights=s2[last], minlength=ns)
-        seen = live > 0
-        np.minimum.at(self.first_live, sid[seen], pos[seen])
-        np.maximum.at(self.max_row, sid[~merged], y[~merged])
+        m = flat >= 0                    # measured: in a bin
+        if m.all():
+            fm, sm, ym, s2m, cm, lm = flat, sid, y, s2, churn, live
+        else:
+            fm, sm, ym, s2m, cm, lm = flat[m], sid[m], y[m], s2[m], churn[m], live[m]
+        # ufunc.at adds in place, in row order: no array of every bin per batch
+        np.add.at(self.y, fm, ym)
+        np.add.at(self.s2, fm, s2m)
+        np.add.at(self.churn, fm, cm)
+        np.add.at(self.s2_all, sm, s2m)
+        np.add.at(self.live_all, sm, lm)
+        np.add.at(self.y_last, sid[last], y[last])
+        np.add.at(self.s2_last, sid[last], s2[last])
+        # ufunc.at only on the rows that move a minimum or maximum: after a series' first rows, few do
+        earlier = (live > 0) & (pos < self.first_live[sid])
+        np.minimum.at(self.first_live, sid[earlier], pos[earlier])
+        higher = ~merged & (y > self.max_row[sid])
+        np.maximum.at(self.max_row, sid[higher], y[higher])
         for i, rows in _runs(sid[merged]) if merged.any() else ():
             rows = np.flatnonzero(merged)[rows]
             pts = self.per_point.setdefault(i, np.zeros(self.n_grid[i]))

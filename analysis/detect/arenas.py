@@ -68,6 +68,9 @@ TRIM_EVENTS = ("heap_trim", "brk_trim")
 HEAP_MAX = 64 << 20                   # size of a secondary-arena heap
 PINNING_SITES = 3                     # stacks named as pinning pages, at most
 WALK_STANDS_S = 300.0                 # a free-list walk stands for the snapshots this long after it
+PROCESS_COLUMNS = ("ts", "recording_id", "pid", "comm", "rss", "swap", "threads", "memory_limit", "heap_rss",
+                   "heap_size", "heap_swap", "arena_rss", "arena_size", "arena_swap", "arena_heaps", "arenas",
+                   "heap_live_bytes", "arena_live_bytes", "heap_arena_live_stderr_bytes")    # what it reads
 
 
 class PinningFinding(Finding):
@@ -110,9 +113,8 @@ def detect_arena_bloat(ds: Dataset, *, min_bloat: int = 128 << 20, min_ratio: fl
     meta = _free_lists(ds)
     vm, targets = _by_process(ds.vm_events), _by_process(ds.targets)
     findings = []
-    for (rec, pid), p in ds.processes.groupby(["recording_id", "pid"], observed=True):
-        key = (str(rec), int(pid))
-        f = _detect(ds, p.sort_values("ts"), key, meta, vm.get(key, ds.vm_events.iloc[:0]),
+    for key, p in ds.by_process().items():
+        f = _detect(ds, p, key, meta, vm.get(key, ds.vm_events.iloc[:0]),
                     targets.get(key, ds.targets.iloc[:0]), min_bloat, min_ratio, min_windows,
                     min_measured_windows)
         if f is not None:

@@ -30,6 +30,8 @@ from sampler.units import fmt_bytes
 MiB = 1 << 20
 _WHAT = {**dict.fromkeys(DEVICE_SOURCES, "device memory"), **dict.fromkeys(HOST_SOURCES, "pinned host memory"),
          TORCH: "tensor memory"}
+PROCESS_COLUMNS = ("ts", "recording_id", "pid", "comm", "rss", "memory_limit", "gpu_used_bytes", "gpu_reserved_bytes",
+                   "gpu_allocated_bytes", "gpu_allocated_stderr_bytes")      # what it reads of `processes`
 FRAG_MIN_BYTES = 64 * MiB
 FRAG_MIN_RATIO = 0.25
 UNEXPLAINED_MIN_BYTES = 64 * MiB

@@ -190,6 +190,9 @@ def classify_series(ds: Dataset, *, min_bytes: float = 1 * MiB) -> pd.DataFrame:
 
 
 SUM_KINDS = ("allocations", MMAP, FAULT)
+# the `processes` columns this module reads (analyze.run's parts hold only what detectors read)
+PROCESS_COLUMNS = ("ts", "recording_id", "pid", "comm", "rss", "memory_limit", "heap_rss", "arena_rss", "anon_rss",
+                   "file_rss", "stack_rss", "malloc_outstanding_bytes", "python_outstanding_bytes")
 
 
 def _streamed(ds: Dataset, min_bytes: float = 1 * MiB) -> tuple[list[StackSeries], dict[tuple[str, int], ProcessSums]]:
@@ -279,9 +282,8 @@ def merge_causes(out: pd.DataFrame, reps: dict[int, int]) -> pd.DataFrame:
 def _process_trend(ds: Dataset, rec: str, pid: int) -> dict:
     """RSS at the end, the limit, and the RSS slope over the last half of the window with its 95%
     interval: an OOM projection rests on a trend that is still rising at the end."""
-    p = ds.processes
-    p = p[(p["recording_id"] == rec) & (p["pid"] == pid)].sort_values("ts")
-    if len(p) < 2:
+    p = ds.by_process().get((str(rec), int(pid)))
+    if p is None or len(p) < 2:
         return {}
     t, rss, _ = _binned(p)
     tail = t >= t[-1] - (t[-1] - t[0]) / 2
@@ -501,8 +503,7 @@ def _unexplained(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
     if p.empty or ds.sources:      # with a source filter the sampled side is incomplete: no verdict
         return findings
     sampled_growth = _sampled_growth(ds)
-    for (rec, pid), g in p.groupby(["recording_id", "pid"], observed=True):
-        g = g.sort_values("ts")
+    for (rec, pid), g in ds.by_process().items():
         if len(g) < 4:
             continue
         t, rss, _ = _binned(g)

@@ -29,6 +29,8 @@ from analysis.detect.stats import theil_sen
 from analysis.findings import Finding
 from sampler.units import fmt_bytes
 
+PROCESS_COLUMNS = ("ts", "recording_id", "pid", "comm", "rss", "memory_limit")      # what it reads of `processes`
+
 
 @dataclass
 class PymallocBloat(PinningFinding):

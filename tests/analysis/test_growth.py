@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import analyze, dataset
+from analysis import analyze, dataset, series
 from analysis.dataset import Dataset, load
 from analysis.detect.growth import classify, classify_series, detect_growth
 from analysis.findings import to_document
@@ -347,10 +347,11 @@ def _written(ds: Dataset, root, exits: list[tuple[float, int]] = ()) -> None:
                        "event": "exit"} for at, pid in exits])
 
 
-def test_series_do_not_depend_on_batches_files_or_memory(tmp_path):
+def test_series_do_not_depend_on_batches_files_or_memory(tmp_path, monkeypatch):
     """The same series whether the rows are in memory in one batch, in batches of 97 rows, or read
     back from files (two passes over a dataset on disk, an exit among them): stacks merged by
-    cause, snapshots of another tier left out, long series binned."""
+    cause, snapshots of another tier left out, long series binned; rows in any order, grids
+    searched per process."""
     rng = np.random.default_rng(13)
     n = 400
     before = np.arange(n) < 250
@@ -373,6 +374,17 @@ def test_series_do_not_depend_on_batches_files_or_memory(tmp_path):
                                                    "vm_events", "targets", "recordings")})
     small.batches = functools.partial(Dataset.batches, small, rows=97)
     pd.testing.assert_frame_equal(ordered(classify_series(small)), whole, rtol=1e-9)
+
+    # a snapshot's rows apart (they are written together, and read as runs), and grids searched
+    # per process (keys of processes x span that would not fit in 62 bits)
+    shuffled = Dataset(**{k: getattr(ds, k) for k in ("root", "processes", "stacks", "frames", "vm_events",
+                                                      "targets", "recordings")},
+                       outstanding=ds.outstanding.sample(frac=1.0, random_state=3))
+    pd.testing.assert_frame_equal(ordered(classify_series(shuffled)), whole, rtol=1e-9)
+    monkeypatch.setattr(series, "KEY_BITS", 8)
+    small.forget()
+    pd.testing.assert_frame_equal(ordered(classify_series(small)), whole, rtol=1e-9)
+    monkeypatch.undo()
 
     _written(ds, tmp_path, exits=[(n * 10 + 1, 9)])
     read = ordered(classify_series(load(tmp_path)))
