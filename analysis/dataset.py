@@ -384,7 +384,7 @@ def stream(path: Path, table, columns: list[str], filter, rows: int, running: bo
         for c in (*columns, *extra):
             if c not in have:
                 t = t.append_column(schema.field(c), pa.nulls(len(t), schema.field(c).type))
-        if running:         # a plain mask: Acero's filter costs more than reading a small file
+        if running and pc.any(t.column("exiting")).as_py():      # a plain mask, and only where one is exiting
             t = t.filter(pc.invert(pc.fill_null(t.column("exiting"), False)))
         if filter is not None:
             t = t.filter(filter)

@@ -29,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset
-from analysis.detect.stats import bin_series, bin_starts, mann_kendall, normal_sf, theil_sen, theil_sen_interval
+from analysis.detect.stats import bin_series, bin_starts, mann_kendall, median, normal_sf, theil_sen, theil_sen_interval
 from analysis.findings import Finding
 from analysis.frames import ALLOCATOR_MODULES, cause_representatives, frames_json, site, site_key
 from analysis.series import ProcessSums, StackSeries, read_series
@@ -115,7 +115,7 @@ def classify_points(t: np.ndarray, y: np.ndarray, s: np.ndarray, cum: np.ndarray
     # so that grew-then-flat still counts as growth before the tail test
     span = (t[-1] - t[0]) / 10
     head, end = np.nonzero(t <= t[0] + span)[0], np.nonzero(t >= t[-1] - span)[0]
-    growth = float(np.median(y[end]) - np.median(y[head]))
+    growth = median(y[end]) - median(y[head])
     z = growth / max(float(sigma(head[len(head) // 2], end[len(end) // 2])), 1.0)
     _, mk_p = mann_kendall(y)
     # short series: no drop beyond noise instead of a rank test that needs more points
@@ -459,7 +459,10 @@ def one_per_cause(ds: Dataset, leaks: pd.DataFrame, series: pd.DataFrame) -> pd.
     mapped = keys(MMAP, ("recording_id", "pid", "stack_id"))
     with_malloc = keys(MALLOC, ("recording_id", "pid"))
     fault_leaks = {(r.recording_id, r.pid, r.stack_id) for r in leaks.itertuples() if r.source == FAULT}
-    site_module = ds.frames[ds.frames["depth"] == 0].drop_duplicates("stack_id").set_index("stack_id")["module"]
+    if "site_module" not in ds.derived:          # parts share `derived`: once per dataset
+        f = ds.frames
+        ds.derived["site_module"] = f[f["depth"] == 0].drop_duplicates("stack_id").set_index("stack_id")["module"]
+    site_module = ds.derived["site_module"]
     keep, attribution, also = [], [], []
     for r in leaks.itertuples():
         k = (r.recording_id, r.pid, r.stack_id)

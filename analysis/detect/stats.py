@@ -21,9 +21,24 @@ def theil_sen(t: np.ndarray, y: np.ndarray) -> float:
     i, j = _pairs(n)
     dt = t[j] - t[i]
     ok = dt > 0
+    if ok.all():            # times strictly increasing (binned series): no pair to leave out
+        return median((y[j] - y[i]) / dt)
     if not ok.any():
         return 0.0
-    return float(np.median((y[j] - y[i])[ok] / dt[ok]))
+    return median((y[j] - y[i])[ok] / dt[ok])
+
+
+def median(a: np.ndarray) -> float:
+    """np.median of a 1-d array, the same value (NaN when one is NaN) without its generic
+    machinery: Theil-Sen takes ~1,700 medians of 20,000 slopes in a day's analysis."""
+    n = len(a)
+    if n == 0:
+        return float(np.median(a))
+    k = n // 2
+    part = np.partition(a, [k - 1, k, n - 1] if n % 2 == 0 else [k, n - 1])
+    if np.isnan(part[-1]):
+        return math.nan
+    return float((part[k - 1] + part[k]) / 2 if n % 2 == 0 else part[k])
 
 
 def mann_kendall(y: np.ndarray) -> tuple[float, float]:
