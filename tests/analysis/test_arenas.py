@@ -44,6 +44,7 @@ def record_reproducer(record, binary: Path, mode: str, **env: str) -> Path:
 
 
 @pytest.mark.bpf
+@pytest.mark.serial         # beside another module's recording, its walks missed the window once in three suites
 @pytest.mark.parametrize("mode", ["page-pin", "top-pin"])
 def test_reproducer_with_8_arenas_is_flagged(record, arena_bloat_bin, mode):
     out = record_reproducer(record, arena_bloat_bin, mode)

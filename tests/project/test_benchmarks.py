@@ -20,6 +20,8 @@ from conftest import ROOT
 
 from sampler.dataset.schema import PROCESSES, STR, TABLES
 
+pytestmark = pytest.mark.serial     # alone after the rest (scripts/test.sh): benchmarks time things
+
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 

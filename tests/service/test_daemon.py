@@ -27,6 +27,8 @@ from conftest import WORKLOADS, allocsampler_cmd, compile_c, outstanding_through
 
 from analysis.dataset import read_table
 
+pytestmark = pytest.mark.serial     # alone after the rest (scripts/test.sh): the daemon's loop is timed
+
 MiB = 1 << 20
 
 WORK_C = r"""

@@ -21,6 +21,8 @@ import pytest
 from conftest import WORKLOADS, compile_c, drop_to_nobody
 from test_daemon import WORK_C, DaemonProc, free_port, wait_for, write_config
 
+pytestmark = pytest.mark.serial     # alone after the rest (scripts/test.sh): placement storms are timed
+
 STUBBORN = 64
 WATCHDOG_S = 20.0          # synchronous placement: 64 attempts of 2 s each in one scan, 128 s
 

@@ -36,6 +36,8 @@ from sampler.proc.process import descendants
 from sampler.service.config import UploadConfig
 from sampler.service.upload import Uploads
 
+pytestmark = pytest.mark.serial     # alone after the rest (scripts/test.sh): kill -9 mid-upload and hung runs are timed
+
 BUCKET = "fleet-bucket"
 PREFIX = "allocsampler"
 MiB = 1 << 20
