@@ -502,7 +502,8 @@ class _Store:
     detectors read besides, per series."""
 
     def __init__(self) -> None:
-        self.index: dict[int, int] = {}          # packed (process, source, stack code) -> series
+        self.index: dict[int, int] = {}          # packed ((process, source) code, stack code) -> series
+        self.pairs = _Intern()
         self.keys: list[tuple[int, int, int]] = []
         self.layouts: list[_Layout] = []
         self.lids: list[int] = []
@@ -518,9 +519,11 @@ class _Store:
     def sids(self, proc: np.ndarray, src: np.ndarray, stack_code: np.ndarray, stack: np.ndarray,
              layouts: _Layouts, sources: list[str]) -> np.ndarray:
         """The series of each (process, source code, stack), those not seen before made with
-        their layout. Keys are packed in one int (process < 2^23, source < 2^8, stack code
-        < 2^32): one dict lookup each."""
-        packed = proc << 40 | src << 32 | stack_code
+        their layout. Keys are packed in one int, (process, source) pair code << 32 | stack code
+        (both dense codes of what the dataset holds): one dict lookup each."""
+        pairs, at = np.unique(proc << 32 | src, return_inverse=True)      # a few hundred per batch
+        pair = np.array([self.pairs.code(k) for k in pairs.tolist()], np.int64)[at]
+        packed = pair << 32 | stack_code
         out = np.array([self.index.get(k, -1) for k in packed.tolist()], np.int64)
         for j in np.flatnonzero(out < 0).tolist():
             p, sc = int(proc[j]), int(src[j])
