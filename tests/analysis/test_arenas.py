@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS, GatedTarget, compile_c
 
+from analysis import analyze
 from analysis.dataset import Dataset, load
 from analysis.detect.arenas import detect_arena_bloat
 from sampler.dataset.schema import MALLOC_ARENAS, PROCESSES, TARGETS, VM_EVENTS
@@ -135,6 +136,16 @@ def test_bloat_that_forms_during_the_recording_is_flagged(tmp_path):
     # MALLOC_ARENA_MAX=2 keeps about 2 of the 9 arenas' share
     assert d["expected_saving_bytes"] == pytest.approx(d["bloat_bytes"] * 7 / 9)
     assert f.severity == pytest.approx(100 * d["bloat_bytes"] / (8 * GiB) * f.confidence)
+
+
+def test_the_processes_columns_of_a_part_are_enough(tmp_path):
+    """analyze.run's parts hold only the `processes` columns the detectors declare
+    (analyze.PART_COLUMNS): the finding is the one made from every column."""
+    p = snapshots([400 * MiB, 400 * MiB] + [1.5 * GiB] * 8, [300 * MiB] * 10)
+    grow = [heap_grow(2, int(1.5 * GiB - 400 * MiB))]
+    (whole,) = detect_arena_bloat(dataset(tmp_path, p, grow))
+    part = detect_arena_bloat(dataset(tmp_path, p[[c for c in p if c in analyze.PART_COLUMNS]], grow))
+    assert [f.to_json() for f in part] == [whole.to_json()]
 
 
 def test_rising_live_is_a_leak_not_bloat(tmp_path):

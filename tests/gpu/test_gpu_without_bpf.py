@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from conftest import WORKLOADS
 
-from analysis import analyze
+from analysis import analyze, dataset
 from analysis.dataset import read_table
 from analysis.report.html import render_html
 from sampler.binary.elf import ElfImage
@@ -259,12 +259,16 @@ def _write_gpu_dataset(root: Path, *, n: int = 12) -> None:
                           "gpu_status": "nvml: 1 device, driver 550"}], name=rec)
 
 
-def test_gpu_findings_and_report(tmp_path):
+def test_gpu_findings_and_report(tmp_path, monkeypatch):
     _write_gpu_dataset(tmp_path)
     ds = analyze.load(tmp_path)
     findings = analyze.run(ds)
     kinds = sorted(f.kind for f in findings)
     assert kinds == ["gpu_fragmentation", "gpu_growth", "gpu_unexplained_growth"], [f.summary for f in findings]
+    # the same from parts of one process, which hold only the `processes` columns detectors declare
+    monkeypatch.setattr(dataset, "PART_ROWS", 1)
+    assert analyze.to_document(analyze.run(analyze.load(tmp_path))) == analyze.to_document(findings)
+    monkeypatch.undo()
     g = next(f for f in findings if f.kind == "gpu_growth")
     doc = analyze.to_document([g])["findings"][0]
     persistent_keys = {"source", "stack_id", "frames", "growth_bytes_per_hour", "outstanding_bytes",
