@@ -238,10 +238,9 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                                 if not m.all()} for i, k in enumerate(procs.names)])
 
     # -- pass 2: every row into its bin --------------------------------------------------------
-    store = _Store()
+    store = _Store(layouts)
     sums = [ProcessSums() for _ in procs.names]
     kind_ends: dict[str, _Ends] = {}
-    n_grid = grids.lengths
     stack_codes = _Intern()                 # stack ids as dense codes, for packed series keys
     for b in batches(PASS2):
         if not b.num_rows:
@@ -280,7 +279,7 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
         seen = np.bincount(run_kind, minlength=len(at) * nk).reshape(len(at), nk) > 0
         for j, kind in enumerate(kind_names):
             if kind not in kind_ends:
-                kind_ends[kind] = _Ends(len(grids), n_grid if kind in grid_kinds else None)
+                kind_ends[kind] = _Ends(len(grids), grids.lengths if kind in grid_kinds else None)
             h = seen[:, j]
             kind_ends[kind].add(run_proc[h], run_pos[h], ysum[h, j])
         rep = st_uniq
@@ -294,8 +293,8 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
                                  size_hint=2 * len(store.keys) + 1024)   # a table the size of the keys: cached
         ps, r = np.divmod(uniq, len(rep_uniq))
         codes = np.array([stack_codes.code(int(x)) for x in rep_uniq.tolist()], np.int64)
-        sid = store.sids(ps // nsrc, ps % nsrc, codes[r], rep_uniq[r], layouts, srcs.names)[inv]
-        store.grow(layouts)
+        sid = store.sids(ps // nsrc, ps % nsrc, codes[r], rep_uniq[r], srcs.names)[inv]
+        store.grow()
         lid = store.lid[sid]
         bins = layouts.bins[layouts.starts[lid] + pos]
         flat = np.where(bins >= 0, store.offset[sid] + bins, -1)
@@ -501,11 +500,11 @@ class _Store:
     """Every series' sums per bin, in flat arrays (a series' bins from its `offset`), and what the
     detectors read besides, per series."""
 
-    def __init__(self) -> None:
+    def __init__(self, layouts: _Layouts) -> None:
+        self.made = layouts                      # each series' layout: made[lids[i]]
         self.index: dict[int, int] = {}          # packed ((process, source) code, stack code) -> series
         self.pairs = _Intern()
         self.keys: list[tuple[int, int, int]] = []
-        self.layouts: list[_Layout] = []
         self.lids: list[int] = []
         self.starts: list[int] = []          # each series' first bin in the flat arrays
         self.nbins = 0
@@ -514,10 +513,9 @@ class _Store:
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (np.zeros(0) for _ in range(5))
         self.first_live = np.zeros(0, np.int64)
         self.per_point: dict[int, np.ndarray] = {}      # merged stacks: sums per grid point (their peak)
-        self.n_grid: list[int] = []
 
     def sids(self, proc: np.ndarray, src: np.ndarray, stack_code: np.ndarray, stack: np.ndarray,
-             layouts: _Layouts, sources: list[str]) -> np.ndarray:
+             sources: list[str]) -> np.ndarray:
         """The series of each (process, source code, stack), those not seen before made with
         their layout. Keys are packed in one int, (process, source) pair code << 32 | stack code
         (both dense codes of what the dataset holds): one dict lookup each."""
@@ -528,19 +526,16 @@ class _Store:
         for j in np.flatnonzero(out < 0).tolist():
             p, sc = int(proc[j]), int(src[j])
             out[j] = self.index[int(packed[j])] = len(self.keys)
-            lid = layouts.of(p, sources[sc])
-            lay = layouts.made[lid]
+            lid = self.made.of(p, sources[sc])
             self.keys.append((p, sc, int(stack[j])))
-            self.layouts.append(lay)
             self.lids.append(lid)
-            self.n_grid.append(int(layouts.grids.lengths[p]))
             self.starts.append(self.nbins)
-            self.nbins += len(lay.count)
+            self.nbins += len(self.made.made[lid].count)
         return out
 
-    def grow(self, layouts: _Layouts) -> None:
+    def grow(self) -> None:
         """The arrays extended to the series made since (once per batch: no copy per series)."""
-        layouts.sync()
+        self.made.sync()
         new = len(self.keys) - len(self.offset)
         if not new:
             return
@@ -551,7 +546,9 @@ class _Store:
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (
             np.concatenate([a, np.zeros(new)]) for a in (self.s2_all, self.live_all, self.y_last, self.s2_last,
                                                          self.max_row))
-        self.first_live = np.concatenate([self.first_live, np.array(self.n_grid[-new:], np.int64)])
+        # unseen: past the grid's end (first_live, per series, is where its live samples start)
+        unseen = self.made.grids.lengths[np.array([k[0] for k in self.keys[-new:]], np.int64)]
+        self.first_live = np.concatenate([self.first_live, unseen])
 
     def add(self, sid, flat, last, pos, y, s, live, churn, merged) -> None:
         s2 = s * s
@@ -575,7 +572,7 @@ class _Store:
         np.maximum.at(self.max_row, sid[higher], y[higher])
         for i, rows in _runs(sid[merged]) if merged.any() else ():
             rows = np.flatnonzero(merged)[rows]
-            pts = self.per_point.setdefault(i, np.zeros(self.n_grid[i]))
+            pts = self.per_point.setdefault(i, np.zeros(int(self.made.grids.lengths[self.keys[i][0]])))
             np.add.at(pts, pos[rows], y[rows])
 
     def peak(self, i: int) -> float:
@@ -583,7 +580,7 @@ class _Store:
         return max(float(pts.max()), float(self.max_row[i])) if pts is not None else float(self.max_row[i])
 
     def series(self, i: int, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
-        lay = self.layouts[i]
+        lay = self.made.made[self.lids[i]]
         a = self.offset[i]
         y, s2, churn = (x[a:a + len(lay.count)] for x in (self.y, self.s2, self.churn))
         first = grid[self.first_live[i]] if self.first_live[i] < len(grid) else grid[0]
