@@ -215,6 +215,7 @@ class Dataset:
         """Drop what was derived from the files (their rows may have moved: a compaction)."""
         self.derived.clear()
         self.__dict__["_summary"] = None
+        self.__dict__.pop("_kept", None)
 
     def summary(self) -> pd.DataFrame:
         """Per process of `processes` (recording_id, pid): its rows, first and last snapshot, and
@@ -286,10 +287,13 @@ class Dataset:
             yield part
             del part, p
 
-    def batches(self, columns: list[str], rows: int = 1 << 17, running: bool = True) -> Iterator[pa.RecordBatch]:
+    def batches(self, columns: list[str], rows: int = 1 << 17, running: bool = True,
+                keep: list[str] | None = None) -> Iterator[pa.RecordBatch]:
         """The rows of `outstanding` in Arrow batches of `columns`, streamed from the files: the
         running ones (split_exit's late teardown snapshots too), or with `running=False` every row,
-        the `exiting` column with them. Rows in memory are all running ones."""
+        the `exiting` column with them. Rows in memory are all running ones. `keep`: the columns
+        of the next call, which one host's Source reads now with these and keeps for it (a read
+        and its filter saved: the rows are read whole there anyway)."""
         if self._read():
             df = self.outstanding if self.outstanding is not None else pd.DataFrame(columns=columns)
             table = pa.Table.from_pandas(df[[c for c in columns if c in df]], preserve_index=False)
@@ -299,8 +303,18 @@ class Dataset:
         if not running:
             columns = [*columns, "exiting"]
         if isinstance(self.root, Source):       # one host's files: read whole (analysis/fleet.py streams hosts)
-            flt = flt if not running else RUNNING if flt is None else flt & RUNNING
-            yield from self.root.read("outstanding", filter=flt, columns=columns, arrow=True).to_batches(rows)
+            kept = self.__dict__.pop("_kept", None)
+            wanted = list(dict.fromkeys([*columns, *(keep or ()), "exiting"]))
+            t = kept if kept is not None and set(columns) <= set(kept.column_names) else \
+                self.root.read("outstanding", filter=flt, columns=wanted, arrow=True)
+            del kept
+            if keep:
+                self.__dict__["_kept"] = t
+            if running:     # as RUNNING would, without a filter node over every column (2-3x the read)
+                gone = pc.fill_null(t.column("exiting"), False)
+                if pc.any(gone).as_py():
+                    t = t.filter(pc.invert(gone))
+            yield from t.select(columns).to_batches(rows)
             return
         # files hold a flush or an hour each: small batches are joined, as the per-batch work is fixed
         buf: list[pa.RecordBatch] = []
@@ -326,9 +340,19 @@ class Dataset:
         detectors that each look at every process."""
         if self.__dict__.get("_by_process") is None:
             p = self.processes
-            self.__dict__["_by_process"] = {
-                (str(rec), int(pid)): g.sort_values("ts")
-                for (rec, pid), g in (p.groupby(["recording_id", "pid"], observed=True) if len(p) else ())}
+            groups: dict[tuple[str, int], pd.DataFrame] = {}
+            if len(p):      # one sort of the rows, then a slice per process (groupby copied each group)
+                rec, recs = pd.factorize(p["recording_id"], sort=True)
+                known = (rec >= 0) & p["pid"].notna().to_numpy()        # groupby's keys: no nulls
+                pid = p["pid"].to_numpy(np.int64, na_value=0)
+                order = np.lexsort((p["ts"].to_numpy("datetime64[us]"), pid, rec))
+                order = order[known[order]]
+                p = p.take(order)
+                rec, pid = rec[order], pid[order]
+                cut = np.flatnonzero((rec[1:] != rec[:-1]) | (pid[1:] != pid[:-1])) + 1
+                for a, z in zip([0, *cut.tolist()], [*cut.tolist(), len(p)], strict=True):
+                    groups[(str(recs[rec[a]]), int(pid[a]))] = p.iloc[a:z]
+            self.__dict__["_by_process"] = groups
         return self.__dict__["_by_process"]
 
     def frames_of(self, stack_id: int) -> pd.DataFrame:
@@ -432,7 +456,9 @@ class _Spill:
     in group order. Rows are split SPILL_ROWS at a time (a file holds an hour: splitting each
     would write a few rows per group per file); a file of one process is written as it is. The
     files are written when the first group is asked for. (Writing them in a thread while the
-    series are read saved 7% of a week's analysis and cost 40 MiB more at its peak: not done.)"""
+    series are read saved 7% of a week's analysis and cost 40 MiB more at its peak: not done.)
+    One host's Source (analysis/fleet.py) is read whole, as its `outstanding` is: its groups are
+    split in memory."""
 
     def __init__(self, root: Path | Source, filter, group_of: dict[tuple[str, int], int], n: int,
                  columns: list[str] | None) -> None:
@@ -441,6 +467,16 @@ class _Spill:
         self.root, self.filter, self.group_of, self.n = root, filter, group_of, n
 
     def __iter__(self) -> Iterator[pd.DataFrame]:
+        if isinstance(self.root, Source):       # one host's rows, read whole anyway: split in memory
+            t = self.root.read("processes", filter=self.filter, columns=self.schema.names, arrow=True)
+            t = t.select(self.schema.names).cast(self.schema).unify_dictionaries().combine_chunks()
+            g = np.concatenate([self._groups(b) for b in t.to_batches()] or [np.zeros(0, np.int64)])
+            order = np.argsort(g, kind="stable")
+            t, g = t.take(pa.array(order)), g[order]
+            cuts = np.searchsorted(g, np.arange(self.n + 1))
+            for k in range(self.n):
+                yield t.slice(cuts[k], cuts[k + 1] - cuts[k]).to_pandas(split_blocks=True)
+            return
         with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
             files = [Path(tmp) / f"{g}.arrow" for g in range(self.n)]
             self._write(files)
@@ -449,25 +485,23 @@ class _Spill:
                     yield r.read_all().to_pandas(self_destruct=True, split_blocks=True)
                 f.unlink()
 
+    def _groups(self, t: pa.RecordBatch) -> np.ndarray:
+        """Each row's group (-1: none)."""
+        rec = t.column("recording_id")          # a dictionary (the read schema's type)
+        names = rec.dictionary.to_pylist()
+        key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
+               | t.column("pid").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+        inv, uniq = pd.factorize(key)
+        return np.array([self.group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
+                        np.int64)[inv]
+
     def _write(self, files: list[Path]) -> None:
         schema, n = self.schema, self.n
-        if isinstance(self.root, Source):        # one host's files (analysis/fleet.py): read whole
-            rows = self.root.read("processes", filter=self.filter, columns=schema.names, arrow=True)
-            batches: Iterator[pa.RecordBatch] = iter(rows.to_batches())
-        else:
-            batches = stream(Path(self.root) / "processes", TABLES["processes"], schema.names, self.filter, 1 << 16)
+        batches = stream(Path(self.root) / "processes", TABLES["processes"], schema.names, self.filter, 1 << 16)
         opts = pa.ipc.IpcWriteOptions(compression="lz4")
         # a stream, not a file: a batch may bring a dictionary of its own
         writers = [pa.ipc.new_stream(f, schema, options=opts) for f in files]
-
-        def group(t: pa.RecordBatch) -> np.ndarray:
-            rec = t.column("recording_id")          # a dictionary (the read schema's type)
-            names = rec.dictionary.to_pylist()
-            key = (rec.indices.fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64) << 32
-                   | t.column("pid").fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
-            inv, uniq = pd.factorize(key)
-            return np.array([self.group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
-                            np.int64)[inv]
+        group = self._groups
 
         def split(buf: list[pa.RecordBatch], groups: list[np.ndarray]) -> None:
             if not buf:

@@ -182,7 +182,7 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     stacks_seen = []
     last_held: dict[int, dict[int, float]] = {}     # per process: its last two snapshots that held memory
     exits = dict(exits)
-    for b in batches(PASS1, running=False):
+    for b in batches(PASS1, running=False, keep=PASS2):
         if not b.num_rows:
             continue
         if "exiting" in b.schema.names:         # what a teardown left, written at the exit: its time
@@ -512,7 +512,11 @@ class _Store:
         self.y = self.s2 = self.churn = np.zeros(0)
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (np.zeros(0) for _ in range(5))
         self.first_live = np.zeros(0, np.int64)
-        self.per_point: dict[int, np.ndarray] = {}      # merged stacks: sums per grid point (their peak)
+        # series of merged stacks: their sums per grid point (for their peak), end to end in `points`
+        # from point_at[series] (-1: none)
+        self.point_at = np.zeros(0, np.int64)
+        self.points = np.zeros(0)
+        self.npoints = 0
 
     def sids(self, proc: np.ndarray, src: np.ndarray, stack_code: np.ndarray, stack: np.ndarray,
              sources: list[str]) -> np.ndarray:
@@ -549,6 +553,7 @@ class _Store:
         # unseen: past the grid's end (first_live, per series, is where its live samples start)
         unseen = self.made.grids.lengths[np.array([k[0] for k in self.keys[-new:]], np.int64)]
         self.first_live = np.concatenate([self.first_live, unseen])
+        self.point_at = np.concatenate([self.point_at, np.full(new, -1, np.int64)])
 
     def add(self, sid, flat, last, pos, y, s, live, churn, merged) -> None:
         s2 = s * s
@@ -570,14 +575,24 @@ class _Store:
         np.minimum.at(self.first_live, sid[earlier], pos[earlier])
         higher = ~merged & (y > self.max_row[sid])
         np.maximum.at(self.max_row, sid[higher], y[higher])
-        for i, rows in _runs(sid[merged]) if merged.any() else ():
-            rows = np.flatnonzero(merged)[rows]
-            pts = self.per_point.setdefault(i, np.zeros(int(self.made.grids.lengths[self.keys[i][0]])))
-            np.add.at(pts, pos[rows], y[rows])
+        if merged.any():
+            msid = sid[merged]
+            new = np.unique(msid[self.point_at[msid] < 0])
+            if len(new):
+                lengths = self.made.grids.lengths[np.array([self.keys[i][0] for i in new.tolist()], np.int64)]
+                self.point_at[new] = self.npoints + np.cumsum(lengths) - lengths
+                self.npoints += int(lengths.sum())
+                if self.npoints > len(self.points):
+                    self.points = np.concatenate([self.points, np.zeros(max(self.npoints, 2 * len(self.points))
+                                                                        - len(self.points))])
+            np.add.at(self.points, self.point_at[msid] + pos[merged], y[merged])
 
     def peak(self, i: int) -> float:
-        pts = self.per_point.get(i)
-        return max(float(pts.max()), float(self.max_row[i])) if pts is not None else float(self.max_row[i])
+        a = int(self.point_at[i])
+        if a < 0:
+            return float(self.max_row[i])
+        n = int(self.made.grids.lengths[self.keys[i][0]])
+        return max(float(self.points[a:a + n].max()), float(self.max_row[i]))
 
     def series(self, i: int, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
         lay = self.made.made[self.lids[i]]

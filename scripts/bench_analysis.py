@@ -19,8 +19,9 @@ breaks this bench loudly (or not at all), and tests/project/test_benchmarks.py r
 compacted file per table and host-day, as the daemon uploads them), each host-day 8 processes x 8
 stacks at 30 s (184,320 outstanding rows, a 24th of the single-host day above; each process runs
 through all the days of its host, with the same four kinds of stack), then
-`allocsampler analyze DIR --json` (every host, one at a time: analysis/fleet.py) and the same with
---host and --since pruning, each in a fresh child process: wall time and peak RSS, --runs times.
+`allocsampler analyze DIR --json` (every host, as many at once as --jobs' default: analysis/fleet.py;
+then one at a time) and the same with --host and --since pruning, each in a fresh child process:
+wall time and the peak of its and its workers' RSS summed, --runs times.
 --s3 repeats the pruned selections over a moto S3 server on localhost (moto[server] installed).
 """
 
@@ -187,26 +188,58 @@ def write_fleet(out: Path, hosts: int, days: int, processes: int, stacks: int, i
                 "ts": ts[lo:hi], "recording_id": rec, "pid": pid, "comm": f"svc{pid % 7}",
                 "rss": 800 * MiB + np.arange(lo, hi) * 50 * 1024 * interval, "memory_limit": 16 << 30})
                 for pid in range(1000, 1000 + processes)]
-            df = pd.concat(parts)
+            # in time order, a snapshot's rows together: as the recorder writes them and compaction
+            # keeps them (sorted by ts, stable). Before 2026-11-29 they were in series order.
+            df = pd.concat(parts).sort_values("ts", kind="stable")
             rows += len(df)
             w.write(OUTSTANDING, arrow(OUTSTANDING, df), day=day)
-            w.write(PROCESSES, arrow(PROCESSES, pd.concat(procs)), day=day)
+            w.write(PROCESSES, arrow(PROCESSES, pd.concat(procs).sort_values("ts", kind="stable")), day=day)
     return rows
 
 
+# Peak memory of the analysis and its workers together: their proportional set sizes (Pss: pages
+# the workers share with the forkserver counted once) summed every 20 ms (the workers are the
+# forkserver's children, so no rusage of this process sees them), or this process's VmHWM if more.
 FLEET_CHILD = """
-import contextlib, io, json, os, sys, time
+import contextlib, io, json, os, sys, threading, time
 sys.path.insert(0, {root!r})
+
+def tree_rss():
+    kids, rss = {{}}, {{}}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{{d}}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+                with open(f"/proc/{{d}}/smaps_rollup") as f:
+                    rss[int(d)] = next(int(x.split()[1]) for x in f if x.startswith("Pss:")) * 1024
+            except (OSError, IndexError, ValueError, StopIteration):
+                pass
+    todo, total = [os.getpid()], 0
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo += kids.get(p, [])
+    return total
+
+peak, done = [0], threading.Event()
+
+def watch():
+    while not done.wait(0.02):
+        peak[0] = max(peak[0], tree_rss())
+
+threading.Thread(target=watch, daemon=True).start()
 t = time.perf_counter()
 from sampler.cli import main
 buf = io.StringIO()
 with contextlib.redirect_stdout(buf):
     code = main({argv!r})
 dt = time.perf_counter() - t
+done.set()
 doc = json.loads(buf.getvalue())
 hosts = len(doc["hosts"]) if "hosts" in doc else 1
-peak = int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM:")).split()[1]) * 1024
-print(code, dt, peak, hosts, len(doc["findings"]))
+own = int(next(x for x in open("/proc/self/status") if x.startswith("VmHWM:")).split()[1]) * 1024
+print(code, dt, max(own, peak[0]), hosts, len(doc["findings"]))
 """
 
 
@@ -285,6 +318,7 @@ def fleet_main(args: argparse.Namespace) -> None:
               f"{size / MiB:.0f} MiB in {time.perf_counter() - t:.0f} s")
         last_day = (FLEET_T0 + pd.Timedelta(days=days - 1)).date().isoformat()
         selections = [("every host, every day", []),
+                      ("every host, every day, --jobs 1 (one host at a time)", ["--jobs", "1"]),
                       ("--host h000 (one host)", ["--host", "h000"]),
                       (f"--host 'h00*' ({min(hosts, 10)} hosts)", ["--host", "h00*"]),
                       (f"--since {last_day} (the last day)", ["--since", last_day]),
@@ -302,8 +336,9 @@ def fleet_main(args: argparse.Namespace) -> None:
             print("|---|---|--:|--:|--:|--:|")
             for place, location, env in where:
                 for label, extra in selections:
-                    if place != "local" and (label.startswith("as one") or not extra and not args.s3_all):
-                        continue        # the whole fleet over moto only with --s3-all: moto is one Python process
+                    whole = label.startswith("every")     # over moto only with --s3-all: moto is one Python process
+                    if place != "local" and (label.startswith("as one") or whole and not args.s3_all):
+                        continue
                     child = AT_ONCE_CHILD if label.startswith("as one dataset") else FLEET_CHILD
                     got = [measure(["analyze", location, "--json", *extra], env, child) for _ in range(runs)]
                     print(f"| {place} | {label} | {got[0][2]} | {got[0][3]} | "

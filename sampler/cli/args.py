@@ -43,6 +43,13 @@ def count(text: str) -> int:
     return v
 
 
+def jobs(text: str) -> int:
+    v = _number(text, int, "a whole number")
+    if not 1 <= v <= 256:
+        raise argparse.ArgumentTypeError(f"must be in 1..256: {text!r}")
+    return v
+
+
 def positive(text: str) -> float:
     v = _number(text, float, "a number")
     if v <= 0:

@@ -85,6 +85,27 @@ def test_one_host_in_memory_at_a_time(fleet):
     assert sorted(got) == sorted(host_key(h) for h in plan) and got["batch-7"] >= 4
 
 
+def test_hosts_in_workers_equal_one_at_a_time(fleet, tmp_path):
+    """--jobs N analyses N hosts at once, each in a worker process: the same document and the same
+    report, hosts in name order; a worker's bad file is the same one line as without workers."""
+    root, _, plan, day0 = fleet
+    for args in (["--json"], []):
+        one = ok("analyze", str(root), *args, "--jobs", "1")
+        assert ok("analyze", str(root), *args, "--jobs", "3") == one
+        assert ok("analyze", str(root), *args) == one       # the default: a worker per CPU here
+    assert len(json.loads(one_json := ok("analyze", str(root), "--json", "--jobs", "2"))["hosts"]) == len(plan)
+    assert json.loads(one_json)["findings"]
+    dirty = build_fleet(tmp_path / "dirty", plan)
+    add_garbage(dirty, day0)
+    errors = [cli("analyze", str(dirty), "--json", "--jobs", n) for n in ("1", "3")]
+    for p in errors:
+        assert p.returncode != 0 and "Traceback" not in p.stderr and "garbage.parquet" in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1 and not p.stdout, p.stderr
+    assert errors[0].stderr == errors[1].stderr
+    bad = cli("analyze", str(root), "--jobs", "0")
+    assert bad.returncode == 2 and "--jobs: must be in 1..256" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_top_per_host_equals_each_host_alone(fleet):
     root, refs, _, _ = fleet
     text = ok("top", str(root), "-n", "3")
