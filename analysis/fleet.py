@@ -59,12 +59,21 @@ def per_host(source: Source, visit: Callable[[str, Dataset, list[Finding]], T],
     # thread (this one has Arrow's pools running)
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["analysis.analyze"])
-    with ProcessPoolExecutor(min(jobs, len(hosts)), mp_context=ctx) as pool:
+    workers = min(jobs, len(hosts))
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_threads, initargs=(threads,)) as pool:
         try:
             yield from zip(hosts, pool.map(one_host, repeat(source), hosts, repeat(visit), repeat(load)), strict=True)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+
+
+def _worker_threads(n: int) -> None:
+    """Arrow's decoding threads of a worker: its share of the CPUs (the workers are the parallelism)."""
+    import pyarrow as pa
+
+    pa.set_cpu_count(n)
 
 
 def one_host(source: Source, host: str, visit: Callable[[str, Dataset, list[Finding]], T],

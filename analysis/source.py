@@ -147,8 +147,9 @@ class Source:
                     continue
                 out += [f for f in self.host_files(table, name) if sel.wants_day(table, f.day)]
             elif (day := parse_day(name)) and sel.wants_day(table, day):
-                out += [DataFile(e.path, None, day) for e in self.entries(f"{self.base}/{table}/{name}")
-                        if e.type == pafs.FileType.File and data_file(os.path.basename(e.path))]
+                out += sorted((DataFile(e.path, None, day) for e in self.entries(f"{self.base}/{table}/{name}")
+                               if e.type == pafs.FileType.File and data_file(os.path.basename(e.path))),
+                              key=lambda f: f.path)
         return out
 
     def host_files(self, table: str, name: str) -> list[DataFile]:
@@ -163,7 +164,9 @@ class Source:
                 if len(parts) == 2 and e.type == pafs.FileType.File and data_file(parts[1]) and \
                         (day := parse_day(parts[0])):
                     found.append(DataFile(e.path, name[len(HOST_PREFIX):], day))
-            self.cache[key] = found
+            # in time order (date=, then the files' sequence names): rows come in time order,
+            # which the series reader builds its grids from cheaply (a listing's order is the store's)
+            self.cache[key] = sorted(found, key=lambda f: f.path)
         return self.cache[key]
 
     def old_layout_hosts(self) -> dict[str, list[str | None]]:

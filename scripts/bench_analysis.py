@@ -198,35 +198,31 @@ def write_fleet(out: Path, hosts: int, days: int, processes: int, stacks: int, i
 
 
 # Peak memory of the analysis and its workers together: their proportional set sizes (Pss: pages
-# the workers share with the forkserver counted once) summed every 20 ms (the workers are the
+# the workers share with the forkserver counted once) summed every 250 ms (the workers are the
 # forkserver's children, so no rusage of this process sees them), or this process's VmHWM if more.
 FLEET_CHILD = """
 import contextlib, io, json, os, sys, threading, time
 sys.path.insert(0, {root!r})
 
-def tree_rss():
-    kids, rss = {{}}, {{}}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{{d}}/stat") as f:
-                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-                with open(f"/proc/{{d}}/smaps_rollup") as f:
-                    rss[int(d)] = next(int(x.split()[1]) for x in f if x.startswith("Pss:")) * 1024
-            except (OSError, IndexError, ValueError, StopIteration):
-                pass
+def tree_pss():
     todo, total = [os.getpid()], 0
     while todo:
         p = todo.pop()
-        total += rss.get(p, 0)
-        todo += kids.get(p, [])
+        try:
+            with open(f"/proc/{{p}}/smaps_rollup") as f:
+                total += next(int(x.split()[1]) for x in f if x.startswith("Pss:")) * 1024
+            for t in os.listdir(f"/proc/{{p}}/task"):
+                with open(f"/proc/{{p}}/task/{{t}}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, StopIteration):
+            pass
     return total
 
 peak, done = [0], threading.Event()
 
 def watch():
-    while not done.wait(0.02):
-        peak[0] = max(peak[0], tree_rss())
+    while not done.wait(0.25):
+        peak[0] = max(peak[0], tree_pss())
 
 threading.Thread(target=watch, daemon=True).start()
 t = time.perf_counter()
