@@ -8,6 +8,7 @@ estimate is T x (live samples) with standard error T x sqrt(live samples).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pandas as pd
@@ -424,3 +425,23 @@ def test_a_file_replaced_while_it_is_streamed_reads_everything_again(tmp_path, m
     monkeypatch.setattr(dataset.pq, "ParquetFile", vanishing)
     assert to_document(analyze.run(load(tmp_path))) == whole and len(whole["findings"]) == 2
     assert len(calls) > 3
+
+
+def test_arrow_allocator_is_chosen_before_pyarrow_and_a_choice_kept():
+    """Importing `analysis` first makes Arrow allocate with jemalloc (one arena: docs/performance.md);
+    a pool named in the environment, or pyarrow imported before, is left as it is."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    def backend(code: str, **env: str) -> str:
+        clean = {k: v for k, v in os.environ.items() if k not in ("ARROW_DEFAULT_MEMORY_POOL", "JE_ARROW_MALLOC_CONF")}
+        out = subprocess.run([sys.executable, "-c", code + "; print(pyarrow.default_memory_pool().backend_name)"],
+                             capture_output=True, text=True, env={**clean, **env}, cwd=ROOT, check=True)
+        assert not out.stderr, out.stderr
+        return out.stdout.strip()
+
+    assert backend("import analysis, pyarrow") == "jemalloc"
+    assert backend("import analysis, pyarrow", ARROW_DEFAULT_MEMORY_POOL="system") == "system"
+    assert backend("import pyarrow, analysis") == "mimalloc"
