@@ -178,7 +178,11 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
     held = srcs.of(pa.array(list(HELD_SOURCES)))
 
     # -- pass 1: grids, stacks, what exited processes held at their last snapshots ---------------
-    points: list[list[np.ndarray]] = []     # per process: its snapshot times, a slice per batch
+    # per batch, per recording: its snapshot times there; per process: (batch, its points as
+    # indices into those), 2 bytes a point where they fit rather than 8
+    times: list[dict[int, np.ndarray]] = []
+    points: list[list[tuple[int, np.ndarray]]] = []
+    proc_rec = np.zeros(0, np.int64)        # per process: its recording's code
     stacks_seen = []
     last_held: dict[int, dict[int, float]] = {}     # per process: its last two snapshots that held memory
     exits = dict(exits)
@@ -204,29 +208,47 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
         up, ut, sums, nheld = _by_point(procs.of(rec_codes[rec[at]], pid[at]), ts[at],
                                         np.add.reduceat(np.where(hold, _num(b, "outstanding_bytes"), 0.0), at),
                                         np.add.reduceat(hold.astype(float), at))
+        if len(proc_rec) < len(procs.names):
+            proc_rec = np.append(proc_rec, np.array(procs.names[len(proc_rec):], np.int64) >> 32)
+        point_rec = proc_rec[up]
+        code, here = np.empty(len(ut), np.int64), {}
+        for r in np.unique(point_rec).tolist():        # one recording, mostly
+            mine = point_rec == r
+            here[r], code[mine] = np.unique(ut[mine], return_inverse=True)
+        times.append(here)
+        code = code.astype(np.uint16 if max(map(len, here.values())) <= 1 << 16 else np.int32)
         starts = np.flatnonzero(np.append(True, up[1:] != up[:-1]))     # points are in process order
         points += [[] for _ in range(len(procs.names) - len(points))]
         for a, z in zip(starts.tolist(), [*starts[1:].tolist(), len(up)], strict=True):
-            points[int(up[a])].append(ut[a:z])
+            points[int(up[a])].append((len(times) - 1, code[a:z]))
         _last_two(last_held, up[nheld > 0], ut[nheld > 0], sums[nheld > 0])
         stacks_seen.append(pc.unique(b.column("stack_id")).to_numpy(zero_copy_only=False))
     if not points:
         return [], {}
-    # a last snapshot within TEARDOWN_S of the exit with less than half of what the one before
-    # held (in the sources that hold memory) belongs to the teardown: its rows are left out
-    grid_list = []
+    # each recording's snapshot times: a process that has every one between its first and last
+    # (the usual) keeps a range of them as its grid, not a copy
+    groups = [np.unique(np.concatenate([t[r] for t in times if r in t])) for r in range(len(recs.names))]
+    member = []
     for i, key in enumerate(procs.names):
-        g = np.concatenate(points[i])
+        r = key >> 32
+        g = np.concatenate([times[k][r][c] for k, c in points[i]])
         points[i] = []
         if len(g) > 1 and not (g[1:] > g[:-1]).all():      # batches in time order: sorted already
             g = np.unique(g)
-        when = exits.get((recs.names[key >> 32], key & 0xFFFFFFFF))
+        # a last snapshot within TEARDOWN_S of the exit with less than half of what the one before
+        # held (in the sources that hold memory) belongs to the teardown: its rows are left out
+        when = exits.get((recs.names[r], key & 0xFFFFFFFF))
         two = sorted(last_held.get(i, {}).items())
         if when is not None and len(two) == 2 and when - two[1][0] <= TEARDOWN_S * 1e6 and two[1][1] < 0.5 * two[0][1]:
             g = g[g != two[1][0]]
-        grid_list.append(g)
-    grids = _Grids(grid_list)
-    del points, grid_list
+        a = int(np.searchsorted(groups[r], g[0])) if len(g) else 0
+        if not len(g) or int(np.searchsorted(groups[r], g[-1])) - a + 1 == len(g):     # g is in groups[r]
+            member.append((r, a, a + len(g)))
+        else:
+            member.append((len(groups), 0, len(g)))
+            groups.append(g)
+    grids = _Grids(groups, member)
+    del points, times, groups
     reps = merge(np.unique(np.concatenate(stacks_seen)))
     rep_src = np.fromiter(reps.keys(), np.int64, len(reps))
     rep_dst = np.fromiter(reps.values(), np.int64, len(reps))
@@ -406,47 +428,61 @@ class _Layout:
 
 
 class _Grids:
-    """Every process's grid (its snapshot times, in us) end to end in one array of keys, process
-    index * span + time since the first snapshot of all, so that a batch's snapshots find their
-    points with one search (where processes x span would not fit in 62 bits, the keys are the
-    times and the search is per process). A grid is made again when asked for (`grids[p]`)."""
+    """Every process's grid (its snapshot times, in us) as a range of a group of times: its
+    recording's snapshot times, or its own where it missed some between its first and last. The
+    groups are kept end to end in one array of keys, group index * span + time since the first
+    snapshot of all, so that a batch's snapshots find their points with one search (where groups x
+    span would not fit in 62 bits, the keys are the times and the search is per group). A grid is
+    made again when asked for (`grids[p]`)."""
 
-    def __init__(self, grids: list[np.ndarray]) -> None:
-        """From the grids, each dropped from the list once copied (a week's grids are tens of MB)."""
-        self.lengths = np.array([len(g) for g in grids], np.int64)
-        self.offsets = np.concatenate(([0], np.cumsum(self.lengths)))
-        self.t0 = min((int(g[0]) for g in grids if len(g)), default=0)
-        self.span = max((int(g[-1]) for g in grids if len(g)), default=0) - self.t0 + 1
-        self.keyed = len(grids) * self.span < 1 << KEY_BITS
+    def __init__(self, groups: list[np.ndarray], member: list[tuple[int, int, int]]) -> None:
+        """From the groups (sorted, unique), each dropped from the list once copied, and per process
+        (group, first, end) of its range."""
+        m = np.array(member, np.int64).reshape(-1, 3)
+        self.group, self.first, self.lengths = m[:, 0], m[:, 1], m[:, 2] - m[:, 1]
+        self.offsets = np.concatenate(([0], np.cumsum([len(g) for g in groups]))).astype(np.int64)
+        self.t0 = min((int(g[0]) for g in groups if len(g)), default=0)
+        self.span = max((int(g[-1]) for g in groups if len(g)), default=0) - self.t0 + 1
+        self.keyed = len(groups) * self.span < 1 << KEY_BITS
         self.keys = np.empty(int(self.offsets[-1]), np.int64)
-        for p in range(len(grids)):
-            self.keys[self.offsets[p]:self.offsets[p + 1]] = grids[p] - (self.t0 - (p * self.span if self.keyed else 0))
-            grids[p] = np.zeros(0, np.int64)
+        for j in range(len(groups)):
+            self.keys[self.offsets[j]:self.offsets[j + 1]] = groups[j] + self._base(j)
+            groups[j] = np.zeros(0, np.int64)
 
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def _base(self, j: int) -> int:
+        """What group j's keys hold more than its times."""
+        return (j * self.span if self.keyed else 0) - self.t0
+
     def __getitem__(self, p: int) -> np.ndarray:
-        return self.keys[self.offsets[p]:self.offsets[p + 1]] - ((p * self.span if self.keyed else 0) - self.t0)
+        j = int(self.group[p])
+        a = int(self.offsets[j] + self.first[p])
+        return self.keys[a:a + int(self.lengths[p])] - self._base(j)
 
     def locate(self, proc: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per (process, time): its point in the process's grid, and whether the grid has it."""
-        pos, found = np.zeros(len(proc), np.int64), np.zeros(len(proc), bool)
-        if not self.keyed:
-            for p, rows in _runs(proc):
-                g = self[p] if p < len(self) else np.zeros(0, np.int64)
-                if len(g):
-                    i = np.minimum(np.searchsorted(g, ts[rows]), len(g) - 1)
-                    pos[rows], found[rows] = i, g[i] == ts[rows]
-            return pos, found
         known = proc < len(self.lengths)
         p = np.where(known, proc, 0)
-        key = p * self.span + (ts - self.t0)
-        if len(self.keys):
+        j = self.group[p] if len(self.lengths) else np.zeros(len(p), np.int64)
+        at, hit = np.zeros(len(p), np.int64), np.zeros(len(p), bool)     # in the group
+        if not len(self.keys):
+            pass
+        elif self.keyed:
+            key = j * self.span + (ts - self.t0)
             i = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
-            found = known & (self.keys[i] == key)
-            pos = np.where(found, i - self.offsets[p], 0)
-        return pos, found
+            hit, at = self.keys[i] == key, i - self.offsets[j]
+        else:
+            for g, rows in _runs(j):
+                keys, t = self.keys[self.offsets[g]:self.offsets[g + 1]], ts[rows] - self.t0
+                if len(keys):
+                    i = np.minimum(np.searchsorted(keys, t), len(keys) - 1)
+                    at[rows], hit[rows] = i, keys[i] == t
+        if len(self.lengths):
+            at = at - self.first[p]
+            hit &= known & (at >= 0) & (at < self.lengths[p])
+        return np.where(hit, at, 0), hit
 
 
 class _Layouts:

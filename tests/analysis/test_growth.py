@@ -7,6 +7,7 @@ estimate is T x (live samples) with standard error T x sqrt(live samples).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -16,6 +17,7 @@ import pytest
 
 from analysis import analyze, dataset, series
 from analysis.dataset import Dataset, load
+from analysis.detect import growth
 from analysis.detect.growth import classify, classify_series, detect_growth
 from analysis.findings import to_document
 from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS, TARGETS
@@ -390,6 +392,47 @@ def test_series_do_not_depend_on_batches_files_or_memory(tmp_path, monkeypatch):
     _written(ds, tmp_path, exits=[(n * 10 + 1, 9)])
     read = ordered(classify_series(load(tmp_path)))
     pd.testing.assert_frame_equal(read.drop(columns="comm"), whole.drop(columns="comm"), rtol=1e-9)
+
+
+def test_grids_as_ranges_of_a_recording_or_of_their_own(tmp_path, monkeypatch):
+    """A process's grid is a range of its recording's snapshot times when it has each one between
+    its first and last, else a copy of its own: a process with every snapshot, one that started
+    late and one that missed three give, read together (in memory, from files, grids searched per
+    group), each the series it gives alone, with the points each was given."""
+    rng = np.random.default_rng(21)
+    keep = np.ones(300, bool)
+    keep[[50, 51, 120]] = False
+    procs = {100: {1001: simulate(rng, 3000, 10, rate=1 * MiB)},
+             101: {1011: tuple(a[100:] for a in simulate(rng, 3000, 10, rate=1 * MiB))},
+             102: {1021: tuple(a[keep] for a in simulate(rng, 3000, 10, rate=1 * MiB))}}
+
+    def by_pid(ds: Dataset) -> dict[int, dict]:
+        out = {}
+        for x in growth._streamed(ds)[0]:
+            d = dataclasses.asdict(x)
+            d.pop("recording_id")
+            out[x.pid] = d
+        return out
+
+    def same(got: dict[int, dict], want: dict[int, dict]) -> None:
+        assert sorted(got) == sorted(want)
+        for pid, d in want.items():
+            for k, v in d.items():
+                if isinstance(v, np.ndarray):
+                    np.testing.assert_allclose(got[pid][k], v, rtol=1e-12, err_msg=f"{pid} {k}")
+                elif isinstance(v, float):
+                    assert got[pid][k] == pytest.approx(v, rel=1e-12), (pid, k)
+                else:
+                    assert got[pid][k] == v, (pid, k)
+
+    alone = {pid: by_pid(_dataset({pid: stacks}))[pid] for pid, stacks in procs.items()}
+    assert [alone[p]["points"] for p in procs] == [300, 200, 297]
+    together = _dataset(procs)
+    same(by_pid(together), alone)
+    _written(together, tmp_path)
+    same(by_pid(load(tmp_path)), alone)
+    monkeypatch.setattr(series, "KEY_BITS", 8)
+    same(by_pid(load(tmp_path)), alone)
 
 
 def test_findings_do_not_depend_on_how_processes_are_cut_into_parts(tmp_path, monkeypatch):
