@@ -383,6 +383,43 @@ class Dataset:
 FILTER_COLUMNS = ("ts", "pid", "source", "exiting")
 
 
+def table_files(path: Path) -> list[Path]:
+    """The data files of a local table directory (both layouts), in partition and name order."""
+    paths: list[Path] = []
+    for part in layout.table_partitions(path):
+        try:
+            paths += sorted(part.path / e.name for e in os.scandir(part.path)
+                            if e.name.endswith(".parquet") and not e.name.startswith((".", "_")))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return paths
+
+
+def null_columns(path: Path, columns: list[str]) -> set[str]:
+    """Of `columns`, those that every file of a local table directory lacks or holds only nulls
+    in, as its footer's statistics say (a file without them holds values). Reading them would
+    only decode nulls: a host without GPUs, or the tiers that read no arenas, leave a third of
+    `processes` empty."""
+    null = set(columns)
+    for p in table_files(path):
+        if not null:
+            break
+        try:
+            meta = pq.read_metadata(p)
+        except FileNotFoundError:
+            raise
+        except (OSError, pa.ArrowInvalid):
+            return set()        # read as usual: the reader says what is wrong with it
+        for g in range(meta.num_row_groups):
+            rg = meta.row_group(g)
+            for i in range(rg.num_columns):
+                c = rg.column(i)
+                st = c.statistics           # nested columns' leaves have dotted paths: never in `null`
+                if c.path_in_schema in null and (st is None or not st.has_null_count or st.null_count != rg.num_rows):
+                    null.discard(c.path_in_schema)
+    return null
+
+
 def stream(path: Path, table, columns: list[str], filter, rows: int, running: bool = False,
            ) -> Iterator[pa.RecordBatch]:
     """The rows of a local table directory, file by file, in batches of `columns` (read_table's
@@ -393,13 +430,7 @@ def stream(path: Path, table, columns: list[str], filter, rows: int, running: bo
     schema = table.read_schema
     extra = [c for c in FILTER_COLUMNS if (filter is not None or running and c == "exiting")
              and c in schema.names and c not in columns]
-    paths = []
-    for part in layout.table_partitions(path):
-        try:
-            paths += sorted(part.path / e.name for e in os.scandir(part.path)
-                            if e.name.endswith(".parquet") and not e.name.startswith((".", "_")))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
+    paths = table_files(path)
 
     def read(p: Path) -> pa.Table:
         f = pq.ParquetFile(p)
@@ -477,13 +508,20 @@ class _Spill:
             for k in range(self.n):
                 yield t.slice(cuts[k], cuts[k + 1] - cuts[k]).to_pandas(split_blocks=True)
             return
+        # columns null in every file are neither read nor written, and put back in each part
+        null = null_columns(Path(self.root) / "processes",
+                            [n for n in self.schema.names if n not in ("recording_id", "pid")])
         with tempfile.TemporaryDirectory(prefix="allocsampler-parts-") as tmp:
             files = [Path(tmp) / f"{g}.arrow" for g in range(self.n)]
-            self._write(files)
+            self._write(files, pa.schema([f for f in self.schema if f.name not in null]))
             for f in files:
                 with pa.ipc.open_stream(f) as r:
-                    yield r.read_all().to_pandas(self_destruct=True, split_blocks=True)
+                    df = r.read_all().to_pandas(self_destruct=True, split_blocks=True)
                 f.unlink()
+                for i, field in enumerate(self.schema):
+                    if field.name in null:      # as Arrow converts a column of nulls
+                        df.insert(i, field.name, pa.nulls(len(df), field.type).to_pandas())
+                yield df
 
     def _groups(self, t: pa.RecordBatch) -> np.ndarray:
         """Each row's group (-1: none)."""
@@ -495,8 +533,8 @@ class _Spill:
         return np.array([self.group_of.get((str(names[k >> 32]), int(k & 0xFFFFFFFF)), -1) for k in uniq],
                         np.int64)[inv]
 
-    def _write(self, files: list[Path]) -> None:
-        schema, n = self.schema, self.n
+    def _write(self, files: list[Path], schema: pa.Schema) -> None:
+        n = self.n
         batches = stream(Path(self.root) / "processes", TABLES["processes"], schema.names, self.filter, 1 << 16)
         opts = pa.ipc.IpcWriteOptions(compression="lz4")
         # a stream, not a file: a batch may bring a dictionary of its own

@@ -451,6 +451,35 @@ def test_findings_do_not_depend_on_how_processes_are_cut_into_parts(tmp_path, mo
     assert len(whole["findings"]) == 6
 
 
+def test_parts_leave_out_columns_null_in_every_file(tmp_path, monkeypatch):
+    """Columns whose every file says (in its footer) that they hold only nulls are neither read
+    nor spilled; each part gets them back as Arrow converts nulls: a part equals the whole
+    table's rows of its processes, columns and types included, and the findings are unchanged."""
+    rng = np.random.default_rng(8)
+    procs = {pid: {pid * 10 + 1: simulate(rng, 1200, 10, rate=1 * MiB)} for pid in range(100, 104)}
+    ds = _dataset(procs)
+    ds.processes["threads"] = np.where(ds.processes["pid"] == 102, 4.0, np.nan)     # one process has it
+    _written(ds, tmp_path)
+    null = dataset.null_columns(tmp_path / "processes", analyze.PART_COLUMNS)
+    assert {"swap", "heap_rss", "gpu_used_bytes"} <= null and not null & {"threads", "rss", "ts", "comm"}
+    whole = load(tmp_path)
+    want = whole.processes[analyze.PART_COLUMNS]
+    findings = to_document(analyze.run(whole))
+    monkeypatch.setattr(dataset, "PART_ROWS", 130)
+    ds = load(tmp_path)
+    parts = list(ds.parts(columns=analyze.PART_COLUMNS))
+    assert len(parts) == 4
+    for part in parts:
+        got = part.processes.reset_index(drop=True)
+        mine = want[want["pid"].isin(got["pid"].unique())].reset_index(drop=True)
+        # (a filled column's type may narrow where a part has no null: int32 threads, as before)
+        pd.testing.assert_frame_equal(got[analyze.PART_COLUMNS], mine, check_categorical=False, check_dtype=False)
+        assert sorted(got.columns) == sorted(want.columns)
+        assert all(got[c].dtype == want[c].dtype for c in null), got.dtypes
+        assert got["threads"].notna().any() == (got["pid"] == 102).any()
+    assert to_document(analyze.run(load(tmp_path))) == findings
+
+
 def test_a_file_replaced_while_it_is_streamed_reads_everything_again(tmp_path, monkeypatch):
     """A live daemon's compaction replaces files: a file gone between the listing and its read
     makes analyze.run read the dataset again, with the same findings as an undisturbed read."""
