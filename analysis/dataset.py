@@ -472,8 +472,11 @@ def read_streamed(root: Path | Source, name: str, filter, columns: list[str]) ->
 
 def _batches(root: Path | Source, name: str, columns: list[str], filter) -> Iterator[pa.RecordBatch]:
     """A table's rows in batches: a local one streamed a file at a time, a Source's read whole."""
-    path = None if isinstance(root, Source) else Path(root) / name
-    if path is None or not path.is_dir():
+    if isinstance(root, Source):
+        yield from root.read(name, filter=filter, columns=columns, arrow=True).to_batches()
+        return
+    path = Path(root) / name
+    if not path.is_dir():
         yield from pa.Table.from_pandas(read_table(root, name, filter=filter, columns=columns),
                                        preserve_index=False).to_batches()
         return
