@@ -314,7 +314,7 @@ def fleet_main(args: argparse.Namespace) -> None:
               f"{size / MiB:.0f} MiB in {time.perf_counter() - t:.0f} s")
         last_day = (FLEET_T0 + pd.Timedelta(days=days - 1)).date().isoformat()
         selections = [("every host, every day", []),
-                      ("every host, every day, --jobs 1 (one host at a time)", ["--jobs", "1"]),
+                      ("every host, every day, --jobs 1 (no workers)", ["--jobs", "1"]),
                       ("--host h000 (one host)", ["--host", "h000"]),
                       (f"--host 'h00*' ({min(hosts, 10)} hosts)", ["--host", "h00*"]),
                       (f"--since {last_day} (the last day)", ["--since", last_day]),
@@ -328,7 +328,8 @@ def fleet_main(args: argparse.Namespace) -> None:
             where.append(("moto S3", "s3://bench/fleet", {"AWS_ENDPOINT_URL": url, "AWS_ACCESS_KEY_ID": "bench",
                                                           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"}))
         try:
-            print("| where | selection | hosts | findings | wall time, median [min-max] | peak RSS, median [min-max] |")
+            print("| where | selection | hosts | findings | wall time, median [min-max] "
+                  "| peak Pss with workers, median [min-max] |")
             print("|---|---|--:|--:|--:|--:|")
             for place, location, env in where:
                 for label, extra in selections:

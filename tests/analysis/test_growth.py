@@ -500,8 +500,9 @@ def test_a_file_replaced_while_it_is_streamed_reads_everything_again(tmp_path, m
 
 
 def test_arrow_allocator_is_chosen_before_pyarrow_and_a_choice_kept():
-    """Importing `analysis` first makes Arrow allocate with jemalloc (one arena: docs/performance.md);
-    a pool named in the environment, or pyarrow imported before, is left as it is."""
+    """Importing `analysis` first makes Arrow allocate with jemalloc (one arena: docs/performance.md)
+    without leaving that in the environment; a pool named in the environment, or pyarrow imported
+    before, is left as it is."""
     import subprocess
     import sys
 
@@ -509,11 +510,15 @@ def test_arrow_allocator_is_chosen_before_pyarrow_and_a_choice_kept():
 
     def backend(code: str, **env: str) -> str:
         clean = {k: v for k, v in os.environ.items() if k not in ("ARROW_DEFAULT_MEMORY_POOL", "JE_ARROW_MALLOC_CONF")}
-        out = subprocess.run([sys.executable, "-c", code + "; print(pyarrow.default_memory_pool().backend_name)"],
+        show = ("; import os; print(pyarrow.default_memory_pool().backend_name,"
+                " sorted(k for k in os.environ if 'ARROW' in k))")
+        out = subprocess.run([sys.executable, "-c", code + show],
                              capture_output=True, text=True, env={**clean, **env}, cwd=ROOT, check=True)
         assert not out.stderr, out.stderr
         return out.stdout.strip()
 
-    assert backend("import analysis, pyarrow") == "jemalloc"
-    assert backend("import analysis, pyarrow", ARROW_DEFAULT_MEMORY_POOL="system") == "system"
-    assert backend("import pyarrow, analysis") == "mimalloc"
+    # and the environment is left as it was: processes started later do not inherit the choice
+    assert backend("import analysis, pyarrow") == "jemalloc []"
+    assert backend("import analysis, pyarrow", ARROW_DEFAULT_MEMORY_POOL="system") == \
+        "system ['ARROW_DEFAULT_MEMORY_POOL']"
+    assert backend("import pyarrow, analysis") == "mimalloc []"

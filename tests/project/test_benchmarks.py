@@ -82,10 +82,11 @@ def test_bench_analysis_fleet_quick() -> None:
     assert r.returncode == 0 and QUICK_NOTE in r.stdout, r.stderr[-4000:]
     header, rows = md_table(r.stdout, "where")
     assert header == ["where", "selection", "hosts", "findings", "wall time, median [min-max]",
-                      "peak RSS, median [min-max]"]
+                      "peak Pss with workers, median [min-max]"]
     assert [(row["where"], row["selection"].split()[0]) for row in rows] == \
-        [("local", s) for s in ("every", "--host", "--host", "--since", "as")] + \
-        [("moto S3", s) for s in ("every", "--host", "--host", "--since")]
+        [("local", s) for s in ("every", "every", "--host", "--host", "--since", "as")] + \
+        [("moto S3", s) for s in ("every", "every", "--host", "--host", "--since")]
+    assert "--jobs 1" in rows[1]["selection"] and "--jobs" not in rows[0]["selection"]
     for row in rows:
         assert int(row["findings"]) == 2 * int(row["hosts"]) > 0 and num(row["wall time, median [min-max]"]) > 0
         assert int(row["hosts"]) == (1 if "one host" in row["selection"] else 3)
