@@ -17,8 +17,9 @@ breaks this bench loudly (or not at all), and tests/project/test_benchmarks.py r
 
 --fleet: a fleet of hosts x days in the schema-6 layout (<table>/host=<h>/date=<d>/, one
 compacted file per table and host-day, as the daemon uploads them), each host-day 8 processes x 8
-stacks at 30 s (184,320 outstanding rows, a 24th of the single-host day above; each process runs
-through all the days of its host, with the same four kinds of stack), then
+stacks at 30 s (184,320 outstanding rows, a 24th of the single-host day above, in time order as
+the recorder and compaction leave them; each process runs through all the days of its host, with
+the same four kinds of stack), then
 `allocsampler analyze DIR --json` (every host, as many at once as --jobs' default: analysis/fleet.py;
 then one at a time) and the same with --host and --since pruning, each in a fresh child process:
 wall time and the peak of its and its workers' RSS summed, --runs times.
