@@ -216,7 +216,7 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
             mine = point_rec == r
             here[r], code[mine] = np.unique(ut[mine], return_inverse=True)
         times.append(here)
-        code = code.astype(np.uint16 if max(map(len, here.values())) <= 1 << 16 else np.int32)
+        code = code.astype(np.uint16 if max(map(len, here.values()), default=0) <= 1 << 16 else np.int32)
         starts = np.flatnonzero(np.append(True, up[1:] != up[:-1]))     # points are in process order
         points += [[] for _ in range(len(procs.names) - len(points))]
         for a, z in zip(starts.tolist(), [*starts[1:].tolist(), len(up)], strict=True):
@@ -227,7 +227,8 @@ def read_series(batches: Batches, exits: dict[tuple[str, int], int], measured: M
         return [], {}
     # each recording's snapshot times: a process that has every one between its first and last
     # (the usual) keeps a range of them as its grid, not a copy
-    groups = [np.unique(np.concatenate([t[r] for t in times if r in t])) for r in range(len(recs.names))]
+    groups = [np.unique(np.concatenate([t[r] for t in times if r in t] or [np.zeros(0, np.int64)]))
+              for r in range(len(recs.names))]      # (a recording seen only in exiting rows has none)
     member = []
     for i, key in enumerate(procs.names):
         r = key >> 32

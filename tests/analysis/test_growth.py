@@ -433,6 +433,12 @@ def test_grids_as_ranges_of_a_recording_or_of_their_own(tmp_path, monkeypatch):
     same(by_pid(load(tmp_path)), alone)
     monkeypatch.setattr(series, "KEY_BITS", 8)
     same(by_pid(load(tmp_path)), alone)
+    monkeypatch.undo()
+    # a recording seen only in a teardown's `exiting` row: no snapshot times, no grid, no series
+    row = {**together.outstanding.iloc[-1].to_dict(), "recording_id": "other", "pid": 999, "exiting": True}
+    together.outstanding = pd.concat([together.outstanding, pd.DataFrame([row])], ignore_index=True)
+    _written(together, tmp_path / "exit-only")
+    same(by_pid(load(tmp_path / "exit-only")), alone)
 
 
 def test_findings_do_not_depend_on_how_processes_are_cut_into_parts(tmp_path, monkeypatch):
