@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (idempotent) and run the whole test suite, as root:  sudo bash scripts/test.sh [PYTEST ARGS]
 # Two workers (pytest-xdist), each module's tests on one of them in order; then the tests marked
-# `serial` (they time things, or a CPU-heavy neighbour starves them) alone. PYTEST ARGS go to both.
+# `serial` (they time things, a CPU-heavy neighbour starves them, or they starve neighbours) alone.
+# PYTEST ARGS go to both.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"

@@ -75,6 +75,8 @@ def s3(tmp_path_factory, leaky, leaky_grown):
 
 
 def cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    if args[0] == "analyze" and "--jobs" not in args:
+        args = (*args, "--jobs", "1")   # as in test_fleet.py: no workers beside the suite's other tests
     clean_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     return subprocess.run(allocsampler_cmd(*args), capture_output=True, text=True, timeout=300, cwd="/",
                           env={**clean_env, **QUIET, **env})
