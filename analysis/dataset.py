@@ -505,11 +505,8 @@ class _Spill:
             t = self.root.read("processes", filter=self.filter, columns=self.schema.names, arrow=True)
             t = t.select(self.schema.names).cast(self.schema).unify_dictionaries().combine_chunks()
             g = np.concatenate([self._groups(b) for b in t.to_batches()] or [np.zeros(0, np.int64)])
-            order = np.argsort(g, kind="stable")
-            t, g = t.take(pa.array(order)), g[order]
-            cuts = np.searchsorted(g, np.arange(self.n + 1))
-            for k in range(self.n):
-                yield t.slice(cuts[k], cuts[k + 1] - cuts[k]).to_pandas(split_blocks=True)
+            for rows in _by_group(t, g, self.n):
+                yield rows.to_pandas(split_blocks=True)
             return
         # columns null in every file are neither read nor written, and put back in each part
         null = null_columns(Path(self.root) / "processes",
@@ -551,13 +548,9 @@ class _Spill:
             g = np.concatenate(groups)
             buf.clear()
             groups.clear()
-            order = np.argsort(g, kind="stable")
-            g = g[order]
-            t = t.take(pa.array(order))
-            cuts = np.searchsorted(g, np.arange(n + 1))
-            for k in range(n):
-                if cuts[k + 1] > cuts[k]:
-                    writers[k].write_table(t.slice(cuts[k], cuts[k + 1] - cuts[k]))
+            for k, rows in enumerate(_by_group(t, g, n)):
+                if rows.num_rows:
+                    writers[k].write_table(rows)
 
         try:
             buf: list[pa.RecordBatch] = []
@@ -589,6 +582,14 @@ class _Spill:
 
 
 SPILL_ROWS = 1 << 16
+
+
+def _by_group(t: pa.Table, group: np.ndarray, n: int) -> list[pa.Table]:
+    """The rows of each group 0..n-1 (`group`: each row's; -1: none), in their order: one take."""
+    order = np.argsort(group, kind="stable")
+    t, group = t.take(pa.array(order)), group[order]
+    cuts = np.searchsorted(group, np.arange(n + 1))
+    return [t.slice(cuts[k], cuts[k + 1] - cuts[k]) for k in range(n)]
 
 
 def _joined(batches: list[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
