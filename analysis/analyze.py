@@ -9,8 +9,9 @@
 from __future__ import annotations
 
 from analysis.dataset import READ_ATTEMPTS, Dataset, load
-from analysis.detect import arenas, gpu, growth, pymalloc
+from analysis.detect import arenas, coverage, gpu, growth, pymalloc
 from analysis.detect.arenas import detect_arena_bloat
+from analysis.detect.coverage import detect_recording_incomplete
 from analysis.detect.families import by_family
 from analysis.detect.gpu import detect_gpu
 from analysis.detect.growth import classify_series, detect_growth
@@ -37,7 +38,7 @@ def run(ds: Dataset) -> list[Finding]:
 
 
 # what the detectors read of `processes`: a part holds only these
-PART_COLUMNS = sorted({c for m in (arenas, gpu, growth, pymalloc) for c in m.PROCESS_COLUMNS})
+PART_COLUMNS = sorted({c for m in (arenas, coverage, gpu, growth, pymalloc) for c in m.PROCESS_COLUMNS})
 
 
 def _run(ds: Dataset) -> list[Finding]:
@@ -48,7 +49,8 @@ def _run(ds: Dataset) -> list[Finding]:
         mine = series if procs is None or series.empty else series.merge(
             procs.astype({"recording_id": str, "pid": series["pid"].dtype}), on=["recording_id", "pid"])
         grown += detect_growth(part, mine)
-        others += detect_arena_bloat(part) + detect_pymalloc_bloat(part) + detect_gpu(part, mine)
+        others += (detect_arena_bloat(part) + detect_pymalloc_bloat(part) + detect_gpu(part, mine)
+                   + detect_recording_incomplete(part))
         del part, mine      # before the next part is read
     return sorted(by_family(ds, grown) + others, key=lambda f: -f.severity)
 

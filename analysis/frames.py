@@ -184,9 +184,10 @@ def _finite(v: Any) -> bool:
 def cause_representatives(frames: pd.DataFrame) -> dict[int, int]:
     """stack_id -> the stack that stands for it, for stacks that differ only in their thread start
     (the frames from the first entry function, the thread's start routine or Python's thread
-    bootstrap outwards): one cause, one series. Native frames compare by module, function and offset,
-    Python frames by file, function and line; Python code that allocates through the interpreter
-    alone compares by its Python frames. Stacks that stand for themselves are left out."""
+    bootstrap outwards) or in the allocator's own frames at the top: one cause, one series. Native
+    frames compare by module, function and offset, Python frames by file, function and line; Python
+    code that allocates through the interpreter alone compares by its Python frames. Stacks that
+    stand for themselves are left out."""
     if frames.empty:
         return {}
     f = frames.drop_duplicates(["stack_id", "depth"]).sort_values(["stack_id", "depth"])
@@ -207,6 +208,13 @@ def cause_representatives(frames: pd.DataFrame) -> dict[int, int]:
                & (f["depth"] < first_py).to_numpy())
     by_python = ~np.isin(sid, sid[foreign]) & first_py.notna().to_numpy()
     keep = (f["depth"] < cut).to_numpy() & (~by_python | python)
+    # the allocator's own frames at the top (a page first touched in malloc or in _int_malloc, for
+    # the same caller) are where inside it, not who allocated: left out, but for a stack of nothing else
+    mod = f["module"].astype(object).fillna("").astype(str).str.match(ALLOCATOR_MODULES).to_numpy() & ~python
+    depth = f["depth"].to_numpy(np.int64)
+    none = np.iinfo(np.int64).max
+    other = pd.Series(np.where(mod, none, depth), index=f.index).groupby(sid).transform("min").to_numpy()
+    keep &= ~(mod & (depth < other) & (other < none))
     inner = f[keep]
     py = (inner["kind"].astype(str) == "python").to_numpy()
     def txt(col: str) -> pd.Series:

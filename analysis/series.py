@@ -53,6 +53,7 @@ class StackSeries:
     y: np.ndarray               # outstanding bytes per point (bin means; 0 where it had no row)
     s: np.ndarray               # their standard error (rms over a bin)
     cum: np.ndarray             # sampled allocations + frees up to the end of each point
+    live: np.ndarray            # live samples per point (bin means)
     var1: float                 # per-sample variance term: sum s^2 / sum live samples (0: unknown)
     window_s: float             # from its first to its last measured snapshot
     y_last: float               # outstanding bytes at its last measured snapshot
@@ -547,6 +548,7 @@ class _Store:
         self.nbins = 0
         self.offset = self.lid = np.zeros(0, np.int64)
         self.y = self.s2 = self.churn = np.zeros(0)
+        self.live = np.zeros(0, np.float32)      # live samples per bin (summed; means per point)
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (np.zeros(0) for _ in range(5))
         self.first_live = np.zeros(0, np.int64)
         # series of merged stacks: their sums per grid point (for their peak), end to end in `points`
@@ -584,6 +586,7 @@ class _Store:
         self.lid = np.array(self.lids, np.int64)
         pad = self.nbins - len(self.y)
         self.y, self.s2, self.churn = (np.concatenate([a, np.zeros(pad)]) for a in (self.y, self.s2, self.churn))
+        self.live = np.concatenate([self.live, np.zeros(pad, np.float32)])
         self.s2_all, self.live_all, self.y_last, self.s2_last, self.max_row = (
             np.concatenate([a, np.zeros(new)]) for a in (self.s2_all, self.live_all, self.y_last, self.s2_last,
                                                          self.max_row))
@@ -603,6 +606,7 @@ class _Store:
         np.add.at(self.y, fm, ym)
         np.add.at(self.s2, fm, s2m)
         np.add.at(self.churn, fm, cm)
+        np.add.at(self.live, fm, lm)
         np.add.at(self.s2_all, sm, s2m)
         np.add.at(self.live_all, sm, lm)
         np.add.at(self.y_last, sid[last], y[last])
@@ -634,10 +638,11 @@ class _Store:
     def series(self, i: int, rec: str, pid: int, source: str, stack: int, grid: np.ndarray) -> StackSeries:
         lay = self.made.made[self.lids[i]]
         a = self.offset[i]
-        y, s2, churn = (x[a:a + len(lay.count)] for x in (self.y, self.s2, self.churn))
+        y, s2, churn, live = (x[a:a + len(lay.count)] for x in (self.y, self.s2, self.churn, self.live))
         first = grid[self.first_live[i]] if self.first_live[i] < len(grid) else grid[0]
         return StackSeries(
             rec, pid, source, stack, lay.points, lay.t, y / lay.count, np.sqrt(s2 / lay.count), np.cumsum(churn),
+            live / lay.count,
             self.s2_all[i] / self.live_all[i] if self.live_all[i] > 0 else 0.0, float(lay.t_span),
             float(self.y_last[i]), float(self.s2_last[i]) ** 0.5, self.peak(i),
             int(first), int(grid[lay.last]) if lay.last >= 0 else int(grid[0]), int(grid[-1]))

@@ -25,6 +25,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
+from sampler import files
 from sampler.dataset.layout import HOST_PREFIX, host_key, parse_day
 from sampler.dataset.schema import TABLES
 from sampler.errors import EnvironmentProblem, UsageError
@@ -312,6 +313,27 @@ def open_source(location: str, selection: Selection = Selection(), *, endpoint: 
                          "table there; give the prefix that holds them (the daemon's upload prefix or a "
                          "`record --out` directory)")
     return source
+
+
+def write_table(location: str, table: pa.Table, *, endpoint: str | None = None) -> None:
+    """`table` as one Parquet file at `location` (a local path or a URI, as open_source takes),
+    whole or not at all: a local file is renamed into place, an object store's put is atomic."""
+    import pyarrow.parquet as pq
+
+    if not is_uri(location):
+        try:
+            with files.atomic_file(os.path.abspath(location), 0o644) as f:
+                pq.write_table(table, f)
+        except OSError as e:
+            raise EnvironmentProblem(f"cannot write {location}: {e.strerror or one_line(e)}") from None
+        return
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(with_endpoint(location, endpoint) if endpoint else location)
+        pq.write_table(table, path, filesystem=filesystem)
+    except (pa.ArrowInvalid, ValueError) as e:
+        raise UsageError(f"cannot write {location}: {one_line(e)}") from None
+    except OSError as e:
+        raise access_error(location, e) from None
 
 
 def with_endpoint(uri: str, endpoint: str) -> str:

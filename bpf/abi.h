@@ -85,8 +85,18 @@ enum uw_stop {
 
 /* `targets` values: what is recorded for a process besides its allocator probes. */
 /* TGT_FAMILY (--children): a process it forks is registered as a target by BPF at the fork
- * (proc.bpf.c), before the child first runs. */
-enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2, TGT_FAMILY = 4 };
+ * (proc.bpf.c), before the child first runs. TGT_HOLD (a command `record --` started): at its
+ * exec, and at its new image's entry point (hold_entry, attached by user space), the process is
+ * stopped (SIGSTOP) and user space told (PROC_EXEC, PROC_ENTRY), so that the sampler is placed
+ * before the program's first allocation; user space sends SIGCONT. */
+/* TGT_FORKED: an entry BPF made at a fork (counted in its family root's `members`). */
+enum target_flags { TGT_SYSCALLS = 1, TGT_FAULTS = 2, TGT_FAMILY = 4, TGT_HOLD = 8, TGT_FORKED = 16 };
+/* Processes BPF registers at their fork at once: per family root, and over every family, so that
+ * no server (or forked process storm) fills `targets` for the processes user space adds itself.
+ * A fork past either cap is counted (C_FAMILY_FULL) and not recorded. */
+#define TARGETS_MAX 4096
+#define FAMILY_MAX 1024
+#define FAMILIES_MAX 3072
 
 /* Allocator functions (the cookie of an allocator probe, low byte). */
 enum fn_id {
@@ -105,7 +115,8 @@ enum fn_id {
 
 /* Memory-mapping syscalls. */
 enum vm_op { VM_MMAP = 1, VM_MUNMAP, VM_MREMAP, VM_BRK, VM_MADVISE, VM_MPROTECT };
-enum proc_op { PROC_FORK = 1, PROC_EXEC, PROC_EXIT };
+/* PROC_ENTRY: a TGT_HOLD process reached its entry point (ev_hdr.addr: the ip), stopped there. */
+enum proc_op { PROC_FORK = 1, PROC_EXEC, PROC_EXIT, PROC_ENTRY };
 
 /* Counters (per CPU, summed in user space). Hit counters are indexed by fn_id / 32 + vm_op. */
 enum counter {
@@ -118,6 +129,7 @@ enum counter {
     C_FAULTS,            /* sampled page faults of targets */
     C_CUDA_CALLS,        /* CUDA runtime/driver calls of targets (cuda.bpf.c) */
     C_VM_SUPPRESSED,     /* unsampled syscall events not sent: the process was over its budget */
+    C_FAMILY_FULL,       /* forks of family targets not registered: past FAMILY_MAX or FAMILIES_MAX */
     C_HITS = 16,         /* + fn_id: allocator probe hits */
     C_VM_HITS = 48,      /* + vm_op: syscall hits by targets */
     C_N = 64,
@@ -224,7 +236,7 @@ struct target {
     s32 shift;       /* of the sampling mean (also in pid_hits, read where that is looked up) */
     u32 budget;      /* the process whose syscall-event budget it spends: a family's root (its
                         forks share one), 0 for its own */
-    u32 pad;
+    u32 members;     /* a family root's: forks registered by BPF and alive now */
 };
 
 /* CPython targets: per-process layout of the frame chain (sampler/python/runtime.py PyLayout). */

@@ -40,7 +40,9 @@ BPF_ARRAY(weight_tab, u64, WTAB_N + 1);
 /* Sampled blocks that are still live, per process. A free of any other address emits nothing. */
 BPF_HASH(live, struct live_key, u64, LIVE_MAX);
 /* Processes being recorded; syscall tracepoints fire host-wide and check it. */
-BPF_HASH(targets, u32, struct target, 4096);
+BPF_HASH(targets, u32, struct target, TARGETS_MAX);
+/* forks registered by BPF over every family, alive now (FAMILIES_MAX) */
+BPF_ARRAY(family_n, u64, 1);
 /* Per process and CPU: allocator probe hits (the governor's cost estimate). Entries are created
  * by user space for attach-tier targets; the probes only add to them. `shift` is the process's
  * sampling-mean shift, copied to every CPU by user space: the allocation probes read it from

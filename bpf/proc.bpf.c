@@ -32,8 +32,22 @@ TRACEPOINT_PROBE(task, task_newtask)
     if (!tg)
         return 0;
     if (tg->flags & TGT_FAMILY) {
+        u32 root = tg->budget ? tg->budget : pid;
+        struct target *rt = root == pid ? tg : targets.lookup(&root);
+        if (!rt)
+            rt = tg;                /* its root exited: the members it forked count here */
+        int zero = 0;
+        u64 *all = family_n.lookup(&zero);
+        if (!all || rt->members >= FAMILY_MAX || *all >= FAMILIES_MAX) {
+            count(C_FAMILY_FULL, 1);
+            return 0;               /* counted, not recorded: no fork event */
+        }
+        __sync_fetch_and_add(&rt->members, 1);
+        __sync_fetch_and_add(all, 1);
         struct target c = *tg;
-        c.budget = tg->budget ? tg->budget : pid;   /* a fork storm spends its root's budget */
+        c.budget = root;            /* a fork storm spends its root's budget */
+        c.flags |= TGT_FORKED;
+        c.members = 0;
         targets.update(&child, &c);
         struct py_layout *py = pyprocs.lookup(&pid);
         if (py) {
@@ -55,11 +69,34 @@ TRACEPOINT_PROBE(task, task_newtask)
     return 0;
 }
 
+#define SIGSTOP_NR 19
+
+/* A held process stops before its new image runs an instruction (the signal is delivered on the
+ * way back to user space); user space puts hold_entry on the image's entry point, then lets it go. */
 TRACEPOINT_PROBE(sched, sched_process_exec)
 {
     u32 pid = args->pid;
-    if (targets.lookup(&pid))
-        emit_proc(PROC_EXEC, pid, pid, args->old_pid);
+    struct target *tg = targets.lookup(&pid);
+    if (!tg)
+        return 0;
+    if (tg->flags & TGT_HOLD)
+        bpf_send_signal(SIGSTOP_NR);
+    emit_proc(PROC_EXEC, pid, pid, args->old_pid);
+    return 0;
+}
+
+/* At the entry point of a held process's image (a uprobe_multi link for that pid): the dynamic
+ * linker has loaded and relocated every library, the program has not started. It stops there
+ * until user space has placed the sampler. */
+int hold_entry(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    u32 pid = id >> 32;
+    struct target *tg = targets.lookup(&pid);
+    if (!tg || !(tg->flags & TGT_HOLD))
+        return 0;
+    bpf_send_signal(SIGSTOP_NR);
+    emit_proc(PROC_ENTRY, pid, id, PT_REGS_IP(ctx));
     return 0;
 }
 
@@ -67,7 +104,8 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
 {
     u64 id = bpf_get_current_pid_tgid();
     u32 pid = id >> 32, tid = id;
-    if (!targets.lookup(&pid))
+    struct target *tg = targets.lookup(&pid);
+    if (!tg)
         return 0;
     /* a thread that dies inside a tracked call never returns: drop its pending state */
     pending.delete(&tid);
@@ -81,6 +119,16 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
         return 0;
 #endif
     emit_proc(PROC_EXIT, pid, id, 0);
+    if (tg->flags & TGT_FORKED) {   /* its place in its family's caps is free again */
+        u32 root = tg->budget;
+        struct target *rt = targets.lookup(&root);
+        if (rt && rt->members)
+            __sync_fetch_and_add(&rt->members, -1);   /* (BPF has atomic add only) */
+        int zero = 0;
+        u64 *all = family_n.lookup(&zero);
+        if (all && *all)
+            __sync_fetch_and_add(all, -1);
+    }
     /* a child registered at its fork may exit before user space has seen it: nothing stays */
     targets.delete(&pid);
     pyprocs.delete(&pid);

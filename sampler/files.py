@@ -43,6 +43,24 @@ class UnsafePath(EnvironmentProblem, OSError):
         return str(self.args[0]) if self.args else ""
 
 
+@contextlib.contextmanager
+def stderr_to(path: str) -> Iterator[None]:
+    """File descriptor 2 is `path` for a while (what starts meanwhile keeps it: a JVM's log), then
+    what it was; for C libraries and children that write there, not through sys.stderr."""
+    import sys
+
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    saved = os.dup(2)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(fd)
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

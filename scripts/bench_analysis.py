@@ -2,7 +2,7 @@
 """Time and memory of `analyze` on a synthetic dataset: 50 processes x 24 h at 10 s intervals.
 
     .venv/bin/python scripts/bench_analysis.py [--processes 50] [--hours 24] [--stacks 10] [--quick]
-    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--quick]
+    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--spark] [--quick]
 
 Each process gets `stacks` stacks: a slow leak, a bounded cache, churn and steady pools, written
 through the recorder's own DatasetWriter (one file per table per simulated hour holding every
@@ -320,6 +320,9 @@ def fleet_main(args: argparse.Namespace) -> None:
                       (f"--host 'h00*' ({min(hosts, 10)} hosts)", ["--host", "h00*"]),
                       (f"--since {last_day} (the last day)", ["--since", last_day]),
                       (f"as one dataset: 'h00*' ({min(hosts, 10)} hosts) loaded at once", ["--host", "h00*"])]
+        if args.spark:      # beside the pool's whole-fleet row
+            selections.insert(1, ("every host, every day, --engine spark --master local[2]",
+                                  ["--engine", "spark", "--master", "local[2]"]))
         where = [("local", str(out), None)]
         moto = None
         if args.s3:
@@ -363,6 +366,7 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, help=f"--fleet: default {FLEET['hosts']}")
     ap.add_argument("--days", type=int, help=f"--fleet: default {FLEET['days']}")
     ap.add_argument("--runs", type=int, default=3, help="--fleet: runs of each selection (default 3)")
+    ap.add_argument("--spark", action="store_true", help="--fleet: the whole fleet as a Spark job (local[2]) too")
     ap.add_argument("--s3", action="store_true", help="--fleet: the pruned selections over a moto S3 server too")
     ap.add_argument("--s3-all", action="store_true", help="--fleet --s3: the whole fleet over moto too")
     args = ap.parse_args()

@@ -20,7 +20,12 @@ how many were forked, recorded (a `targets` row) and seen allocating (samples), 
 recorder's CPU beside that of the same recorder on the idle parent.
 
     sudo .venv/bin/python scripts/bench_servers.py [--rounds 3] [--seconds 10] [--servers pg-S,pg-S-C,redis,gunicorn]
-                                                   [--storm-rate 300]
+                                                   [--storm-rate 300] [--kernel-side] [--code DIR]
+
+--kernel-side: each server also beside a no-op BPF program on one syscall tracepoint and no
+recorder, the kernel's part of what recording costs it (bpf/vm.bpf.c's tracepoints put every
+system call of the host on the slow path). --code DIR: each server also recorded by another
+checkout's recorder (a `git worktree` of an older commit), in the same rounds.
 
 --quick: one short round, a smoke test whose numbers mean nothing (0.2 s rather than 1 s for a
 recorder to settle after its attach row, a 1 s gap rather than 2 s in pg-S-beside).
@@ -149,15 +154,33 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])) / TICK     # with waited children
 
 
-def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, float]:
+# What bpf/vm.bpf.c's syscall tracepoints cost on their own: one attached syscall tracepoint sends
+# every system call of the host (not only the targets') through the kernel's slow path.
+NOOP_TRACEPOINT = """
+import sys
+from bcc import BPF
+b = BPF(text="TRACEPOINT_PROBE(syscalls, sys_enter_brk) { return 0; }")
+print("attached", flush=True)
+sys.stdin.readline()
+"""
+
+
+def measure(name: str, recorded: bool | str, seconds: float, work: Path) -> dict[str, float]:
+    """One run of server `name` under its load: unrecorded (False), recorded (True), recorded by the
+    checkout at path `recorded` (a str), or beside a no-op syscall tracepoint ("tracepoint")."""
     start, load = SERVERS[name]
     with start() as server:
-        rec = None
-        if recorded:
+        rec = tp = None
+        if recorded == "tracepoint":
+            tp = subprocess.Popen([sys.executable, "-I", "-c", NOOP_TRACEPOINT], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd="/")
+            assert tp.stdout.readline().strip() == "attached"
+        elif recorded:
             out = Path(tempfile.mkdtemp(dir=work))
+            code = ROOT if recorded is True else Path(recorded)      # --code: another checkout's recorder
             rec = subprocess.Popen([sys.executable, "-m", "sampler.cli", "record", "--pid", str(server.pid),
-                                    "--children", "-o", str(out), "-q"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                    "--children", "-o", str(out), "-q"], cwd=code, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(code)})
             _wait_attached(rec, out)
             cpu0 = _cpu_s(rec.pid)
         t0 = time.monotonic()
@@ -168,6 +191,9 @@ def measure(name: str, recorded: bool, seconds: float, work: Path) -> dict[str, 
             result["recorder_cpu"] = 100 * (_cpu_s(rec.pid) - cpu0) / wall
             rec.send_signal(signal.SIGINT)
             rec.wait(120)
+        if tp is not None:
+            tp.stdin.close()
+            tp.wait(30)
     return result
 
 
@@ -221,12 +247,36 @@ def _wait_attached(rec: subprocess.Popen, out: Path) -> None:
     raise SystemExit("recorder did not attach in 120 s")
 
 
+def _spread(v: list[float], fmt: str = ".0f") -> str:
+    """median (min-max)"""
+    return f"{statistics.median(v):{fmt}} ({min(v):{fmt}}-{max(v):{fmt}})"
+
+
+def _against_unrecorded(runs: dict, names: list[str], kind: bool | str, cpu: bool):
+    """(server, cells) of each server run as `kind`: its rate, its ratio of medians to the
+    unrecorded runs and the per-round ratios (and the recorder's CPU)."""
+    for name in names:
+        if (name, kind) not in runs:
+            continue
+        base = [x["rate"] for x in runs[(name, False)]]
+        rate = [x["rate"] for x in runs[(name, kind)]]
+        cells = [_spread(rate), f"{statistics.median(rate) / statistics.median(base):.3f}",
+                 ", ".join(f"{b / a:.3f}" for a, b in zip(base, rate, strict=True))]
+        if cpu:
+            cells.append(_spread([x["recorder_cpu"] for x in runs[(name, kind)]], ".1f"))
+        yield name, cells
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, help="default 3, --quick 1")
     ap.add_argument("--seconds", type=float, help="benchmark time per run (default 10, --quick 1)")
     ap.add_argument("--servers", default=",".join(SERVERS), help="default %(default)s")
     ap.add_argument("--storm-rate", type=float, help="children forked per second (default 300, --quick 20)")
+    ap.add_argument("--kernel-side", action="store_true",
+                    help="also run each server beside a no-op syscall tracepoint (no recorder): the kernel's share")
+    ap.add_argument("--code", type=Path, help="also record each server with this checkout's recorder "
+                                               "(a `git worktree` of an older commit), interleaved")
     ap.add_argument("--quick", action="store_true", help="one short round: a smoke test")
     args = ap.parse_args()
     global SETTLE_S, GAP_S
@@ -246,20 +296,24 @@ def main() -> None:
                 runs.setdefault((name, False), []).append({"rate": base})
                 runs.setdefault((name, True), []).append({"rate": rate, "recorder_cpu": cpu})
                 continue
-            for recorded in ((False, True) if r % 2 == 0 else (True, False)):     # neither always first
+            kinds = (False, True, *(["tracepoint"] if args.kernel_side else []),
+                     *([str(args.code.resolve())] if args.code else []))
+            for recorded in (kinds if r % 2 == 0 else kinds[::-1]):     # none always first
                 runs.setdefault((name, recorded), []).append(measure(name, recorded, seconds, work))
     print(f"| server | unrecorded (per s) | recorded (per s) | ratio | per-round ratios | recorder CPU (% of a core) "
           f"|  (median of {rounds}, min-max; {seconds:g} s each)")
     print("|---|--:|--:|--:|---|--:|")
-    for name in names:
-        base = [x["rate"] for x in runs[(name, False)]]
-        rec = [x["rate"] for x in runs[(name, True)]]
-        ratios = [b / a for a, b in zip(base, rec, strict=True)]
-        cpu = [x["recorder_cpu"] for x in runs[(name, True)]]
-        print(f"| {name} | {statistics.median(base):.0f} ({min(base):.0f}-{max(base):.0f}) "
-              f"| {statistics.median(rec):.0f} ({min(rec):.0f}-{max(rec):.0f}) "
-              f"| {statistics.median(rec) / statistics.median(base):.3f} | {', '.join(f'{x:.3f}' for x in ratios)} "
-              f"| {statistics.median(cpu):.1f} ({min(cpu):.1f}-{max(cpu):.1f}) |")
+    for name, cells in _against_unrecorded(runs, names, True, cpu=True):
+        print(f"| {name} | {_spread([x['rate'] for x in runs[(name, False)]])} | " + " | ".join(cells) + " |")
+    others = [*([("tracepoint", "beside a no-op syscall tracepoint", False)] if args.kernel_side else []),
+              *([(str(args.code.resolve()), f"recorded by {args.code}", True)] if args.code else [])]
+    for kind, title, cpu in others:
+        print()
+        print(f"| server | {title} (per s) | ratio | per-round ratios "
+              + ("| recorder CPU (% of a core) " if cpu else "") + f"|  (median of {rounds})")
+        print("|---|--:|--:|---|" + ("--:|" if cpu else ""))
+        for name, cells in _against_unrecorded(runs, names, kind, cpu):
+            print(f"| {name} | " + " | ".join(cells) + " |")
     rate = args.storm_rate or (20.0 if args.quick else 300.0)
     storms = [(storm(rate, seconds, work), storm(rate, seconds, work, forking=False)) for _ in range(rounds)]
     print()

@@ -16,6 +16,9 @@
 #   /usr/lib/allocsampler/               the preload shim under a stable path, the kernel headers fallback
 #   /usr/share/doc/allocsampler/         README, the service's guide, every configuration key
 set -euo pipefail
+# The package's files are root's and 0644/0755 whatever the builder's umask (Ubuntu's 0002 would make
+# them group-writable, and the in-process code's trust check then refuses the prebuilt sampler).
+umask 022
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 die() { printf 'build-deb: error: %s\n' "$*" >&2; exit 3; }
@@ -80,7 +83,8 @@ import sys
 sys.dont_write_bytecode = True      # the package's files are dpkg's
 from sampler.cli import entry
 
-sys.exit(entry())
+if __name__ == "__main__":          # multiprocessing's workers (analyze --jobs) import this file again
+    sys.exit(entry())
 EOS
 chmod 755 "$opt/bin/allocsampler"
 mkdir -p "$stage/usr/bin"

@@ -6,6 +6,7 @@ BPF tests never skip: if this machine cannot load BPF the session fixture fails 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -41,6 +42,20 @@ def leakext(tmp_path_factory) -> Path:
     subprocess.run(["gcc", "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", f"-I{inc}",
                     "-o", str(d / "leakext.so"), str(WORKLOADS / "leakext.c")], check=True)
     return d
+
+
+@pytest.fixture(scope="session")
+def profile_pb2(tmp_path_factory):
+    """The pprof reader's classes (tests/readers.py decode)."""
+    from grpc_tools import protoc
+    d = tmp_path_factory.mktemp("proto")
+    # the reader's schema: upstream's profile.proto (tests/proto/profile.proto), compiled by protoc
+    assert protoc.main(["protoc", f"-I{PROTO}", f"--python_out={d}", str(PROTO / "profile.proto")]) == 0
+    sys.path.insert(0, str(d))
+    try:
+        return importlib.import_module("profile_pb2")
+    finally:
+        sys.path.remove(str(d))
 
 
 @pytest.fixture(scope="session")
@@ -158,6 +173,29 @@ def end_child(proc: subprocess.Popen, timeout: float = 10) -> None:
 
 def allocsampler_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "sampler.cli", *args]
+
+
+# Modules of the standard library that our child interpreters import first (ctypes: the probe-cost
+# calibration; multiprocessing: the fleet's forkserver; json: most children), planted as another
+# user could leave them in a directory that root runs a command from.
+PLANTED = ("ctypes", "json", "multiprocessing")
+_PLANTED_INIT = '''import importlib.machinery, importlib.util, os, sys
+with open({marker!r}, "a") as f:
+    f.write(f"{{__name__}} imported by pid {{os.getpid()}} {{sys.argv!r}}\\n")
+# then the real module in its place: the command goes on, the marker alone tells
+_here = os.path.realpath(os.path.dirname(os.path.dirname(__file__)))
+_spec = importlib.machinery.PathFinder.find_spec(__name__, [p for p in sys.path if os.path.realpath(p) != _here])
+sys.modules[__name__] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sys.modules[__name__])
+'''
+
+
+def planted_dir(d: Path, marker: Path) -> Path:
+    """`d`, made, holding PLANTED: each one imported notes it in `marker` (name, pid, argv)."""
+    for name in PLANTED:
+        (d / name).mkdir(parents=True)
+        (d / name / "__init__.py").write_text(_PLANTED_INIT.format(marker=str(marker)))
+    return d
 
 
 class Recording:
@@ -329,6 +367,23 @@ def leaky_grown(tmp_path_factory, leaky_lib, bpf_ready):
     before = _tree(r.out)
     yield r
     assert _tree(r.out) == before, "a test wrote into the shared recording"
+
+
+@pytest.fixture
+def memory_ceiling():
+    """A cgroup (v1 memory controller) whose limit is the unit's MemoryMax (576M): processes put in
+    it are killed by the kernel, not warned, when they pass it."""
+    cg = Path(f"/sys/fs/cgroup/memory/allocsampler-test-{os.getpid()}")
+    cg.mkdir(exist_ok=True)
+    (cg / "memory.limit_in_bytes").write_text(str(576 << 20))
+    yield cg
+    for pid in (cg / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), 9)
+    deadline = time.monotonic() + 10
+    while (cg / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cg.rmdir()
 
 
 @contextlib.contextmanager

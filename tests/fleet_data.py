@@ -5,7 +5,15 @@ the path only) or the older one (<table>/date=<d>/, the host in a `host` column 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -111,3 +119,37 @@ def window_args(day0: dt.date) -> list[str]:
     """The selection the pruning tests make: hosts web-*, the whole day day0+1."""
     day = day0 + dt.timedelta(days=1)
     return ["--host", "web-*", "--since", day.isoformat(), "--until", f"{day.isoformat()}T23:59:59.999999"]
+
+
+# -- an S3-protocol server on localhost ------------------------------------------------------------
+
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+QUIET = {"AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}   # no instance-metadata probing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
+    """moto's S3 server as a subprocess on a free port; yields its endpoint URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)

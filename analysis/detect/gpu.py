@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset, read_table
-from analysis.detect.growth import PersistentGrowth, classify_series, time_to_oom_hours
+from analysis.detect.growth import PersistentGrowth, classify_series, growth_phrase, time_to_oom_hours
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
 from analysis.frames import frames_json, site
@@ -133,9 +133,8 @@ def gpu_growth(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
         frames = frames_json(ds, r.stack_id)
         where = site(frames)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
-        text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} of {_WHAT[source]} ({source}) and grows "
-                f"{fmt_bytes(rate_h)}/h to the end of the window"
-                + (" in a sawtooth" if r.pattern == "sawtooth" else ""))
+        text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} of {_WHAT[source]} ({source}) and "
+                + growth_phrase(rate_h, r.pattern, r.paused_s, "window"))
         if ttoom is not None:
             whose = "the process reaches its" if host else "the GPU fills its"
             text += f"; {whose} {fmt_bytes(limit)} in {fmt_hours(ttoom)}"

@@ -16,7 +16,6 @@ import datetime as dt
 import functools
 import hashlib
 import html
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -319,16 +318,33 @@ def format_detail(key: str, v: Any) -> str:
             return fmt_duration(v * 3600)
         if key.endswith("_s"):
             return fmt_duration(v)
+        if isinstance(v, int) and key.endswith(("_id", "_ids", "pid", "pids")):
+            return str(v)                   # a name, not a count
         return f"{v:,}" if isinstance(v, int) else f"{v:.3g}"
     if isinstance(v, str) and key.endswith(("_seen", "_at", "_time")):
         try:
             return fmt_utc(pd.Timestamp(v))
         except ValueError:
             return v
-    if isinstance(v, list | dict):
-        text = json.dumps(v, default=str)
-        return text if len(text) <= 160 else text[:159] + "…"
-    return str(v)
+    if isinstance(v, dict):           # e.g. region_growth_bytes: {"heap_rss": ..., "anon_rss": ...}
+        text = ", ".join(f"{_label(k)} {format_detail(k if _unit(k) else key, x)}" for k, x in v.items())
+    elif isinstance(v, list):
+        text = ", ".join(format_detail(key, x) if not isinstance(x, dict) else f"({format_detail(key, x)})"
+                         for x in v)
+    else:
+        return str(v)
+    return text if len(text) <= 160 else text[:159] + "…"
+
+
+def _unit(key: str) -> bool:
+    return key.endswith(("_bytes", "_bytes_per_hour", "_hours", "_s"))
+
+
+def _label(key: str) -> str:
+    """A dict key as a word: heap_rss -> heap, arena_live_bytes -> arena live."""
+    for suffix in ("_rss", "_bytes_per_hour", "_bytes", "_hours", "_s"):
+        key = key.removesuffix(suffix)
+    return key.replace("_", " ")
 
 
 def _advice(v: Any) -> Advice:

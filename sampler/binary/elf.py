@@ -643,9 +643,12 @@ class ElfImage:
         return dict(_got_bindings(self._main, slots))
 
 
-def _got_relocs(f: _File) -> Iterator[tuple[_SymTab, np.ndarray, np.ndarray]]:
+def _got_relocs(f: _File, words: bool = False) -> Iterator[tuple[_SymTab, np.ndarray, np.ndarray]]:
     """(its .dynsym, r_offset, symbol index) of each relocation table's JUMP_SLOT and GLOB_DAT
-    entries: the GOT slots the dynamic linker binds to a symbol by name."""
+    entries: the GOT slots the dynamic linker binds to a symbol by name. `words`: its R_X86_64_64
+    entries of addend 0 too: data words the dynamic linker fills with a symbol's address at load (a
+    function pointer initialised with it, `void *(*lib_malloc)(size_t) = malloc;`), which hold that
+    address and nothing else."""
     for sec in f.sections:
         if sec.type != SHT_RELA or not (sec.link < len(f.sections) and f.is_symtab(sec.link)):
             continue
@@ -653,7 +656,10 @@ def _got_relocs(f: _File) -> Iterator[tuple[_SymTab, np.ndarray, np.ndarray]]:
         rela = f.array(sec, RELA_DTYPE)
         rtype = rela["r_info"] & 0xFFFFFFFF
         sym = rela["r_info"] >> np.uint64(32)
-        keep = ((rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)) & (sym != 0)
+        slot = (rtype == R_X86_64_JUMP_SLOT) | (rtype == R_X86_64_GLOB_DAT)
+        if words:
+            slot |= (rtype == R_X86_64_64) & (rela["r_addend"] == 0)
+        keep = slot & (sym != 0)
         keep &= sym < dynsym.count  # else a malformed relocation
         yield dynsym, rela["r_offset"][keep], sym[keep]
 
@@ -679,11 +685,13 @@ def _read_part(elf: ElfReader, base: int, size: int, offset: int, n: int) -> byt
 
 @format_errors
 def import_slots(elf: ElfReader, names: set[str]) -> list[tuple[int, str]]:
-    """(r_offset, name) of the GOT slots through which the file calls `names`: its JUMP_SLOT and
-    GLOB_DAT relocations that bind to them (read from this file's own tables, never a cache), in
-    table order. The names' symbols are looked up first: libtorch_cpu has ~100,000 such slots."""
+    """(r_offset, name) of the words through which the file calls `names`: its JUMP_SLOT and
+    GLOB_DAT relocations that bind to them, and its R_X86_64_64 ones of addend 0 (function pointers
+    in its data initialised with them: libxml2's xmlMalloc, jansson's do_malloc), read from this
+    file's own tables, never a cache, in table order. The names' symbols are looked up first:
+    libtorch_cpu has ~100,000 such slots."""
     out = []
-    for dynsym, offs, syms in _got_relocs(_File(elf)):
+    for dynsym, offs, syms in _got_relocs(_File(elf), words=True):
         rows = {name: dynsym.find(name) for name in sorted(names)}
         want = np.concatenate([np.empty(0, np.intp), *rows.values()]).astype(np.uint64)
         hit = np.flatnonzero(np.isin(syms, want))

@@ -34,6 +34,9 @@ PY_MAX = 96
 UW_FRAMES = 128
 UW_PENDING = 0xFFFFFFFF
 UW_MAPS = 256
+TARGETS_MAX = 4096
+FAMILY_MAX = 1024
+FAMILIES_MAX = 3072
 UW_ROWS_LOG2 = 23
 UW_PAGE_SHIFT = 12
 UW_PAGE_ROWS_LOG2 = 9
@@ -73,6 +76,8 @@ class TargetFlag(enum.IntFlag):
     SYSCALLS = 1
     FAULTS = 2
     FAMILY = 4
+    HOLD = 8
+    FORKED = 16
 
 
 class Fn(enum.IntEnum):
@@ -115,6 +120,7 @@ class ProcOp(enum.IntEnum):
     FORK = 1
     EXEC = 2
     EXIT = 3
+    ENTRY = 4
 
 
 class Counter(enum.IntEnum):
@@ -129,6 +135,7 @@ class Counter(enum.IntEnum):
     FAULTS = 6
     CUDA_CALLS = 7
     VM_SUPPRESSED = 8
+    FAMILY_FULL = 9
     HITS = 16
     VM_HITS = 48
     N = 64
@@ -218,7 +225,7 @@ UW_ROW = Layout("uw_row", [("pc", "I"), ("cfa_off", "h"), ("kind", "B"), ("bp_of
 UW_MAP = Layout("uw_map", [("start", "Q"), ("end", "Q"), ("bias", "Q"), ("row_lo", "I"), ("row_n", "I"),
                            ("page_lo", "I"), ("page_n", "I"), ("page_first", "I"), ("pad", "I")])
 UW_PROC = Layout("uw_proc", [("slot", "I"), ("n", "I")])
-TARGET = Layout("target", [("flags", "I"), ("shift", "i"), ("budget", "I"), ("pad", "I")])
+TARGET = Layout("target", [("flags", "I"), ("shift", "i"), ("budget", "I"), ("members", "I")])
 PY_LAYOUT = Layout("py_layout", [
     ("version", "I"), ("tstate_frame", "H"), ("cframe_frame", "H"), ("frame_code", "H"), ("frame_back", "H"),
     ("frame_instr", "H"), ("frame_entry", "H"),

@@ -13,7 +13,6 @@ import ctypes
 import errno
 import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 import sampler.bpf as bpf_sources
+from sampler import files
 from sampler.bpf import btf, objcache, preflight, tracefs, uprobe_multi
 from sampler.bpf.abi import SHIFT_MAX, SHIFT_MIN, USDT_SPECS, UW_FRAMES, UW_MAPS, Counter, Fn, TargetFlag
 from sampler.bpf.objcache import PROG_KPROBE, PROG_PERF_EVENT, PROG_TRACEPOINT, runtime
@@ -166,21 +166,6 @@ _EINVAL_HINT = ("the kernel refused the uprobe (EINVAL): most likely another too
                 "that tool and record again")
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence the C libraries' stderr (fd 2) for a moment."""
-    sys.stderr.flush()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    saved = os.dup(2)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
 def program_source(cfg: ProbeConfig) -> tuple[str, list[str]]:
     """The C text and compile flags of the BPF object (what objcache caches by)."""
     # One translation unit: bcc rewrites map operations only in the main file, not in
@@ -221,6 +206,7 @@ class BpfProbes:
         self._exited_mappings: set[int] = set()        # exited processes whose vm_live entries go at the next poll
         self._hits_pids: set[int] = set()               # processes given a pid_hits entry (_ensure_hits)
         self._gpu_links: dict[int, list[int]] = {}      # CUDA and pytorch probes: kept across tiers
+        self._entry_links: dict[int, int] = {}          # held processes' entry points (hold_at_entry)
         self._specs: _UsdtSpecs | None = None
         self._gpu_specs: dict[int, list[int]] = {}
         self._faults_on = False
@@ -242,7 +228,7 @@ class BpfProbes:
         allocator programs. Raises EnvironmentProblem, or OSError when the kernel refuses a
         program of a cached spec."""
         try:
-            with _quiet_stderr():   # clang's warnings about foreign kernel headers are noise
+            with files.stderr_to(os.devnull):   # clang's warnings about foreign kernel headers are noise
                 spec, self.compiled = objcache.build(text, cflags, self.cfg.cache_dir)
         except Exception as e:
             raise EnvironmentProblem(
@@ -303,7 +289,7 @@ class BpfProbes:
             v = self._targets[key]
         except KeyError:
             v = self._targets.Leaf()
-        v.flags = flags
+        v.flags = flags | (v.flags & TargetFlag.FORKED)     # its place in its family's caps (proc.bpf.c)
         v.budget = budget
         self._targets[key] = v
 
@@ -393,7 +379,7 @@ class BpfProbes:
             prog_fd = self._load_prog(prog, PROG_KPROBE)
             ev = f"{tracefs.EVENT_PREFIX}{os.getpid()}_{pid}_{kind}_{offset:x}_{len(att.perf)}_{self._seq}".encode()
             self._seq += 1
-            with _quiet_stderr():   # libbcc prints its own line; ours (with the cause) replaces it
+            with files.stderr_to(os.devnull):   # libbcc prints its own line; ours (with the cause) replaces it
                 fd = runtime().bpf_attach_uprobe(prog_fd, kind, ev, lib.attach_path.encode(), offset, pid, 0)
             if fd < 0:
                 err = ctypes.get_errno() or errno.EINVAL
@@ -513,6 +499,18 @@ class BpfProbes:
             raise
         held += cookies
 
+    def hold_at_entry(self, pid: int, attach_path: str, offset: int) -> None:
+        """Stop a TGT_HOLD process at its image's entry point (`offset` in the file) with a
+        PROC_ENTRY event (proc.bpf.c hold_entry), until release_entry. Raises OSError (a kernel
+        without uprobe_multi links among the reasons)."""
+        self.release_entry(pid)
+        self._entry_links[pid] = uprobe_multi.attach(self._multi_prog("hold_entry"), attach_path, [offset], [0],
+                                                     pid, session=False)
+
+    def release_entry(self, pid: int) -> None:
+        if (fd := self._entry_links.pop(pid, None)) is not None:
+            self._close_later(fd)       # closing waits for a grace period: not while the process is held
+
     def detach_gpu(self, pid: int) -> None:
         for fd in self._gpu_links.pop(pid, ()):
             os.close(fd)
@@ -580,6 +578,7 @@ class BpfProbes:
         `bpf_gone`: its exit event came (BPF dropped its `targets` entry at the exit)."""
         self.detach_probes(pid, wait)
         self.detach_gpu(pid)
+        self.release_entry(pid)
         key = ctypes.c_uint32(pid)
         if not mappings:
             with contextlib.suppress(KeyError):
@@ -728,7 +727,8 @@ class BpfProbes:
                 del tab[ctypes.c_uint32(pid)]
 
     def close(self) -> None:
-        for pid in {*self._attached, *self._gpu_links, *(m for f in self._families.values() for m in f.members)}:
+        members = (m for f in self._families.values() for m in f.members)
+        for pid in {*self._attached, *self._gpu_links, *self._entry_links, *members}:
             self.detach(pid)
         for _ in self._closers:
             self._closing.put(None)

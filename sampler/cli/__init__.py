@@ -21,12 +21,22 @@ def build_parser() -> Parser:
     p.add_argument("--version", action="version", version=f"allocsampler {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, mod in COMMANDS.items():
-        mod.prepare_parser(sub.add_parser(name, help=mod.HELP))
+        p.commands[name] = sub.add_parser(name, help=mod.HELP)
+        mod.prepare_parser(p.commands[name])
     return p
 
 
+def parse(argv: list[str] | None = None):
+    """The arguments; a bad one gets one line that names the command's own --help."""
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        p.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     environ.one_blas_thread()   # before any command loads numpy
     try:
         return COMMANDS[args.command].run(args)

@@ -14,9 +14,12 @@ SOURCES = (MALLOC, PYTHON, MMAP, *GPU_SOURCES)     # --source choices
 
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, Parser] = {}     # the top level's: one per command
+
     def error(self, message: str):  # one line, exit 2 (argparse's default prints usage too)
-        print(f"allocsampler: error: {message} (see allocsampler {self.prog.split()[-1]} --help)",
-              file=sys.stderr)
+        print(f"allocsampler: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 

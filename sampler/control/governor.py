@@ -7,7 +7,9 @@ so each of those adds `link_ns` to it. Over the budget it first duty-cycles the 
 attached for a fraction `duty` of each cycle, at a random phase, while free probes stay
 attached so that every sampled block's free is still seen. An allocation is then sampled with
 probability duty x (1 - exp(-S/T)), so its weight is divided by `duty` (Horvitz-Thompson again):
-estimates stay unbiased and their standard errors grow, honestly. When frees alone would exceed
+estimates stay unbiased and their standard errors grow, honestly, as long as the target allocates
+at the same rate in both phases (a CPU-starved target whose on phases run slower and catch up
+off them reads low: 0.61 of its leak beside a busy neighbour, CI 2026-12-01). When frees alone would exceed
 the budget, or the duty would fall below `min_duty`, the target moves to the always-on tier
 (sampled page faults, no uprobes).
 

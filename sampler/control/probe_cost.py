@@ -86,8 +86,9 @@ def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
     known = _load(cache)
     if (got := _cached(known, _key(probes, _own_libc()))) is not None:
         return got[0], got[1], "calibrated earlier this boot"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(os.getpid()), str(PAIRS)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    # isolated (-I) and in /: `python -c` imports from its working directory first (sampler/environ.py)
+    child = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, str(os.getpid()), str(PAIRS)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd="/")
     idle = None
     try:
         if child.stdout.readline().strip() != "ready":
@@ -111,7 +112,7 @@ def calibrate(probes, cache_dir: Path | None) -> tuple[float, float, str]:
             return t, sum(probes.hits().get(child.pid, (0, 0))) - h0
 
         # links of another process on the same functions: it never runs them (it sleeps)
-        idle = subprocess.Popen([sys.executable, "-c", _IDLE, str(os.getpid())])
+        idle = subprocess.Popen([sys.executable, "-I", "-c", _IDLE, str(os.getpid())], cwd="/")
         run()                                                  # warm-up
         per_hit, per_link = [], []
         for _ in range(ROUNDS):

@@ -60,7 +60,8 @@ SCHEMA_VERSION = 6
 #   hash a native frame's inlined calls again (ids of stacks through inlined code differ from
 #   version 5's; diff matches stacks by names, not ids).
 #   Later, compatible: recorder.children_forked/_recorded/_skipped (families registered at fork),
-#   recorder.name_worker_cpu_s. frames.function is null again where no symbol covers the address
+#   recorder.name_worker_cpu_s, processes.malloc_in_use_bytes (the allocator's own count, the
+#   recording's self-check). frames.function is null again where no symbol covers the address
 #   (the `export+0xOFF` of version 5 was read as the function that ran); analysis reads an older
 #   recording's `+0xOFF` names as null (analysis/dataset.py::read_frames).
 
@@ -238,7 +239,10 @@ FRAMES = Table(
 PROCESSES = Table(
     "processes",
     "One row per interval and target process: its memory footprint from /proc and what the "
-    "sampled allocations explain of it. Byte counts.",
+    "sampled allocations explain of it. Byte counts. rss, vms and threads are read at every row; "
+    "pss, uss, swap and the smaps breakdown (heap_*, arena_*, anon_rss, file_rss, stack_rss) again "
+    "when rss moved by more than max(1 MiB, 1%) since they were last read, and at least every 30 s "
+    "(reading smaps walks every page table of the process).",
     (
         *_common("Time of the measurement."),
         Column("pid", pa.int32(), "Process id."),
@@ -269,6 +273,14 @@ PROCESSES = Table(
         Column("arena_live_bytes", pa.float64(), "Estimated live malloc chunk bytes located in arena heaps. "
                                                  "Null while the process's tier does not measure allocations."),
         Column("heap_arena_live_stderr_bytes", pa.float64(), "Standard error of heap + arena live bytes."),
+        Column("malloc_in_use_bytes", pa.float64(), "What glibc malloc itself counts in use in `[heap]` and its "
+                                                    "arenas (their bytes less the free chunks its bins, fast bins "
+                                                    "and top hold), read from its free lists at this snapshot: "
+                                                    "null where they were not walked (paced by their cost) or "
+                                                    "another allocator serves malloc. Its growth against that of "
+                                                    "heap_live_bytes + arena_live_bytes (what was sampled) says "
+                                                    "whether the recording sees the allocations "
+                                                    "(`recording_incomplete`)."),
         Column("malloc_outstanding_bytes", pa.float64(), "Estimated outstanding bytes, source malloc. Null "
                                                          "while the process's tier does not measure allocations."),
         Column("malloc_outstanding_stderr_bytes", pa.float64(), "Its standard error."),
@@ -435,7 +447,9 @@ RECORDER = Table(
         Column("children_recorded", pa.int64(), "Of them, recorded (also those that exited before the "
                                                 "recorder looked at them: their samples are kept)."),
         Column("children_skipped", pa.int64(), "Of them, not recorded: exited before they could get probes "
-                                               "of their own (a parent without the injected sampler)."),
+                                               "of their own (a parent without the injected sampler), or past "
+                                               "the caps of forks registered at once (1,024 per family, "
+                                               "3,072 in all: bpf/abi.h FAMILY_MAX, FAMILIES_MAX)."),
     ),
 )
 

@@ -22,7 +22,10 @@ between loading a slot and returning from it, and copies of slots taken as funct
 calling in): it keeps forwarding correctly for the process's life, its probe sites trap for nobody.
 A later recorder adopts it instead of placing a second, only when this host placed it: the placement
 is recorded (pid, start time, memfd inode, base) in a root-only directory, and the whole code span
-must still be ours.
+must still be ours. While a recorder records a process with its sampler it holds that process's
+lease (a lock beside the record, released by the kernel when the recorder dies): a second recorder
+(a daemon's rule that matches a process an engineer records) is refused until the first ends,
+rather than reconfiguring the sampler and restoring its slots under the first.
 
 Everything read from the target (its maps, its files, its memory, the helper's remote calls) is
 checked before it is used, and nothing root writes can land in another image: the process's memory
@@ -36,22 +39,23 @@ it still holds ours, and never on exit, pid reuse or exec (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import struct
-import subprocess
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sampler import environ, files
+from sampler import files
 from sampler.binary.elf import SHT_RELA, ElfImage, dynsym_entry, exported_function, import_slots
 from sampler.binary.reader import PT_LOAD, ElfFormatError, ElfReader
 from sampler.errors import EnvironmentProblem
 from sampler.inprocess import build as builder
+from sampler.inprocess import helper as helper_runs
 from sampler.inprocess import pydomains
 from sampler.inprocess.abi import (
     FUNCTIONS,
@@ -70,9 +74,7 @@ from sampler.proc.maps import Mapping, open_path, read_maps
 from sampler.proc.process import read_stat
 
 MEMFD_NAME = "/memfd:allocsampler"
-# The helper waits for a thread it changed for as long as it takes (it must give it its registers
-# back); past this the recorder stops waiting for the answer, never kills it.
-PLACE_WAIT_S = 30.0
+PLACE_WAIT_S = helper_runs.PLACE_WAIT_S
 
 
 class Refused(Exception):
@@ -191,6 +193,11 @@ class Injection:
     # CLOCK_MONOTONIC (BPF's clock) once the last change to the process was made: a fork before it
     # may lack the sampler or some slots, so its child is not a copy of this state
     changed_ns: int = 0
+    held: bool = False              # the process is stopped by the recorder (a command it started): the
+                                    # helper works in that stop (place.c --held)
+    verified: bool = True           # the whole code checked at base in the image `mem` reads (a fork's
+                                    # child: before the first write of ours, since it may have exec'd)
+    lease: _Lease | None = None     # this recorder's hold on (pid, start): no other recorder adopts it
 
     @property
     def allocator(self) -> str:
@@ -221,6 +228,9 @@ class Injection:
 
     def close(self) -> None:
         self.mem.close()
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
 
     def forked(self, pid: int) -> Injection:
         """The same sampler in `pid`, which the kernel's fork event says was forked from this
@@ -240,10 +250,16 @@ class Injection:
         if st is None or st.start < self.start or (st.ppid != self.pid and _alive(self.pid, self.start)):
             mem.close()
             raise ProcessLookupError(pid)
-        return replace(self, pid=pid, start=st.start, mem=mem, adopted=True, inherited=True, stop_ns=None,
+        try:
+            lease = _Lease.take(pid, st.start)
+        except Refused:
+            mem.close()
+            raise ProcessLookupError(pid) from None     # another recorder's already: not ours to record
+        return replace(self, pid=pid, start=st.start, mem=mem, lease=lease, adopted=True, inherited=True, stop_ns=None,
                        slots=dict(self.slots), symbols=dict(self.symbols), seen=set(self.seen),
                        imports=dict(self.imports), biases=dict(self.biases), skipped=list(self.skipped),
-                       py_fields=dict(self.py_fields), news=[], said=set(self.said), stores=0, store_ns=0)
+                       py_fields=dict(self.py_fields), news=[], said=set(self.said), stores=0, store_ns=0,
+                       held=False, verified=False)
 
     def redirect(self) -> int:
         """Redirect the slots of objects not looked at yet; returns how many slots changed. An object
@@ -277,7 +293,8 @@ class Injection:
             writes += planned
             if ready:
                 looked.append(obj)
-        writes += self._redirect_python(maps)
+        if not self.held:                   # at its entry point CPython has not set its allocators yet
+            writes += self._redirect_python(maps)
         changed = self.store(writes)
         self.seen.update(looked)
         return changed
@@ -342,6 +359,7 @@ class Injection:
                 continue
             if cur[1] == raw[1] or not all(_within(own, v) for v in cur[1:]):
                 continue                                # malloc-backed (sampled there), or not CPython's own
+            self.check_ours()
             mem.write(keep, struct.pack("<5Q", *cur))   # the sampler's own data: what it forwards to
             for k, j in enumerate((4, 3, 2, 1)):        # free, realloc, calloc, malloc
                 f = pydomains.FIELDS[j]
@@ -506,10 +524,21 @@ class Injection:
         only skews one gap's length: each gap's weight uses the mean it was drawn with)."""
         data = self.base + self.layout.data
         proc = data + INJ_DATA.offsets["proc"]
+        self.check_ours()
         if self.mem.u64(data + INJ_DATA.offsets["magic"]) != INJ_MAGIC:
             raise StoreFailed(f"the sampler at {self.base:#x} is gone from process {self.pid}")
         self.mem.write_u64(proc + SMP_PROCESS.offsets["base_mean"], mean)
         self.mem.write_u64(proc + SMP_PROCESS.offsets["cur_mean"], mean)
+
+    def check_ours(self) -> None:
+        """Before root writes into the sampler's data through `mem`: the whole code is ours at base in
+        the image `mem` reads (a fork's child may have exec'd before its memory was opened). Raises
+        StoreFailed."""
+        if not self.verified:
+            if not _same_code(self.mem, self.base, self.layout):
+                raise StoreFailed(f"the sampler's code is not at {self.base:#x} in process {self.pid} (another "
+                                  "image): nothing written")
+            self.verified = True
 
     def counters(self) -> dict[str, int]:
         """The sampler's own counts (smp_process), read from the process."""
@@ -522,20 +551,23 @@ class Injection:
 
 
 def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: bool = False,
-           parent: tuple[int, int] | None = None) -> Injection:
+           parent: tuple[int, int] | None = None, held: bool = False) -> Injection:
     """Place (or adopt) the sampler in `pid` and configure it; the slots are redirected by
     Injection.redirect(), once the recorder's probes are on the sampler (CPython's object allocator
     too with `python_objects`). `parent`: (base, memfd inode) of the sampler in the process the
     kernel's fork event says `pid` was forked from: a sampler there is the inherited one, adopted
-    without a placement. Raises Refused."""
+    without a placement. `held`: the recorder stopped the process itself (SIGSTOP), a command it
+    started, at its entry point; the helper places into that stop. Raises Refused."""
     code, helper = built()
     layout = CodeLayout.of(code)
     st = read_stat(pid)
     if st is None:
         raise Refused("the process exited")
+    lease = _Lease.take(pid, st.start)
     try:
         mem = _Memory(pid)
     except OSError as e:
+        lease.release()
         raise Refused(f"its memory cannot be opened ({e.strerror})") from None
     try:
         again = read_stat(pid)
@@ -551,7 +583,7 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
                           "this recorder does not know)", transient=True)
         found = _existing(pid, st.start, maps, layout, mem, parent)
         if found is None:
-            base, stop_ns, inode = place(pid, helper, layout, st.start)
+            base, stop_ns, inode = place(pid, helper, layout, st.start, held)
             _placed(pid, st.start, base, inode)
             with _PLACED_LOCK:                  # placements run in threads beside the loop
                 _PLACED_HERE[(pid, st.start, base, inode)] = stop_ns
@@ -564,50 +596,30 @@ def inject(pid: int, sample_mean: int, max_samples_per_s: int, python_objects: b
         adopted = found is not None and stop_ns is None
         inj = Injection(pid, st.start, base, layout, originals, mem, adopted=adopted, stop_ns=stop_ns,
                         inode=inode, inherited=adopted and parent == (base, inode),
-                        python_objects=python_objects)
+                        python_objects=python_objects, held=held, lease=lease)
         _configure(inj, sample_mean, max_samples_per_s, maps)
         inj.changed_ns = time.monotonic_ns()
-        inj.python = inj._find_python(maps) or ""   # now (its code is decoded apart): redirect() is quick
+        if not held:                                # now (its code is decoded apart): redirect() is quick
+            inj.python = inj._find_python(maps) or ""
     except BaseException:
         mem.close()
+        lease.release()
         raise
     return inj
 
 
 # -- the steps ------------------------------------------------------------------------------------
 
-_running: list[subprocess.Popen] = []       # helpers the recorder stopped waiting for (reaped later)
-_running_lock = threading.Lock()            # placements run on worker threads (sampler/record/placement.py)
-
-
-def _helper(argv: list[str], stdin: str = "") -> list[str]:
-    """Runs the placement helper; its output lines. It is never killed: a helper that outlasts
-    PLACE_WAIT_S still owes a thread its registers, and gives them back on its own."""
-    with _running_lock:
-        _running[:] = [p for p in _running if p.poll() is None]
-    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env=environ.worker_environ())
-    try:
-        out, err = p.communicate(stdin, timeout=PLACE_WAIT_S)
-    except subprocess.TimeoutExpired:
-        with _running_lock:
-            _running.append(p)
-        raise Refused(f"the placement helper is still waiting for a thread of the process after "
-                      f"{PLACE_WAIT_S:g} s (it gives it back its registers when its system call returns)") from None
-    lines = out.strip().splitlines()
-    if p.returncode != 0 or not lines or not lines[0].startswith("ok"):
-        last = lines[-1] if lines else ""
-        raise Refused(last.removeprefix("error ") or f"the placement helper failed ({err.strip()[:200]})")
-    return lines
-
-
-def place(pid: int, helper: Path, layout: CodeLayout, start: int) -> tuple[int, int, int]:
+def place(pid: int, helper: Path, layout: CodeLayout, start: int, held: bool = False) -> tuple[int, int, int]:
     """Map a new sampler into `pid` (started at `start`) with the placement helper (no
     configuration, no redirection: inject() does those; scripts/bench_overhead.py times
     placements with it). Returns (its base, how long the thread was stopped in ns, the memfd's
     inode). Raises Refused."""
-    parts = _helper([str(helper), "place", str(pid), str(start), str(layout.path), hex(layout.code_span),
-                     hex(layout.total_span)])[0].split()
+    try:
+        parts = helper_runs.run([str(helper), *(["--held"] if held else []), "place", str(pid), str(start),
+                                 str(layout.path), hex(layout.code_span), hex(layout.total_span)], pid)[0].split()
+    except helper_runs.HelperError as e:
+        raise Refused(str(e)) from None
     if len(parts) != 6:
         raise Refused(f"the placement helper answered {' '.join(parts)[:80]!r}")
     return int(parts[1], 16), int(parts[3]), int(parts[4])
@@ -622,9 +634,10 @@ def _store(inj: Injection, writes: list[_Write]) -> list[tuple[int, bool]]:
     ops = "".join(f"{w.addr:x} {w.expected:x} {w.value:x} {INJ_STORE_AFTER_OK if w.after_ok else 0:x}\n"
                   for w in writes)
     try:
-        lines = _helper([str(helper), "store", str(inj.pid), str(inj.start), str(lay.path), hex(inj.base),
-                         hex(lay.store_entry), hex(lay.store), hex(lay.syscall_at)], ops)
-    except Refused as e:
+        argv = [str(helper), *(["--held"] if inj.held else []), "store", str(inj.pid), str(inj.start), str(lay.path),
+                hex(inj.base), hex(lay.store_entry), hex(lay.store), hex(lay.syscall_at)]
+        lines = helper_runs.run(argv, inj.pid, ops)
+    except helper_runs.HelperError as e:
         raise StoreFailed(str(e)) from None
     if len(lines) != len(writes) + 1:
         raise StoreFailed(f"the placement helper answered {len(lines) - 1} of {len(writes)} writes")
@@ -651,12 +664,71 @@ def _placed(pid: int, start: int, base: int, inode: int) -> None:
     with contextlib.suppress(OSError):
         names = os.listdir(d)
         for name in names[:PLACED_MAX] if len(names) >= PLACED_MAX // 2 else ():
-            p, _, s = name.partition("-")
+            p, _, s = name.removesuffix(LEASE_SUFFIX).partition("-")
             st = read_stat(int(p)) if p.isdigit() else None
             if st is None or str(st.start) != s:
                 with contextlib.suppress(OSError):
                     os.unlink(d / name)
         files.write_atomic(d / f"{pid}-{start}", json.dumps({"base": base, "inode": inode}).encode(), 0o600)
+
+
+LEASE_SUFFIX = ".lease"
+_LEASES: dict[tuple[int, int], tuple[int, Path, list[int]]] = {}    # (pid, start): descriptor, file, [holders]
+
+
+class _Lease:
+    """This recorder's hold on a process's sampler: an exclusive flock on `{pid}-{start}.lease` in
+    the placements' directory, shared by this recorder's Injections of that process (a re-placement
+    after an exec that was not read yet, a fork's child) and released with the last of them, or by
+    the kernel when the recorder dies (a later recorder then adopts the sampler)."""
+
+    def __init__(self, key: tuple[int, int] | None):
+        self.key = key
+
+    @classmethod
+    def take(cls, pid: int, start: int) -> _Lease:
+        """Raises Refused (transient: tried again later) when another recorder holds it."""
+        key = (pid, start)
+        d = _state_dir()
+        if d is None:
+            return cls(None)                # nowhere to note placements: nothing is adopted either
+        with _PLACED_LOCK:
+            if (held := _LEASES.get(key)) is not None:
+                held[2][0] += 1
+                return cls(key)
+            path = d / f"{pid}-{start}{LEASE_SUFFIX}"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            except OSError:
+                return cls(None)            # (a full /run) placement notes fail the same way: none adopted
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                # a holder that released it unlinked it first: the lock of a file still at the path
+                if os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                    raise BlockingIOError
+            except OSError:
+                os.close(fd)
+                raise Refused("another allocsampler recording records it with its in-process sampler: not "
+                              "touched until that recording ends", transient=True) from None
+            _LEASES[key] = (fd, path, [1])
+            return cls(key)
+
+    def release(self) -> None:
+        key, self.key = self.key, None
+        if key is None:
+            return
+        with _PLACED_LOCK:
+            held = _LEASES.get(key)
+            if held is None:
+                return
+            fd, path, holders = held
+            holders[0] -= 1
+            if holders[0] > 0:
+                return
+            del _LEASES[key]
+            with contextlib.suppress(OSError):
+                os.unlink(path)             # before the unlock: a waiter's lock of it is then refused
+            os.close(fd)
 
 
 def _existing(pid: int, start: int, maps: list[Mapping], layout: CodeLayout, mem: _Memory,

@@ -10,6 +10,9 @@
  *       prints "ok TID STOP_NS", then "SEEN DONE" per op
  *   allocsampler-place check-fd PID FD
  *       the check `place` makes of the memfd the process answers with (tests run it alone)
+ *   --held before `place` or `store`: the process may be stopped by SIGSTOP, and that stop is the
+ *       recorder's own (a command it started, held at its entry point until the sampler is in):
+ *       its thread is worked on in that stop and goes back to it afterwards
  * Anything else prints "error REASON" (exit 1), with the process as it was.
  *
  * START is the process's start time (/proc/PID/stat field 22): a pid that another process holds
@@ -31,10 +34,15 @@
  * must be at BASE, and the thread runs inj_store_run on the sampler's own stack.
  *
  * A separate process, in its own session and deaf to SIGINT/SIGTERM/SIGHUP, so that the recorder
- * dying mid-way cannot leave a thread running with our registers. No thread is ever left with them:
- * a system call that outlasts the deadline (a slow seccomp supervisor, mmap waiting for mmap_lock)
- * is interrupted and waited for, what it did is undone, and the registers are put back before this
- * gives up; only a thread that never stopped is left untouched. Signals that arrive for the thread
+ * dying mid-way cannot leave a thread running with our registers. No thread is left with them that
+ * the process did not keep from us: a system call that outlasts the deadline (a slow seccomp
+ * supervisor, mmap waiting for mmap_lock) is interrupted and waited for, what it did is undone, and
+ * the registers are put back before this gives up; a call that faults before it starts (another
+ * thread unmapped the vDSO) gives them back at once; only a thread that never stopped is left
+ * untouched. The helper itself ends within ALLOCSAMPLER_PLACE_MAX_MS (HELPER_MAX_NS) whatever the
+ * process does: a thread that its own process keeps inside our call past that (a supervisor that
+ * never answers, a userfaultfd that never resolves) is left to return into our registers, which
+ * only that process can cause and only it pays for. Signals that arrive for the thread
  * meanwhile are held back (no handler runs on our registers) and delivered again, with their own
  * siginfo, once it has its registers back.
  * A target that is already traced, a zombie, stopped by job control or in seccomp strict mode is
@@ -101,6 +109,9 @@ static siginfo_t g_held[MAX_HELD];             /* signals held back while it is 
 static int g_nheld, g_held_total;
 static int g_late;                             /* a call outlasted the deadline (interrupted, waited for) */
 static int64_t g_deadline_ns = STOP_TIMEOUT_NS;
+#define HELPER_MAX_NS 20000000000LL
+static int64_t g_start_ns, g_end_ns;          /* the helper exits by g_end_ns, whatever the process does */
+static int g_held_ok;                          /* --held: a SIGSTOP stop is the recorder's own */
 
 static int64_t now_ns(void);
 
@@ -276,7 +287,7 @@ static pid_t pick_thread(void)
             running = tid;
         else if (st == 'S' && !restartable && !returns_eintr(thread_syscall(tid)))
             restartable = tid;
-        else if ((st == 'S' || st == 'D' || st == 'R') && !any)
+        else if ((st == 'S' || st == 'D' || st == 'R' || (g_held_ok && st == 'T')) && !any)
             any = tid;
     }
     closedir(d);
@@ -302,7 +313,7 @@ static void refuse_unsuitable(void)
     if (tracer > 0)
         fail("process %d is already traced by pid %d (a debugger): not touched", g_pid, tracer);
     char *st = strstr(buf, "\nState:");
-    if (st && (strchr("TtZX", st[8 + strspn(st + 8, " \t")])))
+    if (st && (strchr(g_held_ok ? "tZX" : "TtZX", st[8 + strspn(st + 8, " \t")])))
         fail("process %d is stopped, traced or a zombie: not touched", g_pid);
     if (status_field(buf, "\nSeccomp:") == SECCOMP_MODE_STRICT)
         fail("process %d runs in seccomp strict mode (any other system call kills it): not touched", g_pid);
@@ -439,8 +450,11 @@ static uint32_t run_filter(const struct sock_filter *f, int len, const struct se
 }
 
 /* Fails unless every filter lets this call through. A user-notification supervisor may answer it
- * (every answer is checked, and a slow one interrupted); a filter that would kill, trap, fail or
- * trace the call means it is never made. */
+ * (every answer is checked, and a slow one interrupted), but not in `store`, whose thread runs our
+ * code to its end (g_no_notify); a filter that would kill, trap, fail or trace the call means it is
+ * never made. */
+static int g_no_notify;
+
 static void check_call(uint64_t ip, long nr, const uint64_t *args, const char *what)
 {
     struct seccomp_data d = {.nr = (int)nr, .arch = AUDIT_ARCH_X86_64, .instruction_pointer = ip};
@@ -452,11 +466,12 @@ static void check_call(uint64_t ip, long nr, const uint64_t *args, const char *w
             action = a;
     }
     uint32_t act = (uint32_t)action;
-    if (act == SECCOMP_RET_ALLOW || act == SECCOMP_RET_LOG || act == SECCOMP_RET_USER_NOTIF)
+    if (act == SECCOMP_RET_ALLOW || act == SECCOMP_RET_LOG || (act == SECCOMP_RET_USER_NOTIF && !g_no_notify))
         return;
     const char *how = act == SECCOMP_RET_KILL_PROCESS || act == SECCOMP_RET_KILL_THREAD ? "kill it"
                       : act == SECCOMP_RET_TRAP ? "send it SIGSYS"
                       : act == SECCOMP_RET_ERRNO ? "fail it"
+                      : act == SECCOMP_RET_USER_NOTIF ? "hand it to a user-space supervisor"
                       : "hand it to a tracer";
     fail("the seccomp filter of %d would %s on %s: not placed", g_pid, how, what);
 }
@@ -474,16 +489,30 @@ static void on_alarm(int sig)
 static int wait_stop(pid_t tid, int64_t deadline)
 {
     int interrupted = 0;
+    int64_t give_up = 0;
     for (;;) {
-        int64_t left = deadline - now_ns();
+        int64_t now = now_ns(), left = deadline - now;
         if (left <= 0 && !interrupted) {
             if (!g_changed)
                 fail("thread %d did not stop within %lld ms (an uninterruptible wait): released untouched", tid,
                      (long long)(g_deadline_ns / 1000000));
             ptrace(PTRACE_INTERRUPT, tid, 0, 0);
             interrupted = g_late = 1;
+            give_up = now + 1000000000LL > g_end_ns ? now + 1000000000LL : g_end_ns;   /* a second to stop */
         }
-        if (!interrupted) {
+        if (interrupted) {
+            left = give_up - now;
+            if (left <= 0) {
+                /* the process keeps its thread inside our call (it never stops for the interrupt):
+                 * nothing can give it its registers back; exiting detaches it */
+                printf("error thread %d of %d did not come back from a system call within %lld s (the process "
+                       "holds it there): the helper gave up, and the thread returns from that call with the "
+                       "helper's registers\n", tid, g_pid, (long long)((g_end_ns - g_start_ns) / 1000000000));
+                fflush(stdout);
+                exit(1);
+            }
+        }
+        {
             struct itimerval it = {{0, 0},
                                    {(time_t)(left / 1000000000), (suseconds_t)(left % 1000000000 / 1000 + 1)}};
             setitimer(ITIMER_REAL, &it, NULL);
@@ -526,14 +555,28 @@ static void hold(int sig)
 }
 
 static uint64_t g_syscall_at; /* the vDSO's `syscall` instruction */
+static int syscall_insn_mapped(uint64_t at);
+
+/* A signal the thread's own instruction raised (a fault), not one sent to it. */
+static int synchronous(int sig)
+{
+    siginfo_t si;
+    if (sig != SIGSEGV && sig != SIGBUS && sig != SIGILL && sig != SIGFPE && sig != SIGTRAP)
+        return 0;
+    return ptrace(PTRACE_GETSIGINFO, g_tid, 0, &si) == 0 && si.si_code > 0;
+}
 
 /* Runs one system call in the stopped thread from its saved registers (seccomp checked first). A
- * signal that arrives meanwhile is held back. */
+ * signal that arrives meanwhile is held back; a fault before the call starts (the vDSO gone or
+ * changed under us) gives the thread its registers back at once. */
 static long remote_syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint64_t a4, uint64_t a5, uint64_t a6,
                            const char *what)
 {
     uint64_t args[6] = {a1, a2, a3, a4, a5, a6};
     check_call(g_syscall_at, nr, args, what);
+    if (!syscall_insn_mapped(g_syscall_at))
+        fail("the vDSO of %d changed under the helper (another thread unmapped or replaced it): %s not made, the "
+             "thread given back its registers", g_pid, what);
     struct user_regs_struct r = g_back;
     r.rip = g_syscall_at;
     r.rax = nr;
@@ -560,6 +603,9 @@ static long remote_syscall(long nr, uint64_t a1, uint64_t a2, uint64_t a3, uint6
         }
         if (status >> 16 == PTRACE_EVENT_STOP)
             continue; /* our interrupt, or a group-stop notification: go on */
+        if (!stops && synchronous(WSTOPSIG(status)))
+            fail("%s faulted before it started in %d (signal %d at the vDSO's syscall instruction: another thread "
+                 "changed the vDSO): the thread given back its registers", what, g_pid, WSTOPSIG(status));
         hold(WSTOPSIG(status));
     }
     if (ptrace(PTRACE_GETREGS, g_tid, 0, &r))
@@ -602,6 +648,14 @@ static uint64_t find_syscall_insn(void)
         if (buf[i] == 0x0f && buf[i + 1] == 0x05)
             return lo + (uint64_t)i;
     fail("no syscall instruction in the vDSO of %d", g_pid);
+}
+
+/* The `syscall` instruction is still at `at` in an executable mapping: read again before each call,
+ * since another thread of the process can unmap or replace the vDSO at any time. */
+static int syscall_insn_mapped(uint64_t at)
+{
+    unsigned char insn[2];
+    return pread(g_mem, insn, 2, (off_t)at) == 2 && insn[0] == 0x0f && insn[1] == 0x05;
 }
 
 /* The maps line that covers addr: its end, protection ("rwxp"), inode and path (0 if none). */
@@ -723,7 +777,8 @@ static int64_t stop_thread(void)
             status = wait_stop(tid, deadline);
         }
     }
-    if (WSTOPSIG(status) != SIGTRAP) /* a group-stop (SIGSTOP, SIGTSTP...): job control stops it; leave it */
+    /* a group-stop (SIGSTOP, SIGTSTP...): job control stops it; leave it, unless the stop is ours */
+    if (WSTOPSIG(status) != SIGTRAP && !(g_held_ok && WSTOPSIG(status) == SIGSTOP))
         fail("process %d is being stopped by signal %d: not touched", g_pid, WSTOPSIG(status));
     int64_t t0 = now_ns();
     check_start();
@@ -963,6 +1018,7 @@ static int do_store(char **argv)
             (struct inj_store_page){.addr = page, .len = 4096, .prot = prot, .write_prot = prot | PROT_WRITE};
         uint64_t rw[6] = {page, 4096, prot | PROT_WRITE, 0, 0, 0};
         uint64_t back[6] = {page, 4096, prot, 0, 0, 0};
+        g_no_notify = 1;
         check_call(base + sys_at, SYS_mprotect, rw, "mprotect");
         check_call(base + sys_at, SYS_mprotect, back, "mprotect");
     }
@@ -980,7 +1036,7 @@ static int do_store(char **argv)
     g_changed = 1;
     if (ptrace(PTRACE_SETREGS, g_tid, 0, &r))
         fail("PTRACE_SETREGS: %s", strerror(errno));
-    int64_t deadline = INT64_MAX; /* once it runs our code it finishes it (at worst mprotect waits) */
+    int64_t deadline = g_end_ns; /* once it runs our code it finishes it, unless mprotect is held past our bound */
     for (;;) {
         if (ptrace(PTRACE_CONT, g_tid, 0, 0))
             fail("PTRACE_CONT: %s", strerror(errno));
@@ -1037,12 +1093,20 @@ int main(int argc, char **argv)
     const char *ms = getenv("ALLOCSAMPLER_PLACE_DEADLINE_MS");
     if (ms && atoll(ms) > 0)
         g_deadline_ns = atoll(ms) * 1000000LL;
+    const char *max = getenv("ALLOCSAMPLER_PLACE_MAX_MS");
+    g_start_ns = now_ns();
+    g_end_ns = g_start_ns + (max && atoll(max) > 0 ? atoll(max) * 1000000LL : HELPER_MAX_NS);
+    if (argc > 1 && strcmp(argv[1], "--held") == 0) {
+        g_held_ok = 1;
+        argc--;
+        argv++;
+    }
     if (argc == 7 && strcmp(argv[1], "place") == 0)
         return do_place(argv + 2);
     if (argc == 9 && strcmp(argv[1], "store") == 0)
         return do_store(argv + 2);
     if (argc == 4 && strcmp(argv[1], "check-fd") == 0)
         return do_check_fd(argv + 2);
-    fail("usage: allocsampler-place place PID START CODE_FILE CODE_SPAN TOTAL_SPAN | store PID START CODE_FILE "
+    fail("usage: allocsampler-place [--held] place PID START CODE_FILE CODE_SPAN TOTAL_SPAN | store PID START CODE_FILE "
          "BASE ENTRY STORE SYSCALL_AT < OPS | check-fd PID FD");
 }

@@ -14,7 +14,7 @@ per-version table; a build where they do not agree is not redirected (reported, 
 
 The file is the target's (any process can map a file called *python* that exports PyObject_Malloc),
 and decoding it runs capstone, native code: it runs in a child of its own that drops to the
-privileges of `nobody`, with its memory and CPU bounded, before it reads a byte of the file
+privileges of a uid no process has (decoder_uid), with its memory and CPU bounded, before it reads a byte of the file
 (`python -m sampler.inprocess.pydomains FD`), never in the root recorder.
 """
 
@@ -26,7 +26,6 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sampler import environ, files
@@ -93,17 +92,35 @@ def _exports_entry(fd: int, path: str) -> bool:
 
 
 NOBODY = 65534
+# The decoder's own uid: one of systemd's dynamic range that no process runs as (neither nobody,
+# which the processes it reads may be, and which could then stop or trace it, nor anyone's).
+DYNAMIC_UIDS = range(65519, 65519 - 64, -1)
 DECODER_AS = 1 << 30            # the decoding child's address space
 DECODER_CPU_S = 10
-DECODER_TIMEOUT_S = 30.0
+DECODER_TIMEOUT_S = 10.0
+
+
+def decoder_uid() -> int:
+    """A uid of DYNAMIC_UIDS that no process has, real, effective or saved (nobody's when every one
+    of them is taken)."""
+    taken: set[int] = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/status", "rb") as f:
+                    line = next((ln for ln in f.read(4096).splitlines() if ln.startswith(b"Uid:")), b"")
+                taken.update(int(x) for x in line.split()[1:4])
+            except (OSError, ValueError):
+                continue
+    return next((u for u in DYNAMIC_UIDS if u not in taken), NOBODY)
 
 
 def _decode_apart(fd: int) -> Domains | None:
     try:
-        r = subprocess.run([sys.executable, "-m", "sampler.inprocess.pydomains", str(fd)], pass_fds=(fd,),
-                           capture_output=True, text=True, timeout=DECODER_TIMEOUT_S, cwd=Path(__file__).parents[2],
-                           env={**environ.worker_environ(PYTHONPATH=str(Path(__file__).parents[2])),
-                                "PATH": "/usr/bin:/bin"})
+        # it imports as root, then drops to a uid of its own (_decode): the code is found as the recorder's was
+        r = subprocess.run(environ.python_module("sampler.inprocess.pydomains", str(fd), str(decoder_uid())),
+                           pass_fds=(fd,), capture_output=True, text=True, timeout=DECODER_TIMEOUT_S, cwd="/",
+                           env={**environ.worker_environ(), "PATH": "/usr/bin:/bin"})
     except (OSError, subprocess.SubprocessError):
         return None
     parts = r.stdout.split()
@@ -202,14 +219,14 @@ def _loads(code: bytes, vaddr: int) -> list[tuple]:
     return out
 
 
-def _decode(fd: int) -> int:
+def _decode(fd: int, uid: int = NOBODY) -> int:
     """The decoding child: everything imported (as its parent's user: the install may be readable by
-    root alone), then nobody's privileges and bounds, and only then the file behind `fd` (opened by
-    the recorder)."""
+    root alone), then the privileges of `uid` (decoder_uid) and bounds, and only then the file behind
+    `fd` (opened by the recorder)."""
     if os.geteuid() == 0:
         os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     resource.setrlimit(resource.RLIMIT_AS, (DECODER_AS, DECODER_AS))
     resource.setrlimit(resource.RLIMIT_CPU, (DECODER_CPU_S, DECODER_CPU_S))
     try:
@@ -224,4 +241,4 @@ def _decode(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_decode(int(sys.argv[1])))
+    sys.exit(_decode(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else NOBODY))

@@ -9,6 +9,13 @@ arena whose walk fails or runs over the budget gets nulls rather than a guess. R
 from /proc/PID/pagemap, and chunk headers are read only from resident pages: the walk never
 faults heap memory in or swaps it back.
 
+The process writes the headers it is walked by, so the walk is bounded by what a real allocator
+has, not by what it claims (docs/security.md): smaps.py reads at most MAX_HEAP_PIECES heaps; their
+page maps are read PAGEMAP_BUDGET bytes per call at most, a window at a time, counted with numpy;
+a heap's present bits are kept only while its arena is walked; pinned pages are found from the
+free chunks' ends (not per page of the heap) and PinMaps stop at PIN_BUDGET bytes. What is left out
+is said in `notes`. The free-list walk itself is spaced by its cost (sampler/control/pacing.py).
+
 Which pages are pinned: the free chunks (and the top chunk) give each page of a heap its free
 bytes, exactly; a resident page holding both free bytes and anything else (a live chunk, or
 glibc's own metadata) is pinned: `malloc_trim` cannot return it, however little stays on it. Each
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,10 +53,14 @@ _MALLOC_CHUNK = 48                    # sizeof(struct malloc_chunk): mtrim keeps
 _MINSIZE = 32
 CHUNK_HEADER = 16                     # a chunk starts this far before the pointer malloc returned
 _CHUNK_HDR = struct.Struct("<QQ")     # size, fd (at chunk + 8)
-# The target sizes what is read: a heap's page map (8 bytes a page, and as much again indexed) up
-# to this heap size, libc's data and what follows it up to _MAX_LIBC_DATA, and main_arena
-# candidates in it up to _MAX_CANDIDATES. Past them: no row for that heap, no main arena found.
-MAX_HEAP_BYTES = 32 << 30
+# The target sizes what is read: its heaps' page maps (8 bytes a page) up to PAGEMAP_BUDGET in all
+# (32 GiB of heap: the biggest brk heap walked; a walked arena keeps 5 bytes a page of it while
+# it is walked), libc's data and what follows it up to _MAX_LIBC_DATA, and main_arena
+# candidates in it up to _MAX_CANDIDATES. Past them: no row for those arenas (said in `notes`),
+# no main arena found.
+PAGEMAP_BUDGET = 64 << 20
+_WINDOW = 1 << 16                     # pages whose page map entries are read at a time (512 KiB)
+PIN_BUDGET = 16 << 20                 # bytes of PinMaps per call (2 Mi pinned pages, 8 GiB of them)
 _MAX_LIBC_DATA = 4 << 20
 _MAX_CANDIDATES = 1024
 DEFAULT_BUDGET = 1 << 17              # free chunks read per process and snapshot (~0.5 s)
@@ -76,9 +87,11 @@ class _Heap:
     start: int
     end: int                          # end of the rw (committed) part
     arena: int                        # address of its malloc_state; 0 = main arena (unknown)
-    present: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    resident_n: int = 0               # resident pages
     swapped: int = 0
-    csum: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # present pages before k
+    # kept only while its arena is walked (_residency): page k resident, and how many before k
+    present: np.ndarray | None = None
+    csum: np.ndarray | None = None    # int32
 
     def resident(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Resident bytes in each [lo, hi) (within this heap), partial pages pro rata."""
@@ -87,12 +100,13 @@ class _Heap:
         pres = self.present.astype(np.int64)
         same = (b - a) * pres[hp]
         head = (PAGE - a % PAGE) * pres[hp] + (b - tp * PAGE) * pres[tp]
-        middle = PAGE * (self.csum[tp] - self.csum[np.minimum(hp + 1, tp)])
+        middle = PAGE * (self.csum[tp].astype(np.int64) - self.csum[np.minimum(hp + 1, tp)])
         return np.where(hp == tp, same, head + middle)
 
     def resident_pages(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """Resident bytes of the whole pages [lo, hi) (page-aligned bounds)."""
-        return PAGE * (self.csum[(hi - self.start) // PAGE] - self.csum[(lo - self.start) // PAGE])
+        c = self.csum
+        return PAGE * (c[(hi - self.start) // PAGE].astype(np.int64) - c[(lo - self.start) // PAGE])
 
 
 class _Mem:
@@ -113,14 +127,16 @@ class _Mem:
 
 
 def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple[int, int, float]],
-               budget: int = DEFAULT_BUDGET, pins: list[PinMap] | None = None, walk: bool = True) -> list[dict]:
+               budget: int = DEFAULT_BUDGET, pins: list[PinMap] | None = None, walk: bool = True,
+               notes: list[str] | None = None, main_hint: int = 0) -> list[dict]:
     """One row per arena (the main arena when `[heap]` exists, each secondary arena).
 
     `regions` are the classified (start, end, kind) of smaps.MemoryBreakdown; `blocks` the sampled
     live blocks as (address, size, inclusion probability). With `pins`, the pinned pages of each
     arena whose free lists were read are appended to it. Without `walk`, the free lists are not
     read (their columns are null): residency and sampled live bytes only. [] when the process is gone or its
-    memory cannot be read."""
+    memory cannot be read. What the budgets left out is said in `notes`. `main_hint`: where the main
+    arena was found last time (its row's `arena`), checked before libc's data is searched again."""
     try:
         mem = _Mem(pid)
     except OSError:
@@ -131,30 +147,49 @@ def arena_rows(pid: int, regions: list[tuple[int, int, str]], blocks: list[tuple
             return []
         main = next((h for h in heaps if h.arena == 0), None)
         if main is not None:
-            main.arena = _find_main_arena(mem, pid, main)
+            ok = main_hint and _bins(mem, main_hint, [(main.start, main.end)]) is not None \
+                and _top(mem, main_hint, [main], True) is not None
+            main.arena = main_hint if ok else _find_main_arena(mem, pid, main)
         by_arena: dict[int, list[_Heap]] = {}
         for h in heaps:
             by_arena.setdefault(h.arena, []).append(h)
         live = _live(blocks, heaps)
-        left = [budget]
-        rows = []
+        left, maps_left, pin_left = [budget], PAGEMAP_BUDGET, [PIN_BUDGET]
+        rows, over = [], []
         for arena, hs in by_arena.items():
             is_main = hs[0] is main
+            need = sum((h.end - h.start) // PAGE * 8 for h in hs)
+            if need > maps_left:
+                over.append(len(hs))
+                continue
+            maps_left -= need
+            walked = bool(arena and walk)
+            hs = [h for h in hs if _residency(mem, h, walked)]     # the rest was unmapped meanwhile
+            if not hs:
+                continue
             free = None
-            for _ in range(WALK_TRIES if arena and walk else 0):
+            for _ in range(WALK_TRIES if walked else 0):
                 # a busy process relinks its bins while they are read: a torn read is read again
-                free = _free_chunks(mem, arena, hs, is_main, left, pins)
+                free = _free_chunks(mem, arena, hs, is_main, left, pins, pin_left)
                 if free is not None or left[0] <= 0:
                     break
+            for h in hs:
+                h.present = h.csum = None
             lb, lv, ls = (sum(live[id(h)][k] for h in hs) for k in range(3))
             rows.append({
                 "pid": pid, "arena": arena, "main": is_main, "heaps": len(hs),
                 "size": sum(h.end - h.start for h in hs),
-                "rss": sum(int(h.csum[-1]) for h in hs) * PAGE, "swap": sum(h.swapped for h in hs) * PAGE,
+                "rss": sum(h.resident_n for h in hs) * PAGE, "swap": sum(h.swapped for h in hs) * PAGE,
                 "live_bytes": lb, "live_stderr_bytes": lv ** 0.5, "live_samples": ls,
                 **(free or dict.fromkeys(FREE_COLUMNS)),
                 "in_use_bytes": None if not free else sum(h.end - h.start for h in hs) - free["free_bytes"],
             })
+        if notes is not None and over:
+            notes.append(f"{len(over):,} of {len(by_arena):,} glibc arenas ({sum(over):,} heaps) have no malloc_arenas "
+                         f"row: their page maps are over the {PAGEMAP_BUDGET >> 20} MiB read per snapshot")
+        if notes is not None and pin_left[0] < 0:
+            notes.append(f"pinned pages of some heaps not charged to their stacks: over {PIN_BUDGET >> 20} MiB of "
+                         "pin maps")
         return rows
     finally:
         mem.close()
@@ -164,24 +199,36 @@ def _heaps(mem: _Mem, regions: list[tuple[int, int, str]]) -> list[_Heap]:
     heaps = []
     for start, end, kind in regions:
         if kind == HEAP:
-            h = _Heap(start, end, 0)
+            heaps.append(_Heap(start, end, 0))
         elif kind == ARENA:
             raw = mem.read(start, _HEAP_INFO.size)
-            if len(raw) != _HEAP_INFO.size:
-                continue                      # unmapped since smaps was read
-            h = _Heap(start, end, _HEAP_INFO.unpack(raw)[0])
-        else:
-            continue
-        if end - start > MAX_HEAP_BYTES:
-            continue
-        entries = np.frombuffer(mem.read(start // PAGE * 8, (end - start) // PAGE * 8, "pagemap"), "<u8")
-        if len(entries) != (end - start) // PAGE:
-            continue
-        h.present = (entries >> np.uint64(63)).astype(bool)
-        h.swapped = int(((entries >> np.uint64(62)) & np.uint64(1)).sum())
-        h.csum = np.concatenate(([0], np.cumsum(h.present, dtype=np.int64)))
-        heaps.append(h)
+            if len(raw) == _HEAP_INFO.size:   # else unmapped since smaps was read
+                heaps.append(_Heap(start, end, _HEAP_INFO.unpack(raw)[0]))
     return heaps
+
+
+def _residency(mem: _Mem, h: _Heap, keep: bool) -> bool:
+    """Count h's resident and swapped pages from its page map, read _WINDOW pages at a time; with
+    `keep`, its present bits and their running count stay (for its arena's walk). False when the
+    heap was unmapped meanwhile."""
+    n = (h.end - h.start) // PAGE
+    present = np.zeros(n, bool) if keep else None
+    h.resident_n = h.swapped = 0
+    for k in range(0, n, _WINDOW):
+        m = min(_WINDOW, n - k)
+        raw = mem.read((h.start // PAGE + k) * 8, m * 8, "pagemap")
+        if len(raw) != m * 8:
+            return False
+        entries = np.frombuffer(raw, "<u8")
+        bits = (entries >> np.uint64(63)).astype(bool)
+        h.resident_n += int(np.count_nonzero(bits))
+        h.swapped += int(np.count_nonzero(entries & np.uint64(1 << 62)))
+        if present is not None:
+            present[k:k + m] = bits
+    if present is not None:
+        h.present, h.csum = present, np.zeros(n + 1, np.int32)
+        np.cumsum(present, dtype=np.int32, out=h.csum[1:])
+    return True
 
 
 def _live(blocks: list[tuple[int, int, float]], heaps: list[_Heap]) -> dict[int, list[float]]:
@@ -253,7 +300,7 @@ def _top(mem: _Mem, base: int, heaps: list[_Heap], main: bool) -> tuple[_Heap, i
     h = next((h for h in heaps if h.start <= top < h.end), None)
     if h is None or top % 16:
         return None
-    hdr = mem.read(top + 8, 8) if h.present[(top + 8 - h.start) // PAGE] else b""
+    hdr = mem.read(top + 8, 8) if _present(mem, h, top + 8) else b""
     used = mem.read(h.start + 16, 8) if not main else struct.pack("<Q", h.end - h.start)
     if len(hdr) != 8 or len(used) != 8:
         return None
@@ -261,12 +308,20 @@ def _top(mem: _Mem, base: int, heaps: list[_Heap], main: bool) -> tuple[_Heap, i
     return (h, top, size) if size >= _MINSIZE and top + size == h.start + struct.unpack("<Q", used)[0] else None
 
 
+def _present(mem: _Mem, h: _Heap, addr: int) -> bool:
+    """Whether the page of `addr` is resident: from h's kept bits, else its page map entry."""
+    if h.present is not None:
+        return bool(h.present[(addr - h.start) // PAGE])
+    raw = mem.read(addr // PAGE * 8, 8, "pagemap")
+    return len(raw) == 8 and raw[7] >> 7 == 1
+
+
 def _inside(addr: int, ranges: list[tuple[int, int]]) -> bool:
     return addr % 16 == 0 and any(lo <= addr < hi for lo, hi in ranges)
 
 
 def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: list[int],
-                 pins: list[PinMap] | None = None) -> dict | None:
+                 pins: list[PinMap] | None = None, pin_left: list[int] | None = None) -> dict | None:
     """Free-list totals of one arena; None when its metadata does not check out. Chunks cached
     in tcache and fastbins are in use as far as the bins are concerned and are not counted (nor
     are they free bytes of a page: a tcache'd chunk pins its page until it is reused)."""
@@ -293,35 +348,46 @@ def _free_chunks(mem: _Mem, base: int, heaps: list[_Heap], main: bool, left: lis
     resident = _sum_resident(every, heaps) + int(h.resident(np.array([addr]), np.array([addr + size]))[0])
     out.update(free_bytes=sum(s for _, s in every) + size, free_chunks=len(every), free_resident_bytes=resident)
     pinned = pages = 0
-    for hp, ratio, b, n in _pinned([*every, (addr, size)], heaps):
+    for hp, first, ratio, b, n in _pinned([*every, (addr, size)], heaps):
         pinned, pages = pinned + b, pages + n
         if pins is not None and n:
-            pins.append(PinMap(hp.start, ratio))
+            if pin_left is not None:
+                pin_left[0] -= ratio.nbytes
+                if pin_left[0] < 0:
+                    continue                  # counted in its row, not charged to the stacks on it
+            pins.append(PinMap(hp.start + first * PAGE, ratio))
     out.update(pinned_bytes=pinned, pinned_pages=pages)
     return out
 
 
 def _pinned(free: list[tuple[int, int]], heaps: list[_Heap]):
-    """Per heap: (heap, free bytes per byte in use of each pinned page, pinned free bytes, pinned
-    pages). A page is pinned when it is resident and holds free bytes and bytes in use."""
-    for h in heaps:
-        n = len(h.present)
-        per_page = np.zeros(n + 1, np.int64)
-        full = np.zeros(n + 1, np.int64)
-        for hp, lo, hi in _by_heap(free, [h]):
-            a, b = lo - hp.start, np.minimum(hi, hp.end) - hp.start
-            fa, lb = a // PAGE, (b - 1) // PAGE
-            one = fa == lb
-            np.add.at(per_page, fa[one], (b - a)[one])
-            many = ~one
-            np.add.at(per_page, fa[many], PAGE - a[many] % PAGE)
-            np.add.at(per_page, lb[many], b[many] - lb[many] * PAGE)
-            np.add.at(full, fa[many] + 1, 1)
-            np.add.at(full, lb[many], -1)
-        free_b = np.minimum(per_page[:n] + np.cumsum(full)[:n] * PAGE, PAGE)
-        pinned = h.present & (free_b > 0) & (free_b < PAGE)
-        ratio = np.where(pinned, free_b / np.maximum(PAGE - free_b, 1), 0.0)
-        yield h, ratio, int(free_b[pinned].sum()), int(pinned.sum())
+    """Per heap: (heap, its first pinned page, free bytes per byte in use of each page from there
+    to the last pinned one, pinned free bytes, pinned pages). A page is pinned when it is resident
+    and holds free bytes and bytes in use: only a page where a free chunk starts or ends can be
+    (the pages inside one are wholly free), so the work is per chunk, not per page of the heap."""
+    for hp, lo, hi in _by_heap(free, heaps):
+        a, b = lo - hp.start, np.minimum(hi, hp.end) - hp.start
+        fa, lb = a // PAGE, (b - 1) // PAGE
+        one = fa == lb
+        pages = np.sort(np.concatenate((fa, lb)))
+        pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]     # np.unique: 20x slower
+        per_page = np.zeros(len(pages), np.int64)
+        np.add.at(per_page, np.searchsorted(pages, fa[one]), (b - a)[one])
+        many = ~one
+        np.add.at(per_page, np.searchsorted(pages, fa[many]), PAGE - a[many] % PAGE)
+        np.add.at(per_page, np.searchsorted(pages, lb[many]), b[many] - lb[many] * PAGE)
+        # a page strictly inside another chunk (a torn read) is wholly free
+        starts, ends = np.sort(fa[many] + 1), np.sort(lb[many])
+        inside = np.searchsorted(starts, pages, "right") - np.searchsorted(ends, pages, "right")
+        free_b = np.minimum(per_page + (inside > 0) * PAGE, PAGE)
+        pinned = hp.present[pages] & (free_b > 0) & (free_b < PAGE)
+        if not pinned.any():
+            yield hp, 0, np.zeros(0), 0, 0
+            continue
+        at, fb = pages[pinned], free_b[pinned]
+        ratio = np.zeros(int(at[-1] - at[0]) + 1)
+        ratio[at - at[0]] = fb / np.maximum(PAGE - fb, 1)
+        yield hp, int(at[0]), ratio, int(fb.sum()), len(at)
 
 
 def _walk(mem: _Mem, head: int, first: int, heaps: list[_Heap], left: list[int]) -> list[tuple[int, int]] | None:

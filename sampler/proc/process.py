@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import struct
 import subprocess
 from dataclasses import dataclass
 
@@ -131,6 +132,22 @@ def exe_path(pid: int) -> str | None:
         return os.readlink(f"/proc/{pid}/exe").removesuffix(" (deleted)")
     except OSError:
         return None
+
+
+AT_ENTRY = 9
+
+
+def entry_point(pid: int) -> int:
+    """The address of the program's entry point in its image (the auxiliary vector's AT_ENTRY,
+    which the kernel writes at exec). Raises OSError, ValueError when there is none."""
+    raw = _read(f"/proc/{pid}/auxv", 4096)
+    for i in range(0, len(raw) - 15, 16):
+        key, value = struct.unpack_from("<QQ", raw, i)
+        if key == AT_ENTRY:
+            return value
+        if key == 0:
+            break
+    raise ValueError(f"process {pid} has no entry point in its auxiliary vector")
 
 
 def descendants(roots: set[int], proc: str = "/proc") -> list[tuple[int, int]]:

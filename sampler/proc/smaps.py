@@ -3,6 +3,13 @@
 glibc's secondary arenas live in 64 MiB-aligned heaps that start with
 `heap_info {ar_ptr, prev, size, mprotect_size, pagesize}`; reading that header through
 /proc/PID/mem confirms a candidate VMA is really a heap (needs ptrace rights, i.e. root).
+
+The process writes those headers, so what is read for them is bounded (docs/security.md):
+MAX_HEAP_PIECES 64 MiB pieces per process and snapshot, one header read each (and, for a VMA of
+several merged heaps, their page map, counted with numpy). glibc makes at most arena_max arenas
+(8 x online CPUs by default), each one heap until it outgrows 64 MiB: 512 is arena_max on a
+64-CPU host, or 32 GiB of heaps. A VMA with more pieces than are left is not split at all (real
+merged heaps are a few adjacent ones): what is left unread is counted (MemoryBreakdown.heaps_unread).
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import struct
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
+import numpy as np
+
 HEAP_MAX_SIZE = 64 << 20  # size and alignment of a secondary-arena heap on 64-bit glibc
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 _HEAP_INFO = struct.Struct("<5Q")
 # The first heap of an arena holds its malloc_state right after heap_info, so ar_ptr - base is
 # sizeof(heap_info): 48 since glibc 2.35 added `pagesize` (plus 8 bytes of pad), 32 before.
 _FIRST_HEAP_ARENA_OFFSETS = (48, 32)
+MAX_HEAP_PIECES = 512
 
 HEAP = "heap"
 ARENA = "arena"
@@ -78,6 +88,7 @@ class MemoryBreakdown:
     file_rss: int = 0
     stack_rss: int = 0
     swap: int = 0
+    heaps_unread: int = 0  # 64 MiB pieces of heap candidates not read (over MAX_HEAP_PIECES): not arenas here
     regions: list[tuple[int, int, str]] = field(default_factory=list)  # (start, end, kind) by start
 
 
@@ -173,12 +184,31 @@ def _apportion(total: int, weights: list[int]) -> list[int]:
     return shares
 
 
-def _split_heaps(files: _ProcFiles, r: Region) -> list[Region]:
-    """Cut a 64 MiB-aligned rw VMA at heap boundaries; [] when no piece is a confirmed heap."""
-    bounds = [(a, min(a + HEAP_MAX_SIZE, r.end)) for a in range(r.start, r.end, HEAP_MAX_SIZE)]
-    arenas = [_heap_arena(files, a) for a, _ in bounds]
-    if not any(arenas):
+@dataclass
+class HeapReads:
+    """What classify may still read as heap candidates (64 MiB pieces), and what it left unread."""
+
+    left: int = MAX_HEAP_PIECES
+    unread: int = 0
+
+
+def _split_heaps(files: _ProcFiles, r: Region, reads: HeapReads) -> list[Region]:
+    """Cut a 64 MiB-aligned rw VMA at heap boundaries; [] when its first piece is not a confirmed
+    heap (a run of merged heaps starts with one), or when it has more pieces than `reads` allows."""
+    pieces = -(-(r.end - r.start) // HEAP_MAX_SIZE)
+    if not reads.left:
+        reads.unread += pieces
         return []
+    reads.left -= 1
+    first = _heap_arena(files, r.start)
+    if not first:
+        return []
+    if pieces - 1 > reads.left:     # never split a mapping longer than what is left (256 GiB: 4,096 pieces)
+        reads.unread += pieces
+        return []
+    reads.left -= pieces - 1
+    bounds = [(a, min(a + HEAP_MAX_SIZE, r.end)) for a in range(r.start, r.end, HEAP_MAX_SIZE)]
+    arenas = [first, *(_heap_arena(files, a) for a, _ in bounds[1:])]
     if len(bounds) == 1:
         present = swapped = [1]
     else:
@@ -187,9 +217,9 @@ def _split_heaps(files: _ProcFiles, r: Region) -> list[Region]:
         present, swapped = [], []
         for a, e in bounds:
             raw = files.pread("pagemap", (e - a) // _PAGE_SIZE * 8, a // _PAGE_SIZE * 8)
-            entries = memoryview(raw).cast("Q")
-            present.append(sum(x >> 63 for x in entries))
-            swapped.append(sum(x >> 62 & 1 for x in entries))
+            entries = np.frombuffer(raw, "<u8", len(raw) // 8)
+            present.append(int(np.count_nonzero(entries >> np.uint64(63))))
+            swapped.append(int(np.count_nonzero(entries & np.uint64(1 << 62))))
         sizes = [e - a for a, e in bounds]
         present = present if any(present) else sizes  # pages changed under us: best effort
         swapped = swapped if any(swapped) else sizes
@@ -227,8 +257,11 @@ def _heap_end(start: int) -> int:
     return (start // HEAP_MAX_SIZE + 1) * HEAP_MAX_SIZE
 
 
-def classify(pid: int, regions: list[Region], stack_pointers: list[int]) -> list[Region]:
-    """Set each region's kind; merged arena VMAs come back as one region per 64 MiB heap."""
+def classify(pid: int, regions: list[Region], stack_pointers: list[int],
+             reads: HeapReads | None = None) -> list[Region]:
+    """Set each region's kind; merged arena VMAs come back as one region per 64 MiB heap. Heap
+    candidates are read as far as `reads` allows (MAX_HEAP_PIECES)."""
+    reads = reads or HeapReads()
     sps = sorted(stack_pointers)
     out: list[Region] = []
     with _ProcFiles(pid) as files:
@@ -241,7 +274,7 @@ def classify(pid: int, regions: list[Region], stack_pointers: list[int]) -> list
                     r.end % HEAP_MAX_SIZE == 0 or nxt is None or nxt.start != r.end
                     or nxt.perms != "---p" or _kind_by_name(nxt) != ANON or nxt.end <= _heap_end(r.end)
                 )
-                heaps = _split_heaps(files, r) if tail_fits else []
+                heaps = _split_heaps(files, r, reads) if tail_fits else []
                 if heaps:
                     out.extend(heaps)
                     continue
@@ -287,5 +320,7 @@ def summarize(regions: list[Region]) -> MemoryBreakdown:
 
 def memory_breakdown(pid: int) -> MemoryBreakdown:
     """Classify /proc/PID/smaps once and total it; ProcessLookupError when the process is gone."""
-    regions = read_smaps(pid)
-    return summarize(classify(pid, regions, thread_stack_pointers(pid)))
+    regions, reads = read_smaps(pid), HeapReads()
+    b = summarize(classify(pid, regions, thread_stack_pointers(pid), reads))
+    b.heaps_unread = reads.unread
+    return b

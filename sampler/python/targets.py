@@ -28,6 +28,7 @@ class _Py:
     reader: CodeReader
     tids: set[int] = field(default_factory=set)
     refreshed: float = 0.0
+    pushed_ns: int = 0          # CLOCK_MONOTONIC (BPF's clock) once its layout was in BPF
 
 
 class PythonTargets:
@@ -50,18 +51,24 @@ class PythonTargets:
             return None
         self._procs[pid] = _Py(proc, CodeReader(proc))
         self._maps.set_python(pid, proc.layout.to_bytes())
+        self._procs[pid].pushed_ns = time.monotonic_ns()
         self.refresh(pid, force=True)
         return None
 
-    def forked(self, parent: int, child: int) -> bool:
-        """`child` was forked from `parent` (BPF copied its layout and the forking thread's
-        PyThreadState, which is the child's one thread): read like the parent, with nothing read
-        from the child now. False when the parent is not known to run CPython."""
+    def forked(self, parent: int, child: int, fork_ns: int) -> bool:
+        """`child` was forked from `parent` at `fork_ns` (BPF copied its layout and the forking
+        thread's PyThreadState, which is the child's one thread): read like the parent, with
+        nothing read from the child now; a child forked before its parent's layout reached BPF (a
+        server that forks its workers as it starts) gets its own now. False when the parent is not
+        known to run CPython."""
         py = self._procs.get(parent)
         if py is None:
             return False
         proc = replace(py.proc, pid=child, forked_from=py.proc.forked_from or parent)
-        self._procs[child] = _Py(proc, CodeReader(proc), {child}, time.monotonic())
+        self._procs[child] = _Py(proc, CodeReader(proc), {child}, time.monotonic(), py.pushed_ns)
+        if fork_ns < py.pushed_ns:
+            self._maps.set_python(child, proc.layout.to_bytes())
+            self.refresh(child, force=True)
         return True
 
     def known(self, pid: int) -> bool:

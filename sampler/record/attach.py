@@ -20,22 +20,27 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent import futures
 
 from sampler.binary.reader import ElfFormatError
 from sampler.bpf.abi import TargetFlag
 from sampler.bpf.loader import BpfProbes
 from sampler.control.governor import Governor
 from sampler.gpu.cuda import GpuTracer
-from sampler.inprocess import inject
+from sampler.inprocess import helper, inject
 from sampler.probes import usdt
 from sampler.probes.allocators import Family, find_allocators
 from sampler.proc.maps import Mapping, open_path, pinned, read_maps
 from sampler.python.targets import PythonTargets
+from sampler.record.hold import PLACING, Holds
 from sampler.record.placement import Placements
 from sampler.record.target import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS, Target
 from sampler.record.vm_events import VmClassifier
 
 EXEC_RESCAN_S = 5.0     # after an exec the new image maps its libraries over a moment
+# The recording's end waits this long, in all, for slots given back and placement helpers still at
+# work (the unit's TimeoutStopSec leaves room for it and the last flush).
+STOP_BUDGET_S = 25.0
 NO_ALLOCATOR = ("no probeable allocator (statically linked or stripped: no malloc symbol in any mapped file)")
 
 
@@ -60,6 +65,9 @@ class Attacher:
         self._gpu_said = False
         self.placements = Placements()
         self.waiting: set[int] = set()      # targets whose placement waits for the rate (poll tries again)
+        self.retries: dict[int, float] = {}  # pid -> when its refused placement is tried again (monotonic)
+        self.restoring: list[futures.Future] = []   # slots given back beside the loop (release)
+        self.holds = Holds(probes, self._flags, warn)
 
     def attach(self, t: Target) -> None:
         """Probes for a new target, then its `attach` row (once its placement is done, when it has
@@ -67,6 +75,9 @@ class Attacher:
         if t.tier == RSS:
             self.enable_faults()
         self.probes.add_target(t.pid, self._flags(t), t.budget)
+        if t.held:                          # a command's launcher: its exec is held, its image placed into
+            t.attach_owed = True
+            return
         if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
             t.attach_owed = True            # its allocator probes come with the placement's outcome
             self._detect_python(t, final=False)
@@ -75,7 +86,7 @@ class Attacher:
 
     def _flags(self, t: Target) -> TargetFlag:
         return (TargetFlag.SYSCALLS | (TargetFlag.FAULTS if t.tier == RSS else 0)
-                | (TargetFlag.FAMILY if t.family else 0))
+                | (TargetFlag.FAMILY if t.family else 0) | (TargetFlag.HOLD if t.holds else 0))
 
     def adopt_fork(self, t: Target, parent: Target, fork_ns: int) -> bool:
         """A fork of `parent` that BPF registered at the fork (--children, at `fork_ns`): it
@@ -95,7 +106,7 @@ class Attacher:
         else:
             return False
         t.tier = INJECT if how == "inject" else PRELOAD
-        if self.python is not None and self.python.forked(parent.pid, t.pid):
+        if self.python is not None and self.python.forked(parent.pid, t.pid, fork_ns):
             t.py_checked = True
         # the family's links cover it already; any other probe file is attached at its rescan
         t.usdt = {ident for ident in parent.usdt if self.probes.join_family(ident[:2], t.pid)}
@@ -120,7 +131,8 @@ class Attacher:
         if self.governor is not None and t.tier == ATTACH:
             self.governor.add(t.pid, time.monotonic())
         self._attach_gpu(t, self._attach_allocators(t))
-        self._detect_python(t, final=True)
+        if not t.held:                      # held at its entry point, its interpreter has not started
+            self._detect_python(t, final=not t.rescan_until)   # after an exec: until it is up
         if self.placements.busy(t.pid):
             t.attach_owed = True
         else:
@@ -146,6 +158,16 @@ class Attacher:
             if t.attach_owed and not self.placements.busy(t.pid) and (t.injection or t.inject_refused):
                 t.attach_owed = False       # (a transient refusal is tried again first)
                 self.note(t, "attach", t.attach_detail())
+        now = time.monotonic()
+        for pid, at in list(self.retries.items()):
+            t = targets.get(pid)
+            if t is None or t.inject_refused is None:
+                del self.retries[pid]
+            elif now >= at and not self.placements.busy(pid):
+                del self.retries[pid]
+                t.inject_refused = None     # its backoff is over: the refusal said when
+                t.inject_retried = True     # its probes are in place already: a new refusal changes nothing
+                self.waiting.add(pid)
         for pid in list(self.waiting):
             t = targets.get(pid)
             self.waiting.discard(pid)
@@ -157,11 +179,12 @@ class Attacher:
                     continue
                 except Exception as e:  # noqa: BLE001
                     fail(pid, "placing the sampler", e)
+        self.holds.tick(now, lambda pid: self.placements.busy(pid) or pid in self.waiting)
 
     @property
     def busy(self) -> bool:
-        """Placements in flight or waiting for the rate."""
-        return bool(self.placements.jobs or self.waiting)
+        """Placements in flight or waiting for the rate, or a process held for one."""
+        return bool(self.placements.jobs or self.waiting or self.holds.holding)
 
     def settle(self, targets: dict[int, Target], fail: Callable[[int, str, Exception], None]) -> None:
         """A recording's first targets: their placements are waited for (they are attached when the
@@ -185,8 +208,8 @@ class Attacher:
 
     def rescan(self, t: Target) -> None:
         """Look for libraries mapped since the last look (a new `attach` row when there are)."""
-        if self.placements.busy(t.pid) or t.pid in self.waiting:
-            return                      # what it needs comes with its placement
+        if self.placements.busy(t.pid) or t.pid in self.waiting or t.held:
+            return                      # what it needs comes with its placement (held: in its stop)
         if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
             return                      # after an exec: the new image is injected once it is mapped
         n = len(t.libs)
@@ -203,15 +226,64 @@ class Attacher:
         ended, or failed on it), and its redirected slots get their functions back; never after an
         exit, a pid reuse or an exec (the sampler went with the image, and nothing is written into
         whatever holds the pid now)."""
-        if t.injection is not None:
-            if restore:
-                # a redirection still running for it finishes first (it changes the same slots)
-                self.placements.wait({t.pid}, inject.PLACE_WAIT_S)
-                with contextlib.suppress(OSError):
-                    t.injection.restore()
-            t.injection.close()
-            t.injection = None
+        self.holds.let_go(t)
+        self.retries.pop(t.pid, None)
         self.waiting.discard(t.pid)
+        inj, t.injection = t.injection, None
+        if inj is None:
+            return
+        if not restore:
+            inj.close()
+            return
+        # on a worker, never on the loop (a helper can wait seconds on the process), after a
+        # redirection still running for it (it changes the same slots); the recording's end waits
+        # for these within one budget (finish)
+        job = self.placements.jobs.get(t.pid)
+        before = job.future if job is not None else None
+
+        def work() -> None:
+            try:
+                if before is not None:
+                    with contextlib.suppress(Exception):
+                        before.result(inject.PLACE_WAIT_S)
+                with contextlib.suppress(OSError):
+                    inj.restore()
+            finally:
+                inj.close()
+        self.restoring = [f for f in self.restoring if not f.done()]
+        self.restoring.append(self.placements.pool.submit(work))
+
+    def finish(self, budget_s: float = STOP_BUDGET_S) -> tuple[int, int]:
+        """The recording's end: the restores on their way and the placement helpers still alive,
+        within one budget; what does not fit is left as it is (a sampler that keeps its slots
+        forwards correctly, and the next recorder adopts it; a helper is never killed). Returns
+        (restores not done, helpers still alive)."""
+        end = time.monotonic() + budget_s
+        futures.wait(self.restoring, timeout=budget_s)
+        pending = sum(not f.done() for f in self.restoring)
+        return pending, helper.wait_all(max(0.0, end - time.monotonic()))
+
+    def resume_allocs(self, t: Target) -> None:
+        """The governor's on phase: the allocation probes again, on the allocator files the image
+        maps now (after an exec or a dlopen the paths of the last look may name mappings that are
+        gone). A library that cannot be probed again is said once."""
+        for lib in list(t.libs):
+            try:
+                self.probes.attach(t.pid, lib, allocs_only=True)
+                continue
+            except OSError:
+                if not os.path.exists(f"/proc/{t.pid}"):
+                    return                  # exiting: its exit event follows
+            try:
+                self._attach_allocators(t)  # this image's paths
+                fresh = next((x for x in t.libs if (x.path, x.build_id) == (lib.path, lib.build_id)), None)
+                if fresh is None:
+                    continue                # unmapped since: nothing allocates through it
+                self.probes.attach(t.pid, fresh, allocs_only=True)
+            except (OSError, ProcessLookupError) as e:
+                if os.path.exists(f"/proc/{t.pid}"):
+                    self.warn(t, f"could not attach the allocation probes of {lib.path} again after the "
+                                 f"governor's pause ({e}): its allocations are not sampled")
 
     def leave_attach(self, t: Target, tier: str, why: str) -> None:
         """Move a target out of the attach tier: its allocator probes go, and with them the
@@ -243,6 +315,7 @@ class Attacher:
         t.table.clear()
         t.image += 1                         # what was being placed for the old image is dropped
         t.inject_refused = None              # a new image: a new chance (within the backoff)
+        t.inject_retried = False
         if t.tier == INJECT:                 # the sampler went with the old image: inject again
             self.probes.detach_probes(pid)
             if t.injection is not None:
@@ -269,6 +342,18 @@ class Attacher:
         # Attachments stay: uprobes are bound to the library file and the task, and follow it
         # into the new image. Rescan for libraries that the new image adds.
         t.rescan_until = time.monotonic() + EXEC_RESCAN_S
+        self.retries.pop(pid, None)
+        if t.holds:                          # a command we started, stopped at its exec by BPF
+            self.holds.exec_(t)
+
+    def entered(self, t: Target) -> None:
+        """A held command stopped at its entry point: the sampler is placed in that stop (or, where
+        it is not to be injected, its probes attached), then it goes on."""
+        if not self.holds.entered(t):
+            return
+        if t.tier == ATTACH and self.attach_mode != "uprobe" and self._inject(t):
+            return
+        self._settled(t)
 
     # ------------------------------------------------------------------------------------------
     def _detect_python(self, t: Target, final: bool) -> None:
@@ -294,11 +379,14 @@ class Attacher:
         why = self.placements.when(t.pid, now)
         if why is not None:
             self._refused(t, why)
+            if (at := self.placements.next_try(t.pid)) is not None:
+                self.retries[t.pid] = at
             return False
         pid, image, inherits = t.pid, t.image, t.inherits if t.image == 0 else None
+        held = t.held == PLACING
 
         def work() -> inject.Injection:
-            return inject.inject(pid, self.sample_mean, self.max_samples_per_s, self.python_objects, inherits)
+            return inject.inject(pid, self.sample_mean, self.max_samples_per_s, self.python_objects, inherits, held)
         # adopting a fork's sampler stops no thread: not held to the placements' rate
         if not self.placements.submit(pid, image, work, lambda inj, e: self._placed(t, inj, e),
                                       limited=inherits is None):
@@ -316,9 +404,11 @@ class Attacher:
             if isinstance(e, inject.Refused) and e.transient and t.rescan_until:
                 return                      # an exec's image still being mapped: again at the next rescan
             self.placements.failed(t.pid, time.monotonic())
-            self._refused(t, str(e) or type(e).__name__)
-            self._settled(t)
+            self._refused(t, f"{str(e) or type(e).__name__}; {self._next_try(t)}")
+            if not t.inject_retried:
+                self._settled(t)
             return
+        inj.held = t.held == PLACING        # let go meanwhile: its later writes need no stop of ours
         t.injection = inj
         # its mappings, made beside the loop, may have been read as the process's own before now
         t.table.unmap(inj.base, inj.layout.total_span)
@@ -334,6 +424,15 @@ class Attacher:
             self.note(t, "tier", f"inject: {why}")
         self._settled(t)
 
+    def _next_try(self, t: Target) -> str:
+        """When a refused placement is tried again (scheduled here), in words."""
+        now = time.monotonic()
+        at = self.placements.next_try(t.pid)
+        if at is None:
+            return "not tried again"
+        self.retries[t.pid] = at
+        return f"next try in {max(0.0, at - now):.0f} s"
+
     def _refused(self, t: Target, why: str) -> None:
         t.inject_refused = why
         if self.attach_mode == "inject":
@@ -344,8 +443,11 @@ class Attacher:
             self.note(t, "tier", f"attach: uprobes on the allocator, the sampler could not be injected ({why})")
 
     def _redirect(self, t: Target) -> None:
-        """Redirects the slots of objects loaded since (a job beside the loop; its notes when done)."""
+        """Redirects the slots of objects loaded since (a job beside the loop; its notes when done).
+        A failed one counts in the process's placement backoff: no new one before its next try."""
         inj = t.injection
+        if self.placements.when(t.pid, time.monotonic()) is not None:
+            return
 
         def done(n: int | None, e: BaseException | None) -> None:
             if e is not None:
@@ -353,7 +455,8 @@ class Attacher:
                     raise ProcessLookupError(t.pid)
                 if not isinstance(e, (OSError, ElfFormatError, ValueError, inject.Refused)):
                     raise e
-                self.warn(t, f"could not redirect newly loaded objects ({e}); tried again at the next rescan")
+                self.placements.failed(t.pid, time.monotonic())
+                self.warn(t, f"could not redirect newly loaded objects ({e}); {self._next_try(t)}")
                 return
             if n and t.rescan_until == 0.0 and len(inj.slots) > n:
                 self.note(t, "inject", f"{n} more slots redirected (objects loaded since)")
@@ -385,6 +488,10 @@ class Attacher:
         for lib in libs:
             ident = (lib.path, lib.build_id)
             if ident in t.attached:
+                if t.attached[ident] is not None:
+                    # the probes follow the file, but its attach path names this image's mapping
+                    # (map_files): the governor's next on phase attaches through it
+                    t.attached[ident] = lib
                 continue
             t.attached[ident] = None
             try:

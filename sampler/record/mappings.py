@@ -43,6 +43,8 @@ class Mappings:
         if sid is not None and op == VmOp.MMAP and t.injection is not None \
                 and t.injection.under_python_wrapper(self.last_pcs()):
             ev.weight = 0                   # pymalloc's arena: its objects are sampled as `python`
+        if ok and op != VmOp.MADVISE:
+            t.sample = None                         # its smaps breakdown is read again (snapshot.py)
         if ok and op == VmOp.MMAP:
             t.table.unmap(ev.ret, ev.size)          # whatever was mapped there is gone
             if ev.weight:

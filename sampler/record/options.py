@@ -45,6 +45,7 @@ class RecordOptions:
     ringbuf_bytes: int = 8 << 20          # BPF ring buffer (mapped once: sampler/bpf/ringbuf.py); read in
                                           # batches of an eighth of it, or every 100 ms
     daemon: bool = False                  # sampler/service/daemon.py: runs without targets, adds its own
+    max_targets: int = 4000               # processes recorded at once; forks past it are counted, not recorded
     quiet: bool = False
     argv: str = ""
     gpu: bool = True                      # trace CUDA calls and sample NVML (sampler/gpu/cuda.py)

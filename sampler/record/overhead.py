@@ -146,7 +146,5 @@ class Controls:
                 t.duty = self.governor.duty(pid)
                 self.note(t, "governor", a.reason)
         if want_on and not t.allocs_on:
-            for lib in t.libs:
-                with contextlib.suppress(OSError):      # exiting: its exit event follows
-                    self.probes.attach(pid, lib, allocs_only=True)
+            self.attacher.resume_allocs(t)
             t.allocs_on = True

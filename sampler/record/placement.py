@@ -53,6 +53,11 @@ class Placements:
             return f"placement failed {n} time{'s' * (n > 1)} in this process: next try in {after - now:.0f} s"
         return None
 
+    def next_try(self, pid: int) -> float | None:
+        """When a placement in this process may be tried again (monotonic), None: never."""
+        n, after = self.failures.get(identity(pid), (0, 0.0))
+        return None if n >= ATTEMPTS else after
+
     def failed(self, pid: int, now: float) -> None:
         key = identity(pid)
         n = self.failures.get(key, (0, 0.0))[0] + 1

@@ -49,6 +49,11 @@ POLL_MS, BUSY_POLL_MS, TICK_S = 100, 5, 0.05
 # A target's rescans (maps, new libraries, Python): at most one per RESCAN_MIN_S, and spaced by ten
 # times what the last one cost, so that a process that keeps mapping code cannot take the loop.
 RESCAN_MIN_S, RESCAN_COST_FACTOR = 0.1, 10.0
+# The interval's look at every target for libraries its mapping events did not announce: only where
+# some of those events may have gone unseen (suppressed over its budget, or lost), while it has no
+# probes yet or its Python is not known, and at least every LOOK_S (10 processes of a server, each
+# read three times a second, were a sixth of the recorder's time under pgbench).
+LOOK_S = 60.0
 
 
 class Recorded(NamedTuple):
@@ -130,6 +135,8 @@ class Recorder:
                     "--allocator LIB[:PREFIX], or record only mmap/brk with --syscalls-only")
             if self.launched:
                 self.launched.resume()
+                if (t := self.targets.get(self.launched.pid)) is not None and t.held:
+                    self.attacher.holds.resumed(t)
             self._loop()
         finally:
             self._finish()
@@ -296,6 +303,8 @@ class Recorder:
             t.parent = parent.pid
             if parent.injection is not None:
                 t.inherits = (parent.injection.base, parent.injection.inode)
+        if self._holds_exec(t):
+            self.attacher.holds.launcher(t)
         self.controls.add(t)
         try:
             self.attacher.attach(t)
@@ -305,6 +314,13 @@ class Recorder:
             self._drop_target(info.pid, "exited while being attached", exited=True)
         except Exception as e:  # noqa: BLE001
             self._fail(info.pid, "attaching", e)
+
+    def _holds_exec(self, t: Target) -> bool:
+        """The launcher of the command we started, which is to get the injected sampler: its exec
+        is held so that the command's image is placed into before its first allocation."""
+        o = self.opts
+        return (self.launched is not None and t.pid == self.launched.pid and t.tier == ATTACH
+                and o.attach_mode != "uprobe" and not o.preload)
 
     def _add_descendants(self) -> None:
         """The live descendants of family targets (one pass over /proc): forked before they were
@@ -345,13 +361,21 @@ class Recorder:
                 t.rescan_until = 0.0        # the exec window is over: warn if still nothing
             # a target that keeps mapping code (hostile or not) is rescanned at a pace that keeps
             # the rescans' own cost under a tenth of the loop's time
-            if (every or t.rescan_until) and now >= t.next_rescan:
+            if (t.rescan_until or every and self._look_due(t, now)) and now >= t.next_rescan:
                 try:
                     self.attacher.rescan(t)
                 except Exception as e:  # noqa: BLE001
                     self._fail(t.pid, "looking for its libraries", e)
                     continue
                 t.next_rescan = now + max(RESCAN_MIN_S, RESCAN_COST_FACTOR * (time.monotonic() - now))
+                t.looked = (now, t.drops[0], t.drops[2])
+
+    def _look_due(self, t: Target, now: float) -> bool:
+        """The interval's look at `t` (LOOK_S)."""
+        at, lost, suppressed = t.looked
+        return (now - at >= LOOK_S or (lost, suppressed) != (t.drops[0], t.drops[2])
+                or (self.python is not None and not t.py_checked)
+                or not (t.libs or t.usdt or t.injection or t.tier in (RSS, SYSCALLS)))
 
     def _adopt(self, pid: int) -> Target | None:
         """A process selected host-wide (--all, --cgroup) that the fault program saw first."""
@@ -488,12 +512,15 @@ class Recorder:
             if t.family and ev.addr not in self.targets:
                 n = self.snapshots.counts
                 n.children_forked += 1
-                if self._add_child(ev.addr, t, ev.ts_ns):
+                if len(self.targets) >= self.opts.max_targets:
+                    n.children_skipped += 1     # its BPF entry goes at its exit; nothing of it is read here
+                elif self._add_child(ev.addr, t, ev.ts_ns):
                     n.children_recorded += 1
                 else:
                     n.children_skipped += 1
         elif ev.op == ProcOp.EXEC:
             t.exe_columns = None            # another image
+            t.sample, t.main_arena = None, 0  # and other mappings
             self.attacher.exec_(t, from_thread=ev.addr != ev.pid)
             self.stacks.forget(t.pid)
             if self.parts.tables is not None:
@@ -505,6 +532,8 @@ class Recorder:
             self.snapshots.target_row(t, "exec", "")
         elif ev.op == ProcOp.EXIT:
             self._exit(t.pid, bpf_gone=True)
+        elif ev.op == ProcOp.ENTRY:
+            self.attacher.entered(t)
 
     # ----------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -516,6 +545,11 @@ class Recorder:
                 t = self.targets[pid]
                 self.snapshots.target_row(t, "detach", "recording ended")
                 self._drop_target(pid, "recording ended", exited=True, restore=True)     # nothing reads on
+            pending, helpers = self.attacher.finish()
+            if (pending or helpers) and not self.opts.quiet:
+                print(f"allocsampler: {pending} process(es) keep the injected sampler's slots (it forwards "
+                      f"correctly), {helpers} placement helper(s) still at work: left to end on their own",
+                      file=sys.stderr)
             self.snapshots.flush()
             self.snapshots.write_recording(ended=dt.datetime.now(dt.timezone.utc))
         finally:

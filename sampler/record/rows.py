@@ -35,8 +35,9 @@ def outstanding_rows(t: Target, now: dt.datetime, interval: float, mono_ns: int,
 
 
 def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: int, stack_collisions: int,
-                probe_cost_ns: float | None, gpu: dict) -> dict:
-    """A `processes` row. `probe_cost_ns`: the governor's price of a probe hit (None: no governor)."""
+                probe_cost_ns: float | None, gpu: dict, malloc_in_use: float | None = None) -> dict:
+    """A `processes` row. `probe_cost_ns`: the governor's price of a probe hit (None: no governor);
+    `malloc_in_use`: glibc's own count of its bytes in use (None: its free lists not read)."""
     b = s.breakdown
     mmb, mms = t.table.totals(MMAP)
     # unknown is not zero: outside the allocation tiers nothing sees malloc, so its figures are null
@@ -56,7 +57,7 @@ def process_row(t: Target, now: dt.datetime, s: ProcessSample, *, sample_mean: i
         "arena_heaps": b.arena_heaps, "arenas": b.arenas, "anon_rss": b.anon_rss,
         "file_rss": b.file_rss, "stack_rss": b.stack_rss,
         "heap_live_bytes": heap_live, "arena_live_bytes": arena_live,
-        "heap_arena_live_stderr_bytes": live_sd,
+        "heap_arena_live_stderr_bytes": live_sd, "malloc_in_use_bytes": malloc_in_use,
         "malloc_outstanding_bytes": mb, "malloc_outstanding_stderr_bytes": ms,
         "mmap_outstanding_bytes": mmb, "mmap_outstanding_stderr_bytes": mms,
         "python_outstanding_bytes": pyb, "python_outstanding_stderr_bytes": pys,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import psutil
 
 from sampler import __version__
+from sampler.bpf.abi import Counter
 from sampler.bpf.loader import BpfProbes
 from sampler.control.governor import Governor
 from sampler.dataset.schema import (
@@ -40,6 +41,7 @@ from sampler.proc.arenas import PinMap, arena_rows
 from sampler.proc.exe_identity import ExeIdentities
 from sampler.proc.memory import sample_process
 from sampler.proc.pymalloc import pymalloc_row
+from sampler.proc.smaps import MAX_HEAP_PIECES
 from sampler.python.targets import PythonTargets
 from sampler.record import rows
 from sampler.record.mappings import Mappings
@@ -49,6 +51,7 @@ from sampler.record.target import Target
 from sampler.stacks.kernel_tables import KernelTables
 from sampler.stacks.table import StackTable
 from sampler.stacks.unwind import Unwinder
+from sampler.text import printable
 
 # Adaptive snapshot interval (no --interval): elapsed / ADAPTIVE_SNAPSHOTS within [MIN, MAX], so a
 # recording of 10 s or more has >= 8 snapshots (what every check of docs/findings.md needs) and a
@@ -64,6 +67,7 @@ def snapshot_interval(elapsed: float, fixed: float | None) -> float:
 
 
 ROWS_FLUSH_S = 1.0      # targets rows and last outstanding rows are written together at most this often
+SAMPLE_REUSE_S = 30.0   # a process's smaps breakdown kept while its RSS stays put (proc/memory.py), this long at most
 
 class Clock:
     """Event times (monotonic ns, as BPF stamps them) on the wall clock of the recording's start."""
@@ -119,6 +123,7 @@ class Snapshots:
         self.disk_full: DiskFull | None = None     # the write that ended the recording
         self._proc = psutil.Process()
         self._snap_at: dict[int, float] = {}       # pid -> its last snapshot (monotonic)
+        self._heaps_said: set[int] = set()         # pids whose heaps' budgets were said to have left some out
         self._last_walks: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
         self._last_snap = self._prev_full = 0.0
         self._last_counters: list[int] = []
@@ -200,6 +205,7 @@ class Snapshots:
         if only is None:
             self._last_snap = mono
             self._snap_at = {p: v for p, v in self._snap_at.items() if p in targets}
+            self._heaps_said &= targets.keys()
         since = interval
         drops = self.probes.drops()
         if only is None:        # a family's root that exited while its forks spend its budget
@@ -276,7 +282,13 @@ class Snapshots:
         return rows.outstanding_rows(t, now or self.now(), interval, time.monotonic_ns(), exiting=exiting)
 
     def _process_row(self, t: Target, now: dt.datetime, arenas: list[dict]) -> dict:
-        s = sample_process(t.pid)
+        # the last breakdown stands while no mapping syscall changed the layout (mappings.py drops
+        # it at each; one not sent over the process's budget counts too) and RSS stayed put
+        mono = time.monotonic()
+        fresh = t.sample is None or mono - t.sampled_at >= SAMPLE_REUSE_S or t.sampled_drops != t.drops[2]
+        s = sample_process(t.pid, None if fresh else t.sample)
+        if s.breakdown is not (t.sample.breakdown if t.sample is not None else None):
+            t.sample, t.sampled_at, t.sampled_drops = s, mono, t.drops[2]
         regions = s.breakdown.regions
         t.vm.learn_regions(regions)
         if t.drops[2] > t.reconciled:       # unmaps may have gone unseen: trust the mappings
@@ -284,12 +296,24 @@ class Snapshots:
             t.table.keep_mapped([(r[0], r[1]) for r in regions])
         # the allocators' layouts, read from outside when their pace allows (sampler/control/pacing.py)
         pins: list[PinMap] = []
+        notes = [f"{s.breakdown.heaps_unread:,} pieces of 64 MiB that may be glibc heaps not read (over "
+                 f"{MAX_HEAP_PIECES} a snapshot): counted as anonymous memory"] if s.breakdown.heaps_unread else []
         walk = t.glibc_pace.due(time.monotonic())
         cpu = time.thread_time()
-        arenas += [{"ts": now, "allocator": "glibc", **r}
-                   for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins, walk=walk)]
+        glibc = [{"ts": now, "allocator": "glibc", **r}
+                 for r in arena_rows(t.pid, regions, t.table.live_blocks(), pins=pins, walk=walk, notes=notes,
+                                     main_hint=t.main_arena)]
+        t.main_arena = next((r["arena"] for r in glibc if r["main"]), 0)
+        arenas += glibc
+        in_use = [r.get("in_use_bytes") for r in glibc]     # each arena's, when its free lists were read
         if walk:
             t.glibc_pace.done(time.monotonic(), time.thread_time() - cpu)
+        if notes and t.pid not in self._heaps_said:     # what the heap budgets left out, said once
+            self._heaps_said.add(t.pid)
+            self.target_row(t, "warning", "; ".join(notes))
+            if not self.opts.quiet:
+                print(f"allocsampler: warning: pid {t.pid} ({printable(t.info.comm)}): {'; '.join(notes)}",
+                      file=sys.stderr)
         marks = (float(s.rss), t.table.totals(PYTHON)[0])
         scan = self.python is not None and self.python.known(t.pid) and t.pymalloc_pace.due(time.monotonic(), marks)
         if scan:
@@ -302,6 +326,7 @@ class Snapshots:
         t.pinned = t.table.pinned(pins) if walk or scan else {}
         return rows.process_row(
             t, now, s, sample_mean=self.controls.sample_mean(t.pid), stack_collisions=self.stacks.collisions,
+            malloc_in_use=sum(in_use) if in_use and None not in in_use else None,
             probe_cost_ns=self.governor.cost(t.pid) if self.governor is not None else None,
             gpu=self.gpu.process_columns(t.pid, t.table) if self.gpu is not None else {})
 
@@ -315,14 +340,16 @@ class Snapshots:
                  st.symbolizer.worker_cpu_seconds())
         in_bpf, handed, worker_s, namer_s = (a - b for a, b in zip(walks, self._last_walks, strict=True))
         self._last_walks = walks
+        counters = [a - b for a, b in zip(c, last, strict=True)]
         self.write(RECORDER, [rows.recorder_row(
-            now, interval, [a - b for a, b in zip(c, last, strict=True)],
+            now, interval, counters,
             targets=len(targets), events=n.events, stacks_unwound=n.samples,
             stacks_complete=n.complete, live_entries=sum(len(t.table.blocks) for t in targets.values()),
             cpu_s=cpu_d, rss=self._proc.memory_info().rss, vm_events_dropped=self.mappings.dropped,
             stacks_in_bpf=in_bpf, stacks_handed_over=handed, unwind_worker_cpu_s=worker_s, name_worker_cpu_s=namer_s,
-            children_forked=n.children_forked, children_recorded=n.children_recorded,
-            children_skipped=n.children_skipped,
+            # forks past the family caps were counted in BPF, never sent (proc.bpf.c)
+            children_forked=n.children_forked + counters[Counter.FAMILY_FULL],
+            children_recorded=n.children_recorded, children_skipped=n.children_skipped + counters[Counter.FAMILY_FULL],
             unwind_rows=self.tables.rows_used if self.tables is not None else None)])
         self.counts = Counts()
         self.mappings.dropped = 0

@@ -10,6 +10,7 @@ from sampler.control.pacing import Pace
 from sampler.dataset.sources import ATTACH, INJECT, PRELOAD, RSS, SYSCALLS  # noqa: F401  (re-exported)
 from sampler.inprocess.inject import Injection
 from sampler.probes.allocators import AllocatorLib
+from sampler.proc.memory import ProcessSample
 from sampler.proc.process import ProcessInfo
 from sampler.record.outstanding import ProcessTable
 from sampler.record.vm_events import VmClassifier
@@ -29,6 +30,8 @@ class Target:
     vm: VmClassifier = field(default_factory=VmClassifier)
     rescan_until: float = 0.0
     next_rescan: float = 0.0                                 # monotonic: not rescanned before (rate limit)
+    looked: tuple[float, int, int] = (0.0, 0, 0)             # the last rescan: when, lost events and
+                                                             # suppressed vm events then (drops)
     warned: bool = False                                     # "no probeable allocator" said once
     py_checked: bool = False                                 # Python detection done for this image
     drops: tuple[int, int, int, int] = (0, 0, 0, 0)          # lost events, live table full, vm
@@ -50,6 +53,13 @@ class Target:
                                                              # a daemon rule's children = true)
     inherits: tuple[int, int] | None = None                  # (base, memfd inode) of the parent's sampler
     inject_refused: str | None = None                        # why it was not injected (said once)
+    inject_retried: bool = False                             # placement tried again after a refusal (its
+                                                             # probes are in place: a refusal changes nothing)
+    holds: int = 0                                           # its execs still to be held (a command we
+                                                             # started: the sampler before its first call)
+    held: str = ""                                           # "entry": let go after its exec, to stop at its
+                                                             # entry point; "placing": stopped there
+    held_since: float = 0.0                                  # monotonic, when that began
     image: int = 0                                           # execs seen (a placement is for one image)
     attach_owed: bool = False                                # its `attach` row comes once placed
     sampler_mean: int | None = None                          # the in-process sampler's mean, last seen
@@ -57,6 +67,10 @@ class Target:
     exe_columns: dict | None = None                          # its image's identity (a fork inherits it)
     # this snapshot's pinned bytes per (source, stack): (estimate, variance), from the arena walk
     pinned: dict[tuple[str, int], tuple[float, float]] = field(default_factory=dict)
+    main_arena: int = 0                                      # where glibc's main arena was found last
+    sample: ProcessSample | None = None                      # its last full memory sample (smaps read)
+    sampled_at: float = 0.0                                  # monotonic, when
+    sampled_drops: int = 0                                   # vm events suppressed then (drops[2])
     glibc_pace: Pace = field(default_factory=pacing.glibc_walk)        # when its heaps are next walked
     pymalloc_pace: Pace = field(default_factory=pacing.pymalloc_scan)  # when its pymalloc arenas are next scanned
 

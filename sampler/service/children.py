@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sampler.environ import python_module
 from sampler.lifetime import die_with_parent
 from sampler.shutdown import release_s3
 
@@ -97,7 +98,7 @@ class Children:
         args, timeout = self.args(kind)
         out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()     # noqa: SIM115 (closed in _close)
         try:
-            argv = [sys.executable, "-m", "sampler.service.children", str(os.getpid()), kind, *args]
+            argv = python_module("sampler.service.children", str(os.getpid()), kind, *args)
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, close_fds=True, cwd="/")
         except OSError as e:
             out.close()

@@ -56,6 +56,18 @@ def cgroup_within(path: str, base: str) -> bool:
     return path == base or path.startswith(base + "/")
 
 
+def system_unit(path: str, unit: str) -> bool:
+    """`path` (systemd's cgroup of a process) lies in the system manager's `unit` or below it: the
+    unit under slices only. A user's manager (user@UID.service) or a container's scope above it runs
+    units of the same name that any user or container can start (systemd-run --user --unit=NAME)."""
+    for part in path.strip("/").split("/"):
+        if part == unit:
+            return True
+        if not part.endswith(".slice"):
+            return False
+    return False
+
+
 @dataclass(frozen=True)
 class Target:
     """One [[targets]] table: which processes (selectors, AND-combined) and how (tier)."""
@@ -81,7 +93,7 @@ class Target:
                 return False
             if self.cgroup is not None and not cgroup_within(proc.cgroup_path, self.cgroup):
                 return False
-            if self.unit is not None and self.unit not in proc.systemd_path.split("/"):
+            if self.unit is not None and not system_unit(proc.systemd_path, self.unit):
                 return False
         return self.exclude is None or not self.exclude.search(proc.cmdline)
 

@@ -42,6 +42,7 @@ from sampler import files, heap
 from sampler.dataset.schema import int64
 from sampler.dataset.sources import ALLOCATION_TIERS
 from sampler.dataset.writer import use_system_allocator
+from sampler.environ import python_module
 from sampler.errors import EnvironmentProblem
 from sampler.proc.process import own_rss, rss_bytes
 from sampler.record.options import RecorderHooks
@@ -171,7 +172,7 @@ class Daemon(RecorderHooks):
             fault_period=d.fault_period, cpu_budget=d.cpu_budget_percent / 100, ringbuf_bytes=RINGBUF_BYTES,
             attach_mode=d.attach_mode, python_objects=d.python_objects,
             max_samples_per_s=d.max_samples_per_s, vm_events_per_s=d.vm_events_per_s,
-            daemon=True, quiet=True, argv=" ".join(sys.argv))
+            daemon=True, quiet=True, argv=" ".join(sys.argv), max_targets=d.max_targets)
         log(f"daemon starting: config {self.config_path}, data in {self.root}, "
             f"{len(self.cfg.targets)} target tables, metrics "
             f"{'on http://' + self.cfg.metrics.listen + '/metrics' if self.server else 'off'}")
@@ -476,7 +477,7 @@ class Daemon(RecorderHooks):
         """One request to the store before recording: refused credentials or a missing bucket stop
         the daemon (exit 3, one line); an unreachable store is said once and retried later."""
         u = self.uploads
-        argv = [sys.executable, "-m", "sampler.service.children", str(os.getpid()), "probe", *u.probe_args()]
+        argv = python_module("sampler.service.children", str(os.getpid()), "probe", *u.probe_args())
         timeout = min(30.0, u.cfg.timeout_s)
         try:
             p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,

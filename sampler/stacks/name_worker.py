@@ -64,6 +64,10 @@ class NameWorker:
         """Whether `img` is read through a descriptor the child can open (and has not failed)."""
         return isinstance(img.elf.buf, FileBytes) and img not in self.failed
 
+    def strikes(self, img: ElfImage) -> int:
+        """How many times `img` ran out of time or killed the child (0 for a file never slow)."""
+        return self._strikes.get(img, 0)
+
     def name(self, img: ElfImage, seen_as: str, offsets: list[int], deadline: float) -> list[Named] | None:
         """The names at `offsets` (vaddrs in `img`, which its process maps from `seen_as`), or None:
         the image failed (now or before), or the deadline (time.monotonic()) passed first."""

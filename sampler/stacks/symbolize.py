@@ -133,7 +133,13 @@ class Symbolizer:
             if p.image is not None and (p.image, p.offset) not in self._names and self._namer.can_name(p.image):
                 todo.setdefault(p.image, (p.path, {}))[1][p.offset] = None
         deadline = time.monotonic() + budget_s
-        for img, (seen_as, offsets) in todo.items():
+        # a file that already ran out of time goes last, and the smaller (quicker to read) first:
+        # a few huge files, a target's planted ones say, never starve a small library of the budget
+        def cost(img: ElfImage) -> tuple[int, int]:
+            debug = img.debug_elf.buf if img.debug_elf is not None else b""
+            return self._namer.strikes(img), len(img.elf.buf) + len(debug)
+
+        for img, (seen_as, offsets) in sorted(todo.items(), key=lambda kv: cost(kv[0])):
             found = self._namer.name(img, seen_as, list(offsets), deadline)
             if found is None:
                 continue

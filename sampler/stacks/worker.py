@@ -10,7 +10,7 @@ starts another), and the cgroup does not kill the daemon. Children the recorder 
 for run at a lower priority; all run without the daemon's credentials (environ.worker_environ),
 die with it, and exit when idle.
 
-    python -m sampler.stacks.<module> PARENT_PID [ARGS...]
+    python -m sampler.stacks.<module> PARENT_PID [ARGS...]      (isolated, in /: environ.python_module)
 """
 
 from __future__ import annotations
@@ -20,9 +20,7 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import IO
 
 import psutil
@@ -56,10 +54,9 @@ class Child:
     def start(self) -> IO[bytes]:
         """A fresh child (the old one closed); its stdout."""
         self.close()
-        argv = [sys.executable, "-m", self.module, str(os.getpid()), *self.args]
-        env = environ.worker_environ(self.network, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+        argv = environ.python_module(self.module, str(os.getpid()), *self.args)
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     close_fds=True, cwd="/", env=env)
+                                     close_fds=True, cwd="/", env=environ.worker_environ(self.network))
         return self.proc.stdout
 
     def send(self, line: bytes) -> bool:

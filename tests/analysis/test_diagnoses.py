@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from conftest import WORKLOADS, GatedTarget, allocsampler_cmd, compile_c
 
@@ -233,3 +234,45 @@ def _wait_attached(out: Path, rec: subprocess.Popen, timeout: float = 60) -> Non
         time.sleep(0.1)
     raise AssertionError("recorder did not attach in time")
 
+
+
+# -- growth that pauses ------------------------------------------------------------------------------
+
+def test_a_leak_that_pauses_is_reported_with_its_rate_and_its_pause(tmp_path, record):
+    """A steady leak (2 MiB/s, the workload logs every block) whose process is stopped for the last
+    4 s of the recording, as a server whose client went idle: one persistent_growth finding, `held`,
+    at the rate the workload logged while it grew, saying how long it has held the memory; no OOM
+    projection rests on the pause."""
+    import signal
+
+    import numpy as np
+    exe = compile_c(WORKLOADS / "steady_leak.c", tmp_path / "steady_leak")
+    log = tmp_path / "leaked.txt"
+    with open(log, "w") as out:
+        target = subprocess.Popen([str(exe)], stdout=out)
+    try:
+        rec = record("--pid", str(target.pid), "-i", "1", "--sample-bytes", "128K")
+        rec.wait_attached()
+        time.sleep(12)
+        os.kill(target.pid, signal.SIGSTOP)
+        paused_at = time.time()
+        time.sleep(4)
+        rec.wait_snapshot(time.time())
+        code, _, err = rec.stop()
+        assert code == 0, err
+    finally:
+        target.kill()
+        target.wait()
+    fs = [f for f in findings(rec.out, target.pid) if f["kind"] == "persistent_growth"]
+    assert len(fs) == 1 and fs[0]["frames"][0]["function"] == "leak_site", fs
+    f = fs[0]
+    rows = np.loadtxt(log, dtype=np.int64, ndmin=2)
+    t, total = rows[:, 0] / 1e9, rows[:, 1].astype(float)
+    inside = t >= pd.Timestamp(f["first_seen"]).timestamp()
+    truth = float(np.polyfit(t[inside], total[inside], 1)[0])
+    rate, se = f["growth_bytes_per_hour"] / 3600, f["growth_stderr_bytes_per_hour"] / 3600
+    print(f"\n[held] {rate / MiB:.2f} ± {se / MiB:.2f} MiB/s, the workload's {truth / MiB:.2f} MiB/s; "
+          f"paused {f['paused_s']:.1f} s (stopped {time.time() - paused_at:.1f} s before the analysis)")
+    assert f["pattern"] == "held" and 2.0 <= f["paused_s"] <= 6.0, f["summary"]
+    assert abs(rate - truth) <= 3 * se + 0.05 * truth, (rate, se, truth)
+    assert "then held all of it for the last" in f["summary"] and f["time_to_oom_hours"] is None, f["summary"]

@@ -13,8 +13,17 @@ import weakref
 
 import pandas as pd
 import pytest
-from conftest import allocsampler_cmd
-from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording, window_args
+from conftest import allocsampler_cmd, planted_dir
+from fleet_data import (
+    add_garbage,
+    build_fleet,
+    copy_recording,
+    fleet_plan,
+    recording_day,
+    synthetic_recording,
+    window_args,
+)
+from journey import ALLOCSAMPLER
 
 from analysis import analyze
 from analysis.fleet import default_jobs, per_host
@@ -91,7 +100,8 @@ def test_one_host_in_memory_at_a_time(fleet):
 @pytest.mark.serial     # workers on both CPUs: alone, not beside the recordings of the suite's other step
 def test_hosts_in_workers_equal_one_at_a_time(fleet, tmp_path):
     """--jobs N analyses N hosts at once, each in a worker process: the same document and the same
-    report, hosts in name order; a worker's bad file is the same one line as without workers."""
+    report, hosts in name order; a host's bad file is that host's error (one line each, exit 1,
+    the other hosts still analysed), the same as without workers."""
     root, _, plan, day0 = fleet
     outputs = {}
     for args in (["--json"], []):
@@ -105,11 +115,34 @@ def test_hosts_in_workers_equal_one_at_a_time(fleet, tmp_path):
     add_garbage(dirty, day0)
     errors = [cli("analyze", str(dirty), "--json", "--jobs", n) for n in ("1", "3")]
     for p in errors:
-        assert p.returncode != 0 and "Traceback" not in p.stderr and "garbage.parquet" in p.stderr, p.stderr
-        assert len(p.stderr.strip().splitlines()) == 1 and not p.stdout, p.stderr
-    assert errors[0].stderr == errors[1].stderr
+        assert p.returncode == 1 and "Traceback" not in p.stderr and "garbage.parquet" in p.stderr, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert lines and all(ln.startswith("allocsampler analyze: host ") for ln in lines), p.stderr
+        hosts = json.loads(p.stdout)["hosts"]
+        assert sorted(h["host"] for h in hosts if "error" in h) == sorted(ln.split()[3] for ln in lines)
+        assert any("error" not in h and h["processes"] for h in hosts)     # the others analysed
+    assert errors[0].stderr == errors[1].stderr and errors[0].stdout == errors[1].stdout
     bad = cli("analyze", str(root), "--jobs", "0")
     assert bad.returncode == 2 and "--jobs: must be in 1..256" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.serial     # workers on both CPUs, as above
+def test_workers_import_nothing_from_the_working_directory(tmp_path):
+    """multiprocessing starts its resource tracker, forkserver and workers with `python -c` in the
+    working directory, first on their sys.path: from a directory with a planted ctypes/, json/ and
+    multiprocessing/, `analyze ./DIR --jobs 2` (the entry point, as root runs it) imports none of
+    them, and the relative path still reaches the workers (they start in /)."""
+    marker = tmp_path / "imported"
+    cwd = planted_dir(tmp_path / "cwd", marker)
+    src = synthetic_recording(tmp_path / "synthetic")
+    for host in ("web-1", "web-2"):
+        copy_recording(src, cwd / "data", host)
+    runs = [subprocess.run([ALLOCSAMPLER, "analyze", "./data", "--jobs", n], cwd=cwd, capture_output=True, text=True,
+                           timeout=300) for n in ("2", "1")]
+    for p in runs:
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert runs[0].stdout == runs[1].stdout and "== host web-2:" in runs[0].stdout
+    assert not marker.exists(), marker.read_text()
 
 
 def test_top_per_host_equals_each_host_alone(fleet):

@@ -4,54 +4,39 @@ selection must not look are uploaded too), and bad locations give one line namin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
+import shutil
+import signal
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
+from pathlib import Path
 
+import pandas as pd
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
-from conftest import allocsampler_cmd
-from fleet_data import add_garbage, build_fleet, fleet_plan, recording_day, synthetic_recording, window_args
+from conftest import ROOT, allocsampler_cmd
+from fleet_data import (
+    KEYS,
+    QUIET,
+    add_garbage,
+    build_fleet,
+    fleet_plan,
+    free_port,
+    moto_server,
+    recording_day,
+    synthetic_recording,
+    window_args,
+)
+
+from analysis.fleet import FLEET_FINDINGS
+from analysis.source import open_source
 
 pytestmark = pytest.mark.bpf
 
 BUCKET = "fleet"
-KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-QUIET = {"AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}   # no instance-metadata probing
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def moto_server(env: dict[str, str] | None = None) -> Iterator[str]:
-    """moto's S3 server as a subprocess on a free port; yields its endpoint URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/moto-api/", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "moto server did not start"
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +125,136 @@ def test_credentials_refused():
         assert_one_line(cli("top", f"s3://{BUCKET}/prod", env={**KEYS, **env}), 3, "access denied", "credentials")
         assert_one_line(cli("top", f"s3://{BUCKET}/prod", env=env), 3, "no AWS credentials found",
                         "AWS_ACCESS_KEY_ID")
+
+
+# --- the same fleet as a Spark job (analysis/spark.py) ---------------------------------------------
+
+SPARK = ("--engine", "spark", "--master", "local[2]")
+
+
+def test_spark_findings_over_s3_equal_the_local_pools(s3, tmp_path):
+    """Spark in local mode, its tasks reading s3:// through pyarrow (no Hadoop connector): the
+    JSON equals `--jobs 1`'s field by field, and --findings-out writes the documented rows."""
+    url, _, _, _ = s3
+    env = {**KEYS, "AWS_ENDPOINT_URL": url}
+    local = json.loads(ok("analyze", f"s3://{BUCKET}/clean", "--json", env=env))
+    out = tmp_path / "findings.parquet"
+    doc = json.loads(ok("analyze", f"s3://{BUCKET}/clean", "--json", *SPARK, "--findings-out", str(out), env=env))
+    assert doc == local
+    table = pq.read_table(out)
+    assert table.schema.equals(FLEET_FINDINGS)
+    rows = table.to_pylist()
+    assert [(r["host"], r["processes"]) for r in rows if r["record"] == "host"] == \
+        [(h["host"], h["processes"]) for h in local["hosts"]]
+    by_host: dict[str, list[dict]] = {}
+    for r in sorted((r for r in rows if r["record"] == "finding"), key=lambda r: (r["host"], r["ordinal"])):
+        by_host.setdefault(r["host"], []).append(json.loads(r["finding"]))
+    expected: dict[str, list[dict]] = {}
+    for f in local["findings"]:
+        expected.setdefault(f["host"], []).append({k: v for k, v in f.items() if k != "host"})
+    assert {h: sorted(fs, key=json.dumps) for h, fs in by_host.items()} == \
+        {h: sorted(fs, key=json.dumps) for h, fs in expected.items()}
+    growth = [r for r in rows if r["kind"] == "persistent_growth"]
+    assert growth and all(r["stack_signature"] and r["growth_bytes_per_hour"] > 0 for r in growth)
+
+
+def test_a_damaged_host_is_one_error_row_and_the_text_ends_with_the_rollups(s3, tmp_path):
+    """One host's file is not Parquet: that host is an error (one line on stderr, exit 1), the
+    others are reported as the local pool reports them, then the rollups across hosts."""
+    _, clean, _, _ = s3
+    damaged = tmp_path / "fleet"
+    shutil.copytree(clean, damaged)
+    victim = sorted((damaged / "processes" / "host=web-2").rglob("*.parquet"))[0]
+    victim.write_bytes(b"not parquet at all" * 100)
+    local = cli("analyze", str(damaged), env={})
+    p = cli("analyze", str(damaged), *SPARK, env={})
+    for run in (local, p):
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        lines = run.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("allocsampler analyze: host web-2 could not be analysed:"), \
+            run.stderr
+    hosts, rollups = p.stdout.split("== across hosts:", 1)
+    assert hosts == local.stdout
+    assert "== host web-2: could not be analysed ==" in hosts and "== host batch-7: " in hosts
+    assert "the stacks that grow on the most hosts" in rollups and "/h on " in rollups, rollups
+    assert "time to OOM" in p.stdout
+
+
+def test_a_spark_job_killed_mid_run_and_started_again_gives_the_same_answer(s3, tmp_path):
+    """SIGKILL to the whole command (driver, JVM, Python workers) once its tasks run: nothing is
+    written, no process is left, and the command started again writes what a run never killed does
+    (the local pool's, row for row)."""
+    _, clean, _, _ = s3
+    out = tmp_path / "findings.parquet"
+    argv = allocsampler_cmd("analyze", str(clean), "--json", *SPARK, "--findings-out", str(out))
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("pyspark" in c and "worker" in c for c in _cmdlines_in_group(p.pid)):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.05)
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    deadline = time.monotonic() + 10
+    while _cmdlines_in_group(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _cmdlines_in_group(p.pid)
+    assert not out.exists()
+    doc = json.loads(ok("analyze", str(clean), "--json", *SPARK, "--findings-out", str(out)))
+    pool = tmp_path / "pool.parquet"
+    assert doc == json.loads(ok("analyze", str(clean), "--json", "--findings-out", str(pool)))
+    assert pq.read_table(out).equals(pq.read_table(pool))
+
+
+def _cmdlines_in_group(pgid: int) -> list[str]:
+    """The command lines of the group's processes still running (not zombies)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            state = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if os.getpgid(int(d)) == pgid and state not in ("Z", "X"):
+                cmdline = Path(f"/proc/{d}/cmdline").read_bytes()
+                found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def test_the_api_on_ones_own_session_and_its_rollups(s3, monkeypatch):
+    """analysis.spark on a SparkSession of the caller's: the rollups are those pandas computes from
+    the same rows."""
+    from pyspark.sql import SparkSession
+
+    from analysis import spark as engine
+    _, clean, _, _ = s3
+    monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)        # as a user's session sets up its workers
+    session = (SparkSession.builder.master("local[1]").appName("allocsampler-api-test")
+               .config("spark.ui.enabled", "false").config("spark.executorEnv.PYTHONPATH", str(ROOT))
+               .getOrCreate())
+    try:
+        found = engine.findings(session, open_source(str(clean))).persist()
+        rows = pd.DataFrame(engine.collect(found).to_pylist())
+        top = engine.top_stacks(found).toPandas()
+        oom = engine.hosts_by_oom(found).toPandas()
+    finally:
+        session.stop()
+    g = rows[(rows["record"] == "finding") & (rows["kind"] == "persistent_growth") & rows["stack_signature"].notna()]
+    want = g.groupby("stack_signature").agg(hosts=("host", "nunique"), rate=("growth_bytes_per_hour", "sum"))
+    want = want.sort_values(["rate", "hosts"], ascending=False).head(10)
+    assert list(top["stack_signature"]) == list(want.index)
+    assert list(top["hosts"]) == list(want["hosts"]) and len(top) >= 1
+    assert top["growth_bytes_per_hour"].tolist() == pytest.approx(want["rate"].tolist())
+    t = rows[(rows["record"] == "finding") & rows["time_to_oom_hours"].notna()]
+    assert list(oom["host"]) == list(t.groupby("host")["time_to_oom_hours"].min().sort_values().index)[:10]
+
+
+def test_spark_without_java_is_one_line(tmp_path):
+    """No Java runtime on PATH and no JAVA_HOME: one line saying what to install, exit 3."""
+    p = subprocess.run(allocsampler_cmd("analyze", str(tmp_path), "--engine", "spark"), capture_output=True,
+                       text=True, cwd="/", env={"PATH": "/nonexistent", "HOME": "/root"}, timeout=120)
+    assert p.returncode == 3 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a Java runtime" in lines[0] and "openjdk-17-jre-headless" in lines[0], p.stderr

@@ -96,6 +96,58 @@ def test_long_windows():
     assert classify(*stopped).classification == "plateau"
 
 
+# -- held growth: the shapes a user meets ----------------------------------------------------------
+def test_growth_that_paused_is_a_leak_reported_with_its_rate_and_pause():
+    """PostgreSQL's prepared statements: one stack grows 70 MB/s for 47 s, then the client pauses
+    for 7 s (snapshots every second); minutes of growth and a pause of seconds alike."""
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        tr = classify(*simulate(rng, 54, 1, rate=70e6, stop=47))
+        assert tr.classification == "leak" and tr.pattern == "held", (seed, tr)
+        assert tr.paused_s == pytest.approx(7, abs=1.5) and tr.rate == pytest.approx(70e6, rel=0.1), (seed, tr)
+        assert tr.tail_z >= 3                                  # the rate's error is its growth's
+        long = classify(*simulate(rng, 1200, 10, rate=1 * MiB, stop=1000))    # 17 min, then 3 min idle
+        assert long.classification == "leak" and long.pattern == "held" and 150 <= long.paused_s <= 210, (seed, long)
+
+
+def test_a_steady_leak_is_not_taken_for_a_paused_one():
+    """Few samples in the last seconds of a steady leak are its noise, not a pause."""
+    held = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        tr = classify(*simulate(rng, 14, 1, rate=1.3e6))     # ~2.5 samples a second (the journeys' service)
+        held += tr.pattern == "held"
+        assert tr.classification == "leak", (seed, tr)
+    assert held <= 2, held
+
+
+def test_a_cache_that_fills_in_seconds_and_holds_for_minutes_is_not_a_leak():
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        for duration, interval, fill in ((300, 5, 10), (60, 1, 8), (1800, 10, 120)):
+            tr = classify(*simulate(rng, duration, interval, rate=8 * MiB, stop=fill))
+            assert tr.classification in ("plateau", "noise"), (seed, duration, tr)
+
+
+def test_growth_that_is_freed_is_not_a_leak():
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+        # blocks kept for 60 s: the level rises for a minute, then every one is freed after the load stops
+        tr = classify(*simulate(rng, 300, 5, rate=4 * MiB, lifetime=60, stop=120))
+        assert tr.classification != "leak", (seed, tr)
+
+
+def test_a_slow_leak_under_churn_is_found():
+    found = 0
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        t, y, s, c, n = simulate(rng, 1800, 10, rate=20 * MiB, lifetime=2)      # churn
+        _, y2, s2, c2, n2 = simulate(rng, 1800, 10, rate=200 << 10)            # the leak: 350 MiB in 30 min
+        tr = classify(t, y + y2, np.hypot(s, s2), c + c2, n + n2)
+        found += tr.classification == "leak" and tr.pattern == "linear"
+    assert found >= 18, found
+
+
 def _dataset(series: dict[int, tuple], limit: int = 16 << 30) -> Dataset:
     """A Dataset with one process per pid, each with one stack per (stack_id -> series)."""
     t0 = pd.Timestamp("2026-11-22T00:00:00Z")

@@ -5,66 +5,16 @@ against the workload's ground truth; collapsed stacks of the same recording."""
 from __future__ import annotations
 
 import gzip
-import importlib
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import PROTO, allocsampler_cmd
+from conftest import allocsampler_cmd
+from readers import Sample, decode
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="session")
-def profile_pb2(tmp_path_factory):
-    from grpc_tools import protoc
-    d = tmp_path_factory.mktemp("proto")
-    # the reader's schema: upstream's profile.proto (tests/proto/profile.proto), compiled by protoc
-    assert protoc.main(["protoc", f"-I{PROTO}", f"--python_out={d}", str(PROTO / "profile.proto")]) == 0
-    sys.path.insert(0, str(d))
-    try:
-        return importlib.import_module("profile_pb2")
-    finally:
-        sys.path.remove(str(d))
-
-
-@dataclass
-class Sample:
-    frames: list[dict]           # innermost first: function, filename, line, mapping file/build-id, address
-    values: dict[str, int]
-    labels: dict[str, str | int]
-
-
-def decode(pb2, path: Path) -> tuple[object, list[Sample]]:
-    p = pb2.Profile()
-    p.ParseFromString(gzip.decompress(path.read_bytes()))
-    s = list(p.string_table)
-    assert s[0] == ""
-    types = [s[t.type] for t in p.sample_type]
-    mappings = {m.id: m for m in p.mapping}
-    functions = {f.id: f for f in p.function}
-    locations = {loc.id: loc for loc in p.location}
-    samples = []
-    for smp in p.sample:
-        frames = []
-        for lid in smp.location_id:
-            loc = locations[lid]
-            fr: dict = {"address": loc.address, "mapping": None, "build_id": None, "function": None,
-                        "filename": None, "line": None}
-            if loc.mapping_id:
-                m = mappings[loc.mapping_id]
-                fr.update(mapping=s[m.filename], build_id=s[m.build_id])
-            if loc.line:
-                f = functions[loc.line[0].function_id]
-                fr.update(function=s[f.name], filename=s[f.filename], line=loc.line[0].line)
-            frames.append(fr)
-        labels = {s[lb.key]: (s[lb.str] if lb.str else lb.num) for lb in smp.label}
-        samples.append(Sample(frames, dict(zip(types, smp.value, strict=True)), labels))
-    return p, samples
 
 
 # The tests below read the session's `leaky` recording (conftest.py, shared with test_querying and

@@ -7,10 +7,8 @@ import base64
 import hashlib
 import json
 import math
-import os
 import re
 import struct
-import subprocess
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from readers import chromium
 
 from analysis.dataset import Dataset, load, read_frames
 from analysis.findings import Finding, to_document
@@ -30,7 +29,6 @@ from analysis.report.charts import byte_ticks, time_ticks
 from analysis.report.html import format_detail, render_html
 from analysis.report.text import render
 
-CHROMIUM = "/usr/bin/chromium"
 KiB = 1024
 T0 = pd.Timestamp("2026-01-02 03:04:00", tz="UTC")
 
@@ -189,7 +187,7 @@ def test_findings_ranked_with_units_and_any_details():
     assert table.index("leak in leak_here") < table.index("device memory creeps") < table.index("arenas hold")
     for text in ("3.0 GiB/h", "5.0 MiB ± 1.0 MiB", "200.0 MiB", "2026-01-02 03:04:00 UTC",
                  "MALLOC_ARENA_MAX=2", "saving_bytes: 95.4 MiB",
-                 "{&quot;nested&quot;: [1, 2]}", "time to OOM</span> –"):
+                 "nested 1, 2", "time to OOM</span> –"):       # any detail, in words (no raw dict)
         assert text in table, text
     # the allocator's and the entry frames are trimmed; the full stack is one click away
     assert '<ol class="stack"><li>leak_here (svc)  svc.c:42</li><li>main (svc)</li></ol>' in table
@@ -276,6 +274,21 @@ def test_trim_frames_and_format_detail():
     assert format_detail("last_seen", "2026-01-02T03:04:05+00:00") == "2026-01-02 03:04:05 UTC"
     assert format_detail("arenas", np.int64(8)) == "8"
     assert format_detail("growth_bytes_per_hour", None) == "–"
+    # details read as a person would write them: no raw dicts, no float with 15 digits
+    regions = {"heap_rss": 44609536.0, "arena_rss": 0.0}
+    assert format_detail("region_growth_bytes", regions) == "heap 42.5 MiB, arena 0 B"
+    assert format_detail("z", 6.443287888352623) == "6.44"
+    assert format_detail("merged_stack_ids", [5055209497692423654, 12]) == "5055209497692423654, 12"
+
+
+def test_an_unexplained_growths_regions_read_as_words_in_the_page():
+    from analysis.detect.growth import UnexplainedGrowth
+    f = UnexplainedGrowth(42, "svc", 50, 0.9, "RSS grew 40 MiB.", {
+        "rss_growth_bytes": 44609536.0, "explained_bytes": 7233029.123456789, "unexplained_bytes": 37376506.87,
+        "region_growth_bytes": {"heap_rss": 44609536.0, "arena_rss": 0.0, "anon_rss": 1048576.0}})
+    page = render_html(synthetic(), [f])
+    assert "heap 42.5 MiB, arena 0 B, anon 1.0 MiB" in page
+    assert "heap_rss" not in page and "7233029.12" not in page
 
 
 def test_interpreter_frames_between_python_frames_fold_unless_asked_and_unnamed_ones_say_how_to_name_them():
@@ -330,16 +343,6 @@ def test_older_recordings_approximate_names_read_as_unnamed(tmp_path):
 
 
 # --- a real recording in a real browser ---------------------------------------------------------
-
-def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: the report's browser test needs Debian's chromium "
-                    "(scripts/setup.sh installs it: apt-get install -y chromium)")
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
-
 
 def png_pixels(data: bytes) -> tuple[int, int, np.ndarray]:
     """Decode an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes): (width, height, pixels)."""

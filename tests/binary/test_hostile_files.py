@@ -6,7 +6,6 @@ and in bounded memory; then the real recorder runs next to a process mapping the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -645,10 +644,8 @@ def record_beside(record, workload, mapper: subprocess.Popen, snapshots: int,
             (ceiling / "cgroup.procs").write_text(str(rec.proc.pid))
         rec.wait_attached()
         deadline = time.monotonic() + 60             # both attached (the first row may be the mapper's)
-        while time.monotonic() < deadline:
-            t = read_table(rec.out, "targets")
-            if {mapper.pid, w.pid} <= set(t[t["event"] == "attach"]["pid"]):
-                break
+        while not {mapper.pid, w.pid} <= set((t := read_table(rec.out, "targets"))[t["event"] == "attach"]["pid"]):
+            assert time.monotonic() < deadline, t[["pid", "event", "detail"]]
             time.sleep(0.1)
         truth = w.call("leak_malloc", 4096, 4096)       # 16 MiB
         rec.wait_snapshots(snapshots)
@@ -722,24 +719,10 @@ def write_symtab_bomb(data: bytes, path: Path, count: int = 6, size: int = 128 <
         f.write(struct.pack("<H", shnum + count))
 
 
-@pytest.fixture
-def memory_ceiling():
-    """A cgroup (v1 memory controller) whose limit is the unit's MemoryMax (576M): processes put in
-    it are killed by the kernel, not warned, when they pass it."""
-    cg = Path(f"/sys/fs/cgroup/memory/allocsampler-test-{os.getpid()}")
-    cg.mkdir(exist_ok=True)
-    (cg / "memory.limit_in_bytes").write_text(str(576 << 20))
-    yield cg
-    for pid in (cg / "cgroup.procs").read_text().split():
-        with contextlib.suppress(OSError):
-            os.kill(int(pid), 9)
-    deadline = time.monotonic() + 10
-    while (cg / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    cg.rmdir()
-
-
 @pytest.mark.bpf
+# serial: beside the other worker the bombs took the whole 5 s naming budget of a snapshot and the
+# leaker's stack, sampled right (16.3 of 16.8 MB), was left unnamed (2 of 6 runs, CI 2026-12-01 and here)
+@pytest.mark.serial
 @pytest.mark.parametrize("inflated", ["in a file", "in memory"])
 def test_bombs_in_aggregate_cost_one_file_never_the_recorder(base, tmp_path, workload, record, memory_ceiling,
                                                              inflated, monkeypatch):
@@ -771,7 +754,8 @@ def test_bombs_in_aggregate_cost_one_file_never_the_recorder(base, tmp_path, wor
     assert len(hostile_sites) > 0                   # sampled, and its stacks named as far as they could be
     df = final_by_site(rec.out, leaker)
     est, se = df[df["site_fn"] == "leak_malloc"][["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
-    assert abs(est - truth) < 4 * se + 0.02 * truth, (est, se, truth)
+    assert abs(est - truth) < 4 * se + 0.02 * truth, (est, se, truth, df[["site_fn", "outstanding_bytes"]],
+                                                      read_table(rec.out, "targets")[["pid", "event", "detail"]])
     print(f"recorder peak RSS {peak:.0f} MiB, cgroup peak "
           f"{int((memory_ceiling / 'memory.max_usage_in_bytes').read_text()) / 2**20:.0f} MiB")
     assert peak < 340, peak          # 399-455 MiB before budgets (b2e353d)

@@ -554,6 +554,51 @@ def test_record_injects_by_default_and_matches_the_truth(workload, record):
         "leak_malloc", "leak_calloc"}
 
 
+def test_function_pointers_a_library_keeps_to_malloc_are_redirected_too(tmp_path, gated, record, bpf_ready):
+    """A library allocating through `void *(*lib_malloc)(size_t) = malloc;` (libxml2's xmlMalloc,
+    jansson's do_malloc), in a PIE program: the word, filled with libc's malloc by an R_X86_64_64
+    relocation at load, is redirected like a GOT slot, so its leak is found at the default tier at
+    the size it has; its frees are seen (the churn through `lib_free` leaves nothing outstanding)."""
+    lib = compile_c(WORKLOADS / "fnptr_lib.c", tmp_path / "libfnptr.so", "-shared", "-fPIC")
+    exe = compile_c(WORKLOADS / "fnptr_main.c", tmp_path / "fnptr_main", "-pie", "-fPIE", "-Wl,--no-as-needed",
+                    str(lib), f"-Wl,-rpath,{tmp_path}")
+    t = gated([str(exe)], ready="ready")
+    rec = record("--pid", str(t.pid), "-i", "1", "--sample-bytes", "64K")
+    rec.wait_attached()
+    t.go()
+    leaked = int(t.line())
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    from analysis.dataset import read_table
+    procs = read_table(rec.out, "processes")
+    assert set(procs["tier"].astype(str)) == {"inject"}, procs["tier"]
+    df = final_by_site(rec.out, t.pid)
+    by = df.groupby("site_fn")[["outstanding_bytes", "outstanding_stderr_bytes"]].sum()
+    est, se = by.loc["fnptr_leak"] if "fnptr_leak" in by.index else (0.0, 0.0)
+    assert abs(est - leaked) < 4 * se + 0.05 * leaked, (est, se, leaked, by)
+    assert "fnptr_churn" not in by.index or by.loc["fnptr_churn", "outstanding_bytes"] < 0.05 * leaked, by
+
+
+def test_the_decoder_runs_as_a_uid_no_process_has():
+    """CPython's code is decoded as a uid of its own: not nobody's (a recorded process may be nobody
+    and could stop or trace the decoder), and not one any process runs as."""
+    from sampler.inprocess import pydomains
+    first = pydomains.decoder_uid()
+    assert first in pydomains.DYNAMIC_UIDS and first != pydomains.NOBODY
+
+    def become() -> None:
+        os.setresgid(first, first, first)
+        os.setresuid(first, first, first)
+    squatter = subprocess.Popen(["sleep", "30"], preexec_fn=become)
+    try:
+        time.sleep(0.1)
+        assert pydomains.decoder_uid() not in (first, pydomains.NOBODY)
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
 def _write(d: Path, name: str, text: str) -> Path:
     p = d / name
     p.write_text(text)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import WORKLOADS, compile_c, drop_to_nobody
+from conftest import NOBODY, WORKLOADS, allocsampler_cmd, compile_c, drop_to_nobody
 
 from sampler.inprocess import inject
 from sampler.proc.maps import read_maps
@@ -145,6 +145,136 @@ def test_a_call_answered_late_is_interrupted_and_the_thread_gets_its_registers(s
         h.kill()
 
 
+def _helpers_of_ours(*targets: int) -> list[int]:
+    """Placement helpers alive on this host at work in one of `targets` (ours: their executable is the
+    checkout's; the suite's other worker places into processes of its own meanwhile)."""
+    _code, helper = inject.built()
+    wanted = {str(t) for t in targets}
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.readlink(d / "exe") == str(helper) \
+                        and wanted & set((d / "cmdline").read_bytes().decode(errors="replace").split("\0")):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_a_vdso_taken_away_mid_placement_gives_the_thread_back_at_once(shared):
+    """memfd_create's supervisor unmaps the process's vDSO, where the helper makes its calls: the next
+    call would fault there (and, held and resumed, fault again for ever: a helper spinning at half a
+    CPU). The helper sees it before the call, gives the thread its registers back and ends; the
+    process lives and its computation is the uninterrupted one."""
+    h = Hostile(shared, "notify-vdso")
+    try:
+        t0 = time.monotonic()
+        r = _place(h.pid)
+        took = time.monotonic() - t0
+        assert r.returncode == 1 and "vDSO" in r.stdout, r.stdout
+        assert took < 5 and not _helpers_of_ours(h.pid)
+        assert h.p.poll() is None, f"the target died (exit {h.p.returncode})"
+        assert h.finish() == "ok 1"
+    finally:
+        h.kill()
+
+
+def test_a_supervisor_that_never_answers_cannot_keep_the_helper(shared):
+    """memfd_create's supervisor receives the call and never answers, the thread in a wait that no
+    interrupt ends: the helper cannot get the thread back, and ends at its own bound all the same
+    (here 4 s), saying so; nothing of ours runs on. The process lives (its own supervisor holds its
+    thread)."""
+    h = Hostile(shared, "notify-never")
+    try:
+        t0 = time.monotonic()
+        r = _place(h.pid, env={**os.environ, "ALLOCSAMPLER_PLACE_MAX_MS": "4000"})
+        took = time.monotonic() - t0
+        assert r.returncode == 1 and "did not come back from a system call" in r.stdout, r.stdout
+        assert 3.5 <= took < 8, took
+        assert not _helpers_of_ours(h.pid)
+        assert h.p.poll() is None, f"the target died (exit {h.p.returncode})"
+    finally:
+        h.kill()
+
+
+def test_helpers_are_counted_per_process_and_per_uid(shared):
+    """The recorder's side: a process whose helper is still at work gets no new one, nor does a uid
+    with MAX_PER_UID of them at work; they end on their own within their bound, never killed."""
+    from sampler.inprocess import helper as runs
+    stuck = [Hostile(shared, "notify-never") for _ in range(runs.MAX_PER_UID + 1)]
+    saved = runs.PLACE_WAIT_S, runs.HELPER_MAX_S
+    runs.PLACE_WAIT_S, runs.HELPER_MAX_S = 0.5, 4.0
+    try:
+        for h in stuck[:runs.MAX_PER_UID]:
+            with pytest.raises(inject.Refused, match="still waiting for a thread"):
+                inject.inject(h.pid, 65536, 0)
+        with pytest.raises(inject.Refused, match="still at work in process"):
+            inject.inject(stuck[0].pid, 65536, 0)
+        with pytest.raises(inject.Refused, match=f"still at work in processes of uid {NOBODY}"):
+            inject.inject(stuck[-1].pid, 65536, 0)
+        assert runs.alive() == runs.MAX_PER_UID
+        assert runs.wait_all(10) == 0                  # each ended at its bound
+        assert not _helpers_of_ours(*(h.pid for h in stuck)) and all(h.p.poll() is None for h in stuck)
+    finally:
+        runs.PLACE_WAIT_S, runs.HELPER_MAX_S = saved
+        for h in stuck:
+            h.kill()
+
+
+def test_runs_on_two_workers_at_once_read_only_their_own_answers():
+    """Two placement workers running helpers side by side (two processes recorded together): a run
+    that ended while the other worker was starting one is that worker's to read, never reaped
+    under it (a race that failed one of two placements with "I/O operation on closed file")."""
+    import threading
+
+    from sampler.inprocess import helper as runs
+    argv = ["/bin/sh", "-c", 'read x && echo "ok $x"']
+    answers: dict[int, list] = {os.getpid(): [], os.getppid(): []}
+
+    def worker(pid: int) -> None:
+        for i in range(150):
+            try:
+                answers[pid].append(runs.run(argv, pid, f"{i}\n"))
+            except Exception as e:  # noqa: BLE001 - the test counts what went wrong
+                answers[pid].append(e)
+    threads = [threading.Thread(target=worker, args=(pid,)) for pid in answers]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for got in answers.values():
+        assert got == [[f"ok {i}"] for i in range(150)], [x for x in got if not isinstance(x, list)][:3]
+    assert runs.alive() == 0
+
+
+def test_a_recording_of_processes_that_keep_its_helpers_leaves_none_behind(shared, tmp_path, bpf_ready):
+    """`record --pid` of both kinds above, as nobody: each falls back to uprobes with the reason, the
+    recording ends on time, waiting for its helpers within their bound; none is left running and
+    both processes live."""
+    spin, block = Hostile(shared, "notify-vdso"), Hostile(shared, "notify-never")
+    try:
+        t0 = time.monotonic()
+        r = subprocess.run(allocsampler_cmd("record", "-q", "-o", str(tmp_path / "rec"), "-d", "3", "--pid",
+                                            str(spin.pid), "--pid", str(block.pid)),
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "ALLOCSAMPLER_PLACE_MAX_MS": "3000"})
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        assert not _helpers_of_ours(spin.pid, block.pid), "a placement helper outlived the recording"
+        assert spin.p.poll() is None and block.p.poll() is None
+        assert took < 3 + 30, took
+        from analysis.dataset import read_table
+        tiers = read_table(tmp_path / "rec", "targets")
+        tiers = tiers[tiers["event"] == "tier"].groupby("pid")["detail"].first()
+        assert tiers[spin.pid].startswith("attach:") and "vDSO" in tiers[spin.pid], tiers.to_dict()
+        assert tiers[block.pid].startswith("attach:"), tiers.to_dict()
+        assert spin.finish() == "ok 1"
+    finally:
+        spin.kill()
+        block.kill()
+
+
 @pytest.mark.parametrize("mode", ["kill-memfd", "strict"])
 def test_a_seccomp_policy_that_would_kill_it_is_read_first(shared, mode):
     """A filter that kills on memfd_create, and strict mode: placement is refused before any call,
@@ -235,7 +365,9 @@ def test_no_write_reaches_the_image_an_exec_brings(shared):
 def test_a_fork_that_swaps_the_sampler_it_inherited_gets_no_write(shared):
     """A placed process forks; the child (adopted from its parent's injection, nothing read again)
     maps a changed copy of the sampler over the one it inherited: the helper finds the code is not
-    ours and writes nothing, and the parent's own writes still work."""
+    ours and writes nothing, the recorder writes nothing into its data either (the code is checked
+    before the first write: the child could as well have exec'd), and the parent's own writes still
+    work."""
     h = Hostile(shared, "fork-swap")
     try:
         inj = inject.inject(h.pid, 65536, 0)
@@ -247,6 +379,9 @@ def test_a_fork_that_swaps_the_sampler_it_inherited_gets_no_write(shared):
         child = inj.forked(pid)
         with pytest.raises(inject.StoreFailed, match="not at"):
             child.store([inject._Write(addr, value, 0x4141414141414141)])
+        # nor through its memory: the child's code is checked before root's first write into its data
+        with pytest.raises(inject.StoreFailed, match="not at"):
+            child.set_mean(0x4141414141)
         assert child.restore() == 0
         slots = len(inj.slots)
         assert inj.restore() == slots

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.serial     # alone after the rest (scripts/test.sh): be
 QUICK_NOTE = "(--quick: a smoke test at the smallest sizes; the numbers mean nothing)"
 
 
-def run_quick(script: str) -> str:
-    """stdout of `python scripts/<script> --quick`, which must exit 0 and say that it was quick."""
-    r = subprocess.run([sys.executable, f"scripts/{script}", "--quick"], cwd=ROOT, capture_output=True,
+def run_quick(script: str, *args: str) -> str:
+    """stdout of `python scripts/<script> --quick [ARGS]`, which must exit 0 and say that it was quick."""
+    r = subprocess.run([sys.executable, f"scripts/{script}", "--quick", *args], cwd=ROOT, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, f"{script} exited {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert QUICK_NOTE in r.stdout
@@ -191,13 +191,20 @@ def test_bench_recorder_quick(bpf_ready: None) -> None:
 
 @pytest.mark.bpf
 def test_bench_servers_quick(bpf_ready: None) -> None:
-    text = run_quick("bench_servers.py")
+    # pg-S-C runs pg-S's code with -C: pg-S itself is left out of the smoke test
+    servers = ["pg-S-C", "redis", "gunicorn", "pg-S-beside"]
+    text = run_quick("bench_servers.py", "--servers", ",".join(servers), "--kernel-side")
     header, rows = md_table(text, "server")
     assert header == ["server", "unrecorded (per s)", "recorded (per s)", "ratio", "per-round ratios",
                       "recorder CPU (% of a core)"]
-    assert [r["server"] for r in rows] == ["pg-S", "pg-S-C", "redis", "gunicorn", "pg-S-beside"]
+    assert [r["server"] for r in rows] == servers
     for r in rows:
         assert num(r["unrecorded (per s)"]) > 0 and num(r["recorded (per s)"]) > 0 and num(r["ratio"]) > 0, r
+    tables = text.split("\n\n")         # the kernel side's table, the second whose header is `| server |`
+    header, rows = md_table(next(t for t in tables if "no-op syscall tracepoint" in t), "server")
+    assert header == ["server", "beside a no-op syscall tracepoint (per s)", "ratio", "per-round ratios"]
+    assert [r["server"] for r in rows] == servers[:-1]      # pg-S-beside records in its own way
+    assert all(num(r["ratio"]) > 0 for r in rows), rows
     header, rows = md_table(text, "fork storm")
     assert header == ["fork storm", "children/s", "forked", "recorded", "seen allocating",
                       "recorder CPU (% of a core)", "on the idle parent"]

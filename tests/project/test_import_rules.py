@@ -143,3 +143,15 @@ def test_the_readme_layout_names_every_module():
         if f"`{name}`" not in row and f"`{name}.py`" not in row:
             missing.append(mod)
     assert not missing, "modules the README's Layout table does not name: " + ", ".join(sorted(missing))
+
+
+def test_every_python_child_is_isolated():
+    """Every interpreter the tool starts runs with -I (nothing imported from its working directory or
+    PYTHON* variables: root's commands run from directories others can write): children are started
+    through sampler.environ.python_module, or with -I written beside sys.executable."""
+    bad = []
+    for path in sorted([*ROOT.glob("sampler/**/*.py"), *ROOT.glob("analysis/**/*.py")]):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if "sys.executable" in line and '"-I"' not in line and not line.lstrip().startswith("#"):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not bad, "interpreters started without -I:\n" + "\n".join(bad)

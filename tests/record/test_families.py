@@ -234,3 +234,27 @@ class Family:
     def __exit__(self, *exc) -> None:
         self.proc.stdin.close()
         self.proc.wait(30)
+
+
+def test_a_family_that_outgrows_the_caps_is_counted_not_recorded(record, gated, tmp_path):
+    """1,100 sleeping forks of a --children target: BPF registers at most FAMILY_MAX of them at once
+    (the rest counted, none recorded: `targets` keeps room for the processes discovered later), the
+    recorder stays well and the forks' pids never get a row."""
+    from sampler.bpf.abi import FAMILY_MAX
+    exe = compile_c(WORKLOADS / "fork_many.c", tmp_path / "fork_many")
+    t = gated([str(exe), "1100"], ready="ready", stream="stdout")
+    rec = record("--pid", str(t.pid), "--children", "-i", "1")
+    rec.wait_attached(pid=t.pid)
+    t.go()
+    assert t.line() == "forked 1100"
+    rec.wait_snapshots(3)
+    rec.wait_snapshot(time.time() + 1.2)
+    t.go()
+    code, _, err = rec.stop(signal.SIGTERM)
+    assert code == 0, err
+    targets = read_table(rec.out, "targets")
+    recorded = set(targets["pid"]) - {t.pid}
+    rows = read_table(rec.out, "recorder")
+    forked, skipped = int(rows["children_forked"].sum()), int(rows["children_skipped"].sum())
+    print(f"\n[families] 1,100 forks: {len(recorded)} recorded, {skipped} counted and not recorded")
+    assert forked == 1100 and len(recorded) <= FAMILY_MAX and skipped >= 1100 - FAMILY_MAX, (forked, skipped)

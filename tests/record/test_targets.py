@@ -10,12 +10,18 @@ from pathlib import Path
 
 import pytest
 from conftest import WORKLOADS, compile_c, final_by_site
+from journey import inject_delay
 
 from analysis.dataset import read_table
 from sampler import environ
 
 pytestmark = pytest.mark.bpf
 MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiers_exe(tmp_path_factory) -> Path:
+    return compile_c(WORKLOADS / "tiers.c", tmp_path_factory.mktemp("tiers") / "tiers", "-O2", "-fno-builtin")
 
 
 def test_launched_command_with_children(tmp_path, record):
@@ -33,6 +39,28 @@ def test_launched_command_with_children(tmp_path, record):
     df = final_by_site(rec.out, child)
     est = df[df["site_fn"] == "child_leak"]["outstanding_bytes"].sum()
     assert est == pytest.approx(32 * MiB, rel=0.35)
+    # the command's image got the sampler at its exec (the launcher was never placed into), and
+    # the child it forked inherited it
+    assert inject_delay(rec.out, int(parent)) <= 1.0, targets[["pid", "event", "detail"]]
+    assert targets[(targets["pid"] == child) & (targets["event"] == "tier")]["detail"].str.contains(
+        f"inherited from pid {parent}").any(), targets[["pid", "event", "detail"]]
+
+
+def test_the_uprobe_tier_follows_the_image_a_command_execs_into(tiers_exe, record):
+    """`--attach-mode uprobe` on a command: its allocator probes, attached in the launcher, go on in
+    the image it execs into through every duty cycle of the governor (an on phase attaches them
+    again through the new image's files): the leak matches what the workload reports after its exec."""
+    rec = record("--attach-mode", "uprobe", "--cpu-budget", "3", "--probe-cost", "1000", "--sample-bytes", "64K",
+                 "-i", "2", "--", str(tiers_exe), "rate", "12", "20000")
+    assert rec.proc.wait(120) == 0
+    err = rec.proc.stderr.read()
+    truth = int([ln for ln in err.splitlines() if ln.strip().isdigit()][-1])
+    targets = read_table(rec.out, "targets")
+    assert (targets["event"] == "governor").any(), targets[["event", "detail"]]      # it duty-cycled
+    df = final_by_site(rec.out, int(targets[targets["event"] == "exec"]["pid"].iloc[0]))
+    leak = df[df["site_fn"] == "leak_blocks"]
+    var = float((leak["outstanding_stderr_bytes"] ** 2).sum())
+    assert abs(leak["outstanding_bytes"].sum() - truth) <= 4 * var ** 0.5 + 0.1 * truth, (leak, truth)
 
 
 def test_a_launched_command_gets_the_environment_it_was_given(tmp_path, record):
@@ -160,3 +188,35 @@ def test_a_burst_of_events_does_not_stall_the_recorder(tmp_path, record):
     finally:
         target.kill()
         target.wait()
+
+
+def test_a_refusal_that_says_when_it_is_tried_again_is_tried_again_then(workload, record):
+    """A process stopped by job control is not placed into ("stopped ... next try in 10 s", the
+    uprobe tier meanwhile); once it runs again, the placement is tried at that time and it moves to
+    the inject tier, its leak then sampled there."""
+    w = workload()
+    os.kill(w.pid, signal.SIGSTOP)
+    try:
+        rec = record("--pid", str(w.pid), "-i", "1")
+        rec.wait_attached(pid=w.pid)
+    finally:
+        os.kill(w.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    deadline = t0 + 30
+    tiers: list[str] = []
+    while time.monotonic() < deadline:
+        t = read_table(rec.out, "targets")
+        tiers = list(t[(t["pid"] == w.pid) & (t["event"] == "tier")]["detail"])
+        if any(d.startswith("inject:") for d in tiers):
+            break
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    truth = w.call("leak_malloc", 8192, 4096)
+    rec.wait_snapshot(time.time() + 1.2)
+    code, _, err = rec.stop()
+    assert code == 0, err
+    assert tiers[0].startswith("attach:") and "stopped" in tiers[0] and "next try in 10 s" in tiers[0], tiers
+    assert tiers[-1].startswith("inject: in-process sampler"), tiers
+    assert took <= 12, took                                       # at its next try, not at the next exec
+    df = final_by_site(rec.out, w.pid)
+    assert df[df["site_fn"] == "leak_malloc"]["outstanding_bytes"].sum() == pytest.approx(truth, rel=0.35)

@@ -127,6 +127,10 @@ def test_rss_tier_for_a_cgroup_adopts_its_processes(tiers_exe, gated, record, tm
 
 
 # -- governor ----------------------------------------------------------------------------------
+# serial: the duty's weights assume the target allocates at the same rate with probes on and off; beside a
+# busy neighbour on both CPUs the on phases ran slower and the target caught up off them (CI, 2026-12-01:
+# 10.9 MB estimated of 17.9 MB), which is the host's bias, not the governor's arithmetic
+@pytest.mark.serial
 def test_governor_duty_cycles_allocation_probes_and_keeps_estimates_unbiased(tiers_exe, gated, record):
     """20k malloc/free pairs/s at 1 us per hit cost 4% of a CPU: over the 3% budget, the
     governor attaches allocation probes about half the time (frees always), records the

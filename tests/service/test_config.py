@@ -38,8 +38,8 @@ def error_of(tmp_path: Path, text: str) -> str:
 
 
 def proc(comm: str = "python3", cmdline: str = "/usr/bin/python3 serve.py", uid: int = 1000,
-         cgroup: str = "/system.slice/a.service", pid: int = 42) -> ProcView:
-    return ProcView(pid, comm, cmdline, uid, cgroup)
+         cgroup: str = "/system.slice/a.service", pid: int = 42, systemd_path: str | None = None) -> ProcView:
+    return ProcView(pid, comm, cmdline, uid, cgroup, cgroup if systemd_path is None else systemd_path)
 
 
 # --- the example and the defaults -----------------------------------------------------------------
@@ -385,6 +385,21 @@ def test_unit_selects_a_real_process_in_its_systemd_cgroup(tmp_path):
     msg = error_of(tmp_path, '[[targets]]\nunit = "../x.service"\n')
     assert "unit" in msg and "systemd unit name" in msg, msg
     assert "unit" in error_of(tmp_path, '[[targets]]\ntier = "attach"\n')
+
+
+def test_a_unit_is_the_system_managers_not_a_user_units_or_a_containers_of_the_same_name():
+    """`unit = "postgresql@15-main.service"` selects the system service, under its slices, and what
+    runs below it; a user's unit of that name (systemd-run --user --unit=..., which any logged-in user
+    can start) or a container's service of that name is not it."""
+    t = target('{"unit": "postgresql@15-main.service"}')
+    sel = [("/system.slice/postgresql@15-main.service", True),
+           ("/system.slice/system-postgresql.slice/postgresql@15-main.service/worker", True),
+           ("/user.slice/user-65534.slice/user@65534.service/app.slice/postgresql@15-main.service", False),
+           ("/system.slice/docker-0123abcd.scope/system.slice/postgresql@15-main.service", False),
+           ("/machine.slice/machine-x.scope/payload/system.slice/postgresql@15-main.service", False),
+           ("/system.slice/postgresql@15-main.service.d", False), ("", False)]
+    for path, want in sel:
+        assert t.matches(proc(systemd_path=path)) is want, path
 
 
 def test_user_by_name_and_uid():

@@ -24,6 +24,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from conftest import WORKLOADS, allocsampler_cmd, compile_c, outstanding_through
+from journey import ALLOCSAMPLER
 
 from analysis.dataset import read_table
 
@@ -246,11 +247,14 @@ class Target:
 
 
 class DaemonProc:
-    def __init__(self, cfg: Path, data: Path, port: int, log: Path, env: dict | None = None):
+    def __init__(self, cfg: Path, data: Path, port: int, log: Path, env: dict | None = None, cwd: Path | None = None):
+        """`cwd`: started there as root starts it by hand, by its entry point (`python -m` would
+        import from that directory itself)."""
         self.cfg, self.data, self.port, self.log_path = cfg, data, port, log
         self._log = open(log, "a")  # noqa: SIM115 (closed in stop)
-        self.proc = subprocess.Popen(allocsampler_cmd("daemon", "--config", str(cfg)), stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        args = ("daemon", "--config", str(cfg))
+        self.proc = subprocess.Popen([ALLOCSAMPLER, *args] if cwd else allocsampler_cmd(*args), stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=cwd)
         self.targets: list[Target] = []
 
     @property

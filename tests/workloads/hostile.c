@@ -6,6 +6,10 @@
  *     notify-mmap       the anonymous mmap placement asks for is answered with an address of ours
  *     notify-slow [idle] memfd_create is answered after 3 s (idle: sleeps until the line, no
  *                       checksum: many of them on a small machine starve nothing else)
+ *     notify-vdso       memfd_create's supervisor unmaps the process's vDSO, then lets the call go on:
+ *                       the helper's next call, made at the vDSO's syscall instruction, would fault
+ *     notify-never      memfd_create's supervisor receives the call and never answers, with the
+ *                       caller in a killable wait (WAIT_KILLABLE_RECV): no interrupt brings it back
  *     kill-memfd        a seccomp filter kills the process on memfd_create
  *     strict            seccomp strict mode
  *     forge CODE        maps a copy of the sampler CODE (memfd "allocsampler", magic set) itself
@@ -42,6 +46,7 @@
 static int g_listener = -1;
 static long g_answer;            /* what the supervisor answers with */
 static int g_delay_s;
+static int g_unmap_vdso, g_never;
 static char g_data[1 << 16] __attribute__((aligned(4096)));
 
 static int seccomp(unsigned op, unsigned flags, void *args)
@@ -70,8 +75,13 @@ static void filter(int nr, uint32_t action, int check_flags, uint32_t flags)
     struct sock_fprog prog = {sizeof f / sizeof *f, f};
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
         exit(2);
-    int r = seccomp(SECCOMP_SET_MODE_FILTER, action == SECCOMP_RET_USER_NOTIF ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0,
-                    &prog);
+#ifndef SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV
+#define SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV (1UL << 5)
+#endif
+    unsigned flags_set = action == SECCOMP_RET_USER_NOTIF ? SECCOMP_FILTER_FLAG_NEW_LISTENER : 0;
+    if (g_never)
+        flags_set |= SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV;
+    int r = seccomp(SECCOMP_SET_MODE_FILTER, flags_set, &prog);
     if (r < 0)
         exit(3);
     if (action == SECCOMP_RET_USER_NOTIF)
@@ -91,6 +101,21 @@ static void *supervisor(void *x)
             if (errno == EINTR)
                 continue;
             return NULL;
+        }
+        if (g_never)
+            for (;;)
+                pause();            /* received, never answered */
+        if (g_unmap_vdso) {
+            char line[256];
+            unsigned long lo = 0, hi = 0;
+            FILE *maps = fopen("/proc/self/maps", "r");
+            while (maps && fgets(line, sizeof line, maps))
+                if (strstr(line, "[vdso]") && sscanf(line, "%lx-%lx", &lo, &hi) == 2)
+                    break;
+            if (maps)
+                fclose(maps);
+            if (lo)
+                munmap((void *)lo, hi - lo);
         }
         if (g_delay_s)
             sleep((unsigned)g_delay_s);
@@ -212,7 +237,9 @@ int main(int argc, char **argv)
             g_answer = (long)(uintptr_t)g_data;
             filter(SYS_mmap, SECCOMP_RET_USER_NOTIF, 1, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE);
         } else {
-            g_delay_s = 3;
+            g_delay_s = !strcmp(mode, "notify-slow") ? 3 : 0;
+            g_unmap_vdso = !strcmp(mode, "notify-vdso");
+            g_never = !strcmp(mode, "notify-never");
             filter(SYS_memfd_create, SECCOMP_RET_USER_NOTIF, 0, 0);
         }
     } else if (!strcmp(mode, "kill-memfd")) {

@@ -1,14 +1,13 @@
-"""Installed as hosts install it, away from the checkout: the wheel that `python -m build` makes
-(from its sdist) in a fresh virtual environment, and the Debian package that scripts/build-deb.sh
-makes from that wheel, through apt. Each records a leaking process from `/` with no compiler on
-PATH, and writes nothing into its install tree; the package upgrades with its config kept and
-purges with nothing left but the recorded data.
+"""The README's installs, away from the checkout: the wheel that `python -m build` makes (from its
+sdist) in a fresh virtual environment as the README's line makes it, and the Debian package that
+scripts/build-deb.sh makes from that wheel, through apt. Each records a leaking process from `/`
+with no compiler on PATH, and writes nothing into its install tree; the package upgrades with its
+config kept and purges with nothing left but the recorded data.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -16,14 +15,13 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT, WORKLOADS, compile_c
+from journey import README, RECORD_CMD, assert_both_leaks, inject_delay, run_readme, truth_line
 
 SYSTEM_PY = "/usr/bin/python3"        # the interpreter that sees Debian's bcc (python3-bpfcc)
 PREBUILT = ("liballocsampler_preload.so", "allocsampler-inject.so", "allocsampler-place")
@@ -112,17 +110,14 @@ def tree(*roots: Path) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def leak_rate(log: Path, start: pd.Timestamp, end: pd.Timestamp) -> float:
-    """What steady_leak says it leaked per second between start and end (its own clock)."""
-    rows = np.loadtxt(log, dtype=np.int64, ndmin=2)
-    t, total = rows[:, 0] / 1e9, rows[:, 1].astype(float)
-    inside = (t >= start.timestamp()) & (t <= end.timestamp())
-    assert inside.sum() >= 32, f"steady_leak reported {inside.sum()} leaks in the recording's window"
-    return float(np.polyfit(t[inside], total[inside], 1)[0])
+VENV_LINE = "/usr/bin/python3 -m venv --system-site-packages /opt/as && /opt/as/bin/pip install dist/allocsampler-*.whl"
 
 
-def test_the_wheel_needs_no_compiler_and_finds_a_leak_run_from_the_root(dist, no_compiler, steady_leak,
-                                                                          tmp_path, bpf_ready):
+def test_the_wheel_needs_no_compiler_and_records_a_command_from_the_root(dist, no_compiler, leakext, tmp_path,
+                                                                         bpf_ready):
+    """The README's wheel install, then `record -- python serve.py` with the installed command, from
+    `/`, with no compiler on PATH: the command's image gets the package's prebuilt sampler at its
+    exec and both leaks are named at their rates; nothing is written into the install tree."""
     sdist, wheel = dist
     assert wheel.name.endswith("-py3-none-linux_x86_64.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -136,51 +131,61 @@ def test_the_wheel_needs_no_compiler_and_finds_a_leak_run_from_the_root(dist, no
             f"{top}/setup.py", f"{top}/packaging/allocsampler.service"} <= members
 
     venv = tmp_path / "venv"
-    run([SYSTEM_PY, "-m", "venv", "--system-site-packages", venv])
-    run([venv / "bin" / "pip", "install", "-q", "--disable-pip-version-check", wheel], timeout=600)
+    assert VENV_LINE in README.read_text()
+    run(["bash", "-c", VENV_LINE.replace("/opt/as", str(venv)).replace("dist/allocsampler-*.whl", str(wheel))
+         .replace("pip install", "pip install -q --disable-pip-version-check")], timeout=600)
     where = run([venv / "bin" / "python", "-c", "import sampler; print(sampler.__file__)"]).stdout
     site = Path(where.strip()).parents[1]
     assert site.is_relative_to(venv)
     installed = tree(site / "sampler", site / "analysis")
-    env = {**no_compiler, "HOME": str(tmp_path)}
+    env = {**no_compiler, "HOME": str(tmp_path), "PYTHONPATH": str(leakext)}
+    exe = str(venv / "bin" / "allocsampler")
 
     # the in-process code is the package's, compiled when the wheel was built
     r = run([venv / "bin" / "python", "-m", "sampler.inprocess"], env=env)
     assert r.stdout.split() == [str(site / "sampler" / "inprocess" / "prebuilt" / n) for n in PREBUILT]
+    assert run_readme("allocsampler check", exe=exe, env=env).stdout.startswith("allocsampler: this machine can record")
 
-    log = tmp_path / "leaked.txt"
-    with open(log, "w") as out:
-        target = subprocess.Popen([steady_leak], stdout=out)
-    try:
-        time.sleep(0.3)
-        rec = tmp_path / "rec"
-        run([venv / "bin" / "allocsampler", "record", "--pid", target.pid, "--out", rec, "--duration", "10",
-             "--sample-bytes", "64K"], env=env)
-    finally:
-        target.kill()
-        target.wait()
-    targets = pd.read_parquet(rec / "targets")
-    assert targets["detail"].str.startswith("inject: in-process sampler at").any(), targets["detail"].tolist()
-
-    found = json.loads(run([venv / "bin" / "allocsampler", "analyze", "--json", rec], env=env).stdout)
-    leaks = [f for f in found["findings"] if f["kind"] == "persistent_growth"
-             and f["frames"][0]["function"] == "leak_site" and f["pid"] == target.pid]
-    assert len(leaks) == 1, found["findings"]
-    f = leaks[0]
-    truth = leak_rate(log, pd.Timestamp(f["first_seen"]), pd.Timestamp(f["last_seen"]))
-    rate, se = f["growth_bytes_per_hour"] / 3600, f["growth_stderr_bytes_per_hour"] / 3600
-    assert abs(rate - truth) <= 3 * se + 0.05 * truth, (rate, se, truth)
+    out = tmp_path / "prof"
+    rec = run_readme(RECORD_CMD, {"/var/tmp/prof": str(out), "python": SYSTEM_PY,
+                                  "serve.py": [WORKLOADS / "serve.py", "--seconds", "12"]}, exe=exe, env=env)
+    pid = int(pd.read_parquet(out / "processes")["pid"].iloc[0])
+    assert inject_delay(out, pid) <= 1.0, pd.read_parquet(out / "targets")[["event", "detail"]]
+    assert_both_leaks(out, truth_line(rec.stderr), exe, env)
 
     # nothing was compiled, written or rebuilt inside the installed package
     assert tree(site / "sampler", site / "analysis") == installed
     assert not (site / "build").exists()
 
 
-def _installed_version() -> str | None:
+REVISIONS = ("0~journey1", "0~journey2")      # this test's own builds, told apart from an admin's
+
+
+def _dpkg_status() -> list[str]:
+    """dpkg's status words and version for allocsampler ([] when dpkg knows no such package)."""
     r = subprocess.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "allocsampler"], capture_output=True,
                        text=True)
-    status = r.stdout.split()
-    return status[-1] if r.returncode == 0 and status[:3] == ["install", "ok", "installed"] else None
+    return r.stdout.split() if r.returncode == 0 else []
+
+
+def _installed_version() -> str | None:
+    status = _dpkg_status()
+    return status[-1] if status[:3] == ["install", "ok", "installed"] else None
+
+
+def _purge_leftover() -> None:
+    """A package this test left behind (a run killed between install and purge), or dpkg's record of
+    one not fully installed, is purged; an installed package of anyone else's stops the test."""
+    status = _dpkg_status()
+    if not status:
+        return
+    ours = status[-1].removeprefix("0.1.0-") in REVISIONS
+    if status[:3] == ["install", "ok", "installed"] and not ours:
+        pytest.fail(f"allocsampler {status[-1]} is installed on this machine: this test installs and purges its "
+                    "own; apt-get purge allocsampler first")
+    subprocess.run(["apt-get", "-y", "-q", "purge", "allocsampler"], capture_output=True,
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    assert not _dpkg_status() or _installed_version() is None, _dpkg_status()
 
 
 def apt(*args: str | Path) -> subprocess.CompletedProcess:
@@ -191,8 +196,9 @@ def apt(*args: str | Path) -> subprocess.CompletedProcess:
 
 
 def build_deb(wheel: Path, revision: str, out: Path) -> subprocess.Popen:
-    return start(["bash", ROOT / "scripts" / "build-deb.sh", "--wheel", wheel, "--revision", revision,
-                  "--out", out, "--compress", "gzip", "--python", sys.executable])
+    # as a builder with Ubuntu's default umask (group-writable files) builds it
+    return start(["bash", "-c", 'umask 0002 && exec bash "$0" "$@"', ROOT / "scripts" / "build-deb.sh", "--wheel",
+                  wheel, "--revision", revision, "--out", out, "--compress", "gzip", "--python", sys.executable])
 
 
 def built_deb(build: subprocess.Popen, revision: str) -> Path:
@@ -203,23 +209,25 @@ def built_deb(build: subprocess.Popen, revision: str) -> Path:
 
 def test_the_deb_installs_records_upgrades_keeping_its_config_and_purges_clean(dist, no_compiler, steady_leak,
                                                                               tmp_path, bpf_ready):
-    if subprocess.run(["dpkg-query", "-W", "allocsampler"], capture_output=True).returncode == 0:
-        pytest.fail("an allocsampler package is installed on this machine: this test installs and purges its "
-                    "own; apt-get purge allocsampler first")
+    _purge_leftover()
+    first, second = REVISIONS
     _, wheel = dist
-    debs = {"1": built_deb(build_deb(wheel, "1", tmp_path), "1")}
-    fields = run(["dpkg-deb", "-f", debs["1"], "Depends", "Architecture"]).stdout
+    debs = {first: built_deb(build_deb(wheel, first, tmp_path), first)}
+    fields = run(["dpkg-deb", "-f", debs[first], "Depends", "Architecture"]).stdout
     assert "python3-bpfcc" in fields and "Architecture: amd64" in fields
+    # no file or directory of it writable by its group or others, whatever the builder's umask
+    modes = [ln.split()[0] for ln in run(["dpkg-deb", "--contents", debs[first]]).stdout.splitlines()]
+    assert modes and not [m for m in modes if not m.startswith("l") and "w" in m[4:]], sorted(set(modes))
 
     # what the purge removes is shared with checkouts on this machine: set aside, put back after
     aside = {p: tmp_path / "aside" / p.strip("/").replace("/", "_") for p in ("/var/cache/allocsampler",
                                                                               "/run/allocsampler")}
     data_dir = Path("/var/lib/allocsampler")
     made_data_dir = not data_dir.exists()
-    upgrade = build_deb(wheel, "2", tmp_path)      # built while the first is installed and records
+    upgrade = build_deb(wheel, second, tmp_path)      # built while the first is installed and records
     try:
-        apt("install", debs["1"])
-        assert _installed_version() == "0.1.0-1"
+        apt("install", debs[first])
+        assert _installed_version() == f"0.1.0-{first}"
         assert run(["/usr/bin/allocsampler", "--version"], env=no_compiler).stdout.strip() \
             == "allocsampler 0.1.0"
         assert Path("/lib/systemd/system/allocsampler.service").is_file()
@@ -243,9 +251,9 @@ def test_the_deb_installs_records_upgrades_keeping_its_config_and_purges_clean(d
         config = Path("/etc/allocsampler/config.toml")
         edited = config.read_text() + '\n[[targets]]\nname = "steady_leak"\ntier = "attach"\n'
         config.write_text(edited)
-        debs["2"] = built_deb(upgrade, "2")
-        apt("install", debs["2"])
-        assert _installed_version() == "0.1.0-2"
+        debs[second] = built_deb(upgrade, second)
+        apt("install", debs[second])
+        assert _installed_version() == f"0.1.0-{second}"
         assert config.read_text() == edited
 
         for path, kept in aside.items():
@@ -261,7 +269,7 @@ def test_the_deb_installs_records_upgrades_keeping_its_config_and_purges_clean(d
         assert (data_dir / "test-marker").read_text() == "the admin's data\n"
     finally:
         stop(upgrade)
-        if subprocess.run(["dpkg-query", "-W", "allocsampler"], capture_output=True).returncode == 0:
+        if _dpkg_status():
             subprocess.run(["apt-get", "-y", "-q", "purge", "allocsampler"], capture_output=True,
                            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
         for path, kept in aside.items():
