@@ -8,7 +8,7 @@ one's own:
     spark.hosts_by_oom(found).show()
 
 The driver lists the hosts (the local pool's host= and date= pruning: analysis/source.py). Each
-host is one task, which runs `analysis.fleet.analyse_host` in a Python worker (`mapInArrow`)
+task analyses a run of hosts with `analysis.fleet.analyse_host` in a Python worker (`mapInArrow`)
 and reads that host's files through pyarrow's filesystems, so no Hadoop S3 connector is needed.
 The task yields the host's rows (analysis/fleet.py FLEET_FINDINGS). Spark's task retries and
 speculation replace the pool's failure handling; a host whose files are damaged is one error
@@ -19,6 +19,7 @@ reads the dataset, so running it again after it was killed gives the same answer
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shlex
 import shutil
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 MAX_FAILURES = 4        # attempts of a task (a lost worker, a node gone) before the job fails
+TASKS_PER_SLOT = 4      # hosts are dealt into this many tasks per task slot: few enough that a
+                        # task's cost (scheduling, a batch through Arrow) is shared by several
+                        # hosts, enough that a slow host or a retried task leaves the others work
 INSTALL = ("pip install 'allocsampler[spark]' (pyspark) and a Java runtime 17 or later "
            "(apt install openjdk-17-jre-headless, or JAVA_HOME)")
 
@@ -153,8 +157,8 @@ def _environ(added: dict[str, str]) -> Iterator[None]:
 
 def findings(spark: SparkSession, source: Source, load: Callable[[Source], Dataset] = analyze.load,
              visit: Callable[[str, Dataset, list[Finding]], HostResult] = host_result) -> DataFrame:
-    """The FLEET_FINDINGS rows of every selected host: one task per host, each `visit`ed as the
-    local pool does (`partial(host_result, report=True)`: each host's terminal report in its row)."""
+    """The FLEET_FINDINGS rows of every selected host, each `visit`ed as the local pool does
+    (`partial(host_result, report=True)`: each host's terminal report in its row)."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     hosts = source.hosts()
@@ -165,40 +169,55 @@ def findings(spark: SparkSession, source: Source, load: Callable[[Source], Datas
                 rows = to_records(analyse_host(source, host, visit, load))
                 yield pa.RecordBatch.from_pylist(rows, schema=FLEET_FINDINGS)
 
-    names = spark.sparkContext.parallelize([(h,) for h in hosts], max(1, len(hosts)))
+    tasks = max(1, min(len(hosts), spark.sparkContext.defaultParallelism * TASKS_PER_SLOT))
+    names = spark.sparkContext.parallelize([(h,) for h in hosts], tasks)
     return spark.createDataFrame(names, "host string").mapInArrow(analyse, from_arrow_schema(FLEET_FINDINGS))
 
 
 def collect(found: DataFrame) -> pa.Table:
-    """The rows at the driver, in host order (the findings of a fleet are small beside its data)."""
-    return found.orderBy("host", "record", "ordinal").toArrow()
+    """The rows at the driver, in host order (the findings of a fleet are small beside its data):
+    sorted there, which costs less than Spark's sort (a sampling job and a shuffle, ~0.8 s here)."""
+    return found.toArrow().sort_by([("host", "ascending"), ("record", "ascending"), ("ordinal", "ascending")])
+
+
+def _view(found: DataFrame) -> str:
+    """A temporary view of `found` for the rollups' SQL, kept: `sql("... {found}", found=found)`
+    drops its own view after the query is planned, and dropping a view uncaches the persisted
+    DataFrame it shows (pyspark 4.3: each rollup ran every host's analysis again, 12 s each for
+    100 hosts here)."""
+    name = f"allocsampler_findings_{next(_views)}"
+    found.createOrReplaceTempView(name)
+    return name
+
+
+_views = itertools.count()
 
 
 def top_stacks(found: DataFrame, n: int = 10) -> DataFrame:
     """The stacks that grow on the most hosts' processes, fastest first: persistent growth findings
     grouped by their stack signature (frames without addresses: the same code on every host)."""
     return found.sparkSession.sql(
-        """SELECT stack_signature, count(DISTINCT host) AS hosts, count(*) AS findings,
+        f"""SELECT stack_signature, count(DISTINCT host) AS hosts, count(*) AS findings,
                   sum(growth_bytes_per_hour) AS growth_bytes_per_hour, sum(outstanding_bytes) AS outstanding_bytes,
                   max_by(summary, growth_bytes_per_hour) AS example
-           FROM {found}
+           FROM {_view(found)}
            WHERE record = 'finding' AND kind = 'persistent_growth' AND stack_signature IS NOT NULL
            GROUP BY stack_signature
            ORDER BY growth_bytes_per_hour DESC NULLS LAST, hosts DESC, stack_signature
-           LIMIT {n}""", found=found, n=n)
+           LIMIT {int(n)}""")
 
 
 def hosts_by_oom(found: DataFrame, n: int = 10) -> DataFrame:
     """The hosts whose processes reach their memory limit soonest at their growth's rate."""
     return found.sparkSession.sql(
-        """SELECT host, min(time_to_oom_hours) AS time_to_oom_hours,
+        f"""SELECT host, min(time_to_oom_hours) AS time_to_oom_hours,
                   min_by(comm, time_to_oom_hours) AS comm, min_by(pid, time_to_oom_hours) AS pid,
                   min_by(kind, time_to_oom_hours) AS kind
-           FROM {found}
+           FROM {_view(found)}
            WHERE record = 'finding' AND time_to_oom_hours IS NOT NULL
            GROUP BY host
            ORDER BY time_to_oom_hours, host
-           LIMIT {n}""", found=found, n=n)
+           LIMIT {int(n)}""")
 
 
 def rollups_text(found: DataFrame, n: int = 10) -> str:

@@ -223,24 +223,35 @@ def _cmdlines_in_group(pgid: int) -> list[str]:
     return found
 
 
-def test_the_api_on_ones_own_session_and_its_rollups(s3, monkeypatch):
+def test_the_api_on_ones_own_session_and_its_rollups(s3, monkeypatch, tmp_path):
     """analysis.spark on a SparkSession of the caller's: the rollups are those pandas computes from
-    the same rows."""
+    the same rows, from the persisted findings (each host analysed once: pyspark's own
+    `sql(..., found=found)` uncached them, and each rollup analysed every host again)."""
     from pyspark.sql import SparkSession
 
+    from analysis import analyze
     from analysis import spark as engine
     _, clean, _, _ = s3
+    loads = tmp_path / "loads"
+
+    def counting_load(source):              # in the Python workers: one line per host analysed
+        with open(loads, "a") as f:
+            f.write("1\n")
+        return analyze.load(source)
     monkeypatch.setenv("PYSPARK_PYTHON", sys.executable)        # as a user's session sets up its workers
     session = (SparkSession.builder.master("local[1]").appName("allocsampler-api-test")
                .config("spark.ui.enabled", "false").config("spark.executorEnv.PYTHONPATH", str(ROOT))
                .getOrCreate())
     try:
-        found = engine.findings(session, open_source(str(clean))).persist()
+        source = open_source(str(clean))
+        found = engine.findings(session, source, counting_load).persist()
         rows = pd.DataFrame(engine.collect(found).to_pylist())
         top = engine.top_stacks(found).toPandas()
         oom = engine.hosts_by_oom(found).toPandas()
+        engine.rollups_text(found)
     finally:
         session.stop()
+    assert len(loads.read_text().split()) == len(source.hosts()) >= 2
     g = rows[(rows["record"] == "finding") & (rows["kind"] == "persistent_growth") & rows["stack_signature"].notna()]
     want = g.groupby("stack_signature").agg(hosts=("host", "nunique"), rate=("growth_bytes_per_hour", "sum"))
     want = want.sort_values(["rate", "hosts"], ascending=False).head(10)
