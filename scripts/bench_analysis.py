@@ -2,7 +2,7 @@
 """Time and memory of `analyze` on a synthetic dataset: 50 processes x 24 h at 10 s intervals.
 
     .venv/bin/python scripts/bench_analysis.py [--processes 50] [--hours 24] [--stacks 10] [--quick]
-    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--spark] [--quick]
+    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--spark] [--whole-only] [--quick]
 
 Each process gets `stacks` stacks: a slow leak, a bounded cache, churn and steady pools, written
 through the recorder's own DatasetWriter (one file per table per simulated hour holding every
@@ -323,6 +323,8 @@ def fleet_main(args: argparse.Namespace) -> None:
         if args.spark:      # beside the pool's whole-fleet row
             selections.insert(1, ("every host, every day, --engine spark --master local[2]",
                                   ["--engine", "spark", "--master", "local[2]"]))
+        if args.whole_only:
+            selections = [s for s in selections if s[0].startswith("every") and "--jobs 1" not in s[0]]
         where = [("local", str(out), None)]
         moto = None
         if args.s3:
@@ -367,6 +369,8 @@ def main() -> None:
     ap.add_argument("--days", type=int, help=f"--fleet: default {FLEET['days']}")
     ap.add_argument("--runs", type=int, default=3, help="--fleet: runs of each selection (default 3)")
     ap.add_argument("--spark", action="store_true", help="--fleet: the whole fleet as a Spark job (local[2]) too")
+    ap.add_argument("--whole-only", action="store_true",
+                    help="--fleet: only the whole fleet, by the pool (and by Spark with --spark): large fleets")
     ap.add_argument("--s3", action="store_true", help="--fleet: the pruned selections over a moto S3 server too")
     ap.add_argument("--s3-all", action="store_true", help="--fleet --s3: the whole fleet over moto too")
     args = ap.parse_args()

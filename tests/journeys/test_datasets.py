@@ -1,5 +1,6 @@
 """The README's commands over datasets a host does not record itself: many hosts' data in an
-object store (`analyze s3://...`, read through moto's S3 server on localhost as from AWS), and a
+object store (`analyze s3://...`, read through moto's S3 server on localhost as from AWS, by the
+local pool and as a Spark job), and a
 PyTorch memory snapshot imported into the same tables (`import-torch`)."""
 
 from __future__ import annotations
@@ -41,13 +42,21 @@ def test_analyze_a_fleet_in_an_object_store_by_host_and_day(tmp_path):
                                allow_bucket_creation=True)
         fs.create_dir("bucket")
         pafs.copy_files(str(fleet), "bucket/prefix", destination_filesystem=fs)
+        env = user_env(**KEYS, **QUIET, AWS_ENDPOINT_URL=url)
         r = run_readme("allocsampler analyze s3://bucket/prefix --host 'web-*' --since 2026-11-24",
-                       {"2026-11-24": day}, env=user_env(**KEYS, **QUIET, AWS_ENDPOINT_URL=url), timeout=300)
+                       {"2026-11-24": day}, env=env, timeout=300)
+        spark = run_readme("allocsampler analyze s3://bucket/prefix --host 'web-*' --since 2026-11-24 --engine spark",
+                           {"2026-11-24": day}, env=env, timeout=300)
     hosts = re.findall(r"^== host ([^:\s]+)", r.stdout, re.M)
     assert hosts == ["web-1", "web-2"], r.stdout[:3000]
     assert "db-1" not in r.stdout and "Traceback" not in r.stderr
     for section in r.stdout.split("== host ")[1:]:
         assert "[persistent_growth]" in section, section[:2000]
+    # Spark's tasks give each host what the pool gave it, then the rollups across the two hosts
+    per_host, rollups = spark.stdout.split("== across hosts:", 1)
+    assert per_host == r.stdout and spark.stderr == "", spark.stderr[-2000:]
+    top = rollups.split("== across hosts: time to OOM")[0]
+    assert re.search(r"/h on 2 hosts \(\d+ findings\): ", top), rollups
 
 
 def test_a_pytorch_snapshot_imported_reads_like_a_recording(tmp_path):
