@@ -2,7 +2,8 @@
 """Time and memory of `analyze` on a synthetic dataset: 50 processes x 24 h at 10 s intervals.
 
     .venv/bin/python scripts/bench_analysis.py [--processes 50] [--hours 24] [--stacks 10] [--quick]
-    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--spark] [--whole-only] [--quick]
+    .venv/bin/python scripts/bench_analysis.py --fleet [--hosts 100] [--days 5] [--runs 3] [--s3] [--spark]
+        [--whole-only] [--quick]
 
 Each process gets `stacks` stacks: a slow leak, a bounded cache, churn and steady pools, written
 through the recorder's own DatasetWriter (one file per table per simulated hour holding every
