@@ -177,7 +177,7 @@ class Metric:
 @dataclass
 class StackChange:
     source: str
-    status: str                 # grew | new | shrank | gone
+    status: str                 # grew | new | shrank | gone | grew_within_error
     stack: str                  # frames innermost first, `function (module)` joined by ` < `
     baseline_final: float
     new_final: float
@@ -249,9 +249,11 @@ def _process_metric(side: Side, comm: str, name: str) -> float | None:
 
 
 def _stack_changes(source: str, base: pd.DataFrame, new: pd.DataFrame) -> list[StackChange]:
-    """Stacks whose final or peak estimate changed by more than Z standard errors."""
+    """Stacks whose final or peak estimate changed by more than Z standard errors; then, as
+    `grew_within_error`, the others whose final estimate grew (compare lists them only when
+    their source is over budget and no stack of it passed Z: many small growths)."""
     both = base.join(new, lsuffix="_b", rsuffix="_n", how="outer").fillna(0.0)
-    changes = []
+    changes, within = [], []
     for key, r in both.iterrows():
         se_f = math.sqrt(r.final_var_b + r.final_var_n)
         se_p = math.sqrt(r.peak_var_b + r.peak_var_n)
@@ -261,9 +263,15 @@ def _stack_changes(source: str, base: pd.DataFrame, new: pd.DataFrame) -> list[S
         elif min(z) < -Z:
             status = "gone" if r.peak_n == 0 else "shrank"
         else:
+            if r.final_n > r.final_b:
+                within.append(StackChange(source, "grew_within_error", key, r.final_b, r.final_n, r.peak_b,
+                                          r.peak_n, se_f))
             continue
         changes.append(StackChange(source, status, key, r.final_b, r.final_n, r.peak_b, r.peak_n, se_f))
-    return changes
+    return changes + within
+
+
+MAX_WITHIN = 10         # stacks listed per source when only their sum passes the gate
 
 
 def compare(baseline: str | Path, new: str | Path, budget: Budget | None = None,
@@ -287,14 +295,28 @@ def compare(baseline: str | Path, new: str | Path, budget: Budget | None = None,
                 se = math.sqrt((_get(b.totals, idx, col + "_var") or 0) + (_get(n.totals, idx, col + "_var") or 0))
                 pd_.metrics.append(Metric(name, source, vb, vn, se))
             pd_.stacks += _stack_changes(source, _rows(b.stacks, comm, source), _rows(n.stacks, comm, source))
-        pd_.stacks.sort(key=lambda c: -max(abs(c.change), abs(c.new_peak - c.baseline_peak)))
         if budget is not None:
             for m in pd_.metrics:
                 if m.name in gated and m.change is not None:
                     excess = m.new - budget.allowed(m.baseline)
                     m.over_budget = excess > 0 and excess > Z * m.stderr
+        pd_.stacks = _shown(pd_)
         processes.append(pd_)
     return DiffReport(str(baseline), str(new), budget, tuple(gated), processes)
+
+
+def _shown(p: ProcessDiff) -> list[StackChange]:
+    """The stack changes beyond Z, largest first. A source whose outstanding bytes are over budget
+    while none of its stacks grew beyond Z alone (the growth spread over many stacks, each within
+    its error) keeps its MAX_WITHIN largest growths, marked as within error, so that the gate's
+    failure names where to look; otherwise those are left out (they are noise)."""
+    over = {m.source for m in p.metrics if m.over_budget and m.name in ("peak_outstanding", "final_outstanding")}
+    named = {c.source for c in p.stacks if c.status in ("grew", "new")}
+    shown = [c for c in p.stacks if c.status != "grew_within_error"]
+    for source in sorted(over - named):
+        within = [c for c in p.stacks if c.status == "grew_within_error" and c.source == source]
+        shown += sorted(within, key=lambda c: -c.change)[:MAX_WITHIN]
+    return sorted(shown, key=lambda c: -max(abs(c.change), abs(c.new_peak - c.baseline_peak)))
 
 
 def _rows(stacks: pd.DataFrame, comm: str, source: str) -> pd.DataFrame:
@@ -328,13 +350,19 @@ def render(report: DiffReport, n: int = 10, width: int = 160) -> str:
                     change += f" ({100 * m.change / m.baseline:+.0f}%)"
             flag = "  over budget" if m.over_budget else ""
             lines.append(f"  {label:<34}{_value(m, m.baseline):>12}{_value(m, m.new):>12}  {change:>30}{flag}")
-        for status in ("grew", "new", "shrank", "gone"):
+        for status in ("grew", "new", "shrank", "gone", "grew_within_error"):
             shown = [s for s in p.stacks if s.status == status]
             if not shown:
                 continue
-            lines.append(f"  {status} stacks ({len(shown)}), final outstanding baseline -> new:")
+            if status == "grew_within_error":
+                lines.append(f"  no stack grew by more than {Z:g} standard errors alone; the largest growths"
+                             f" ({len(shown)}), final outstanding baseline -> new, change ± its error:")
+            else:
+                lines.append(f"  {status} stacks ({len(shown)}), final outstanding baseline -> new:")
             for s in shown[:n]:
-                text = (f"    {s.source:<6} {fmt_bytes(s.baseline_final):>10} -> {fmt_bytes(s.new_final):>10}"
+                within = f" {'+' if s.change >= 0 else ''}{fmt_bytes(s.change)} ± {fmt_bytes(s.stderr)}" \
+                    if status == "grew_within_error" else ""
+                text = (f"    {s.source:<6} {fmt_bytes(s.baseline_final):>10} -> {fmt_bytes(s.new_final):>10}{within}"
                         f" (peak {fmt_bytes(s.baseline_peak)} -> {fmt_bytes(s.new_peak)})  {printable(s.stack)}")
                 lines.append(text if len(text) <= width else text[: width - 3] + "...")
             if len(shown) > n:

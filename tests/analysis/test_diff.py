@@ -152,3 +152,56 @@ def test_stacks_match_across_paths_and_builds():
     assert a == b == ("leak (libx.so) < ? (libffi.so.8) < forward (torch/nn/modules/module.py) < "
                       "<module> (bench.py)")
     assert stack_key([]) == "[no stack]"
+
+
+def _spread_growth(out, per_stack: float, stderr: float, stacks: int = 40):
+    """A dataset of one process `svc` whose `stacks` malloc stacks each hold `per_stack` bytes at
+    its two snapshots, each estimate with `stderr`: the recorder's own writer and schema."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from bench_analysis import arrow
+
+    from sampler.dataset.schema import FRAMES, OUTSTANDING, PROCESSES, STACKS
+    from sampler.dataset.writer import DatasetWriter
+
+    t0 = pd.Timestamp("2026-11-01T00:00:00Z")
+    ts = [t0 + pd.Timedelta(seconds=10), t0 + pd.Timedelta(seconds=20)]
+    sids = range(100, 100 + stacks)
+    w = DatasetWriter(out, "diff", host="h")
+    w.write(OUTSTANDING, arrow(OUTSTANDING, pd.DataFrame(
+        [{"ts": t, "recording_id": "diff", "interval_s": 10.0, "pid": 7, "comm": "svc", "source": "malloc",
+          "stack_id": sid, "outstanding_bytes": per_stack, "outstanding_stderr_bytes": stderr,
+          "live_samples": 4, "alloc_samples": 0, "free_samples": 0} for t in ts for sid in sids])))
+    w.write(PROCESSES, arrow(PROCESSES, pd.DataFrame(
+        [{"ts": t, "recording_id": "diff", "pid": 7, "comm": "svc", "rss": 512 * MiB} for t in ts])))
+    w.write(FRAMES, arrow(FRAMES, pd.DataFrame(
+        [{"ts": t0, "recording_id": "diff", "stack_id": sid, "depth": 0, "function": f"cache_{sid}",
+          "module": "libapp.so", "kind": "native"} for sid in sids])))
+    w.write(STACKS, arrow(STACKS, pd.DataFrame([{"ts": t0, "recording_id": "diff", "stack_id": sid, "n_frames": 1}
+                                               for sid in sids])))
+    return out
+
+
+def test_growth_spread_over_many_stacks_fails_the_gate_and_names_the_largest(tmp_path):
+    """40 stacks each 0.6 MiB larger, each change 0.85 standard errors: no stack passes 3 alone,
+    their sum (24 MiB ± 4.5 MiB) does. The gate fails and lists the largest growths, each with its
+    error and marked as within it; within budget the same changes are not listed (noise)."""
+    base = _spread_growth(tmp_path / "base", 1.0 * MiB, 0.5 * MiB)
+    new = _spread_growth(tmp_path / "new", 1.6 * MiB, 0.5 * MiB)
+    p = diff(str(base), str(new), "--budget", "5%", "--json", "--metric", "final_outstanding")
+    assert p.returncode == 1, p.stdout + p.stderr
+    (proc,) = json.loads(p.stdout)["processes"]
+    final = {m["metric"]: m for m in proc["metrics"] if m["source"] == "malloc"}["final_outstanding"]
+    assert final["over_budget"] and final["change"] == pytest.approx(40 * 0.6 * MiB)
+    assert final["stderr"] == pytest.approx(math.sqrt(80) * 0.5 * MiB)
+    assert len(proc["stacks"]) == 10 and {s["status"] for s in proc["stacks"]} == {"grew_within_error"}
+    for s in proc["stacks"]:
+        assert s["change_bytes"] == pytest.approx(0.6 * MiB)
+        assert s["stderr_bytes"] == pytest.approx(math.sqrt(0.5) * MiB)
+    text = diff(str(base), str(new), "--budget", "5%", "--metric", "final_outstanding")
+    assert text.returncode == 1
+    assert "no stack grew by more than 3 standard errors alone; the largest growths (10)" in text.stdout
+    assert "+614.4 KiB ± 724.1 KiB" in text.stdout and "cache_1" in text.stdout, text.stdout
+    within = json.loads(diff(str(base), str(new), "--budget", "100%", "--json").stdout)
+    assert within["over_budget"] is False and within["processes"][0]["stacks"] == []
