@@ -30,7 +30,11 @@ DEB_PATHS = ("/opt/allocsampler", "/usr/bin/allocsampler", "/lib/systemd/system/
              "/etc/allocsampler", "/usr/lib/allocsampler", "/usr/share/doc/allocsampler",
              "/var/cache/allocsampler", "/run/allocsampler")
 
-pytestmark = pytest.mark.bpf
+# serial: the .deb's purge removes /run/allocsampler (placement notes, the recorders' leases) and
+# /var/cache/allocsampler (compiled BPF), which every recorder of this host shares; they are set
+# aside and put back around it, and a recording of the other worker in that window would lose
+# what it wrote there (the wheel's journey shares the module's build)
+pytestmark = [pytest.mark.bpf, pytest.mark.serial]
 
 
 def start(cmd, **kw) -> subprocess.Popen:
