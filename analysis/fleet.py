@@ -21,6 +21,8 @@ import json
 import math
 import multiprocessing
 import os
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -145,15 +147,50 @@ def host_result(host: str, ds: Dataset, findings: list[Finding], *, report: bool
     return HostResult(host, len(ds.summary()), [f.to_json() for f in findings], report=text)
 
 
+# wall time one host's analysis may take (`analyze --host-timeout`): a host's files are what its
+# recorder wrote, or what anyone who could write the bucket put there; a day of 50 processes
+# takes ~2 s here, so this leaves room for hosts hundreds of times larger
+HOST_TIMEOUT_S = 600.0
+
+
+class HostTimeout(AllocsamplerError):
+    """One host's analysis ran past its bound: that host's error row."""
+
+
 def analyse_host(source: Source, host: str, visit: Callable[[str, Dataset, list[Finding]], HostResult] = host_result,
-                 load: Callable[[Source], Dataset] = analyze.load) -> HostResult:
-    """The engine-neutral analysis of one host (the local pool, Spark's tasks): damaged files give
-    its error, not an exception."""
+                 load: Callable[[Source], Dataset] = analyze.load, timeout_s: float | None = HOST_TIMEOUT_S
+                 ) -> HostResult:
+    """The engine-neutral analysis of one host (the local pool, Spark's tasks): damaged files, or
+    an analysis longer than `timeout_s` (None: unbounded), give its error, not an exception."""
     try:
-        return one_host(source, host, visit, load)
+        with _bounded(timeout_s):
+            return one_host(source, host, visit, load)
     except DAMAGED as e:
         msg = " ".join(str(e).split()) or type(e).__name__
         return HostResult(host, 0, [], error=printable(msg)[:MAX_ERROR])
+
+
+@contextlib.contextmanager
+def _bounded(seconds: float | None) -> Iterator[None]:
+    """SIGALRM after `seconds` of wall time raises HostTimeout where the analysis is (between two
+    Python bytecodes: a numpy call in progress finishes first). Only the main thread gets signals:
+    elsewhere (a caller's own thread) the analysis runs unbounded. The pool's workers, Spark's
+    Python workers and `--jobs 1` run it in their main thread. 1e6 s or more: unbounded."""
+    if not seconds or not seconds < 1e6 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise HostTimeout(f"its analysis took longer than {seconds:g} s (analyze --host-timeout SECONDS raises "
+                          "the bound)")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 # The rows of a fleet's findings (docs/findings.md, "A fleet's findings as a table"): per host one

@@ -34,7 +34,15 @@ import pyarrow as pa
 from analysis import analyze
 from analysis.dataset import Dataset
 from analysis.findings import Finding
-from analysis.fleet import FLEET_FINDINGS, HostResult, analyse_host, host_result, in_root_dir, to_records
+from analysis.fleet import (
+    FLEET_FINDINGS,
+    HOST_TIMEOUT_S,
+    HostResult,
+    analyse_host,
+    host_result,
+    in_root_dir,
+    to_records,
+)
 from analysis.source import Source
 from sampler import files
 from sampler.errors import EnvironmentProblem
@@ -156,9 +164,11 @@ def _environ(added: dict[str, str]) -> Iterator[None]:
 
 
 def findings(spark: SparkSession, source: Source, load: Callable[[Source], Dataset] = analyze.load,
-             visit: Callable[[str, Dataset, list[Finding]], HostResult] = host_result) -> DataFrame:
+             visit: Callable[[str, Dataset, list[Finding]], HostResult] = host_result,
+             timeout_s: float | None = HOST_TIMEOUT_S) -> DataFrame:
     """The FLEET_FINDINGS rows of every selected host, each `visit`ed as the local pool does
-    (`partial(host_result, report=True)`: each host's terminal report in its row)."""
+    (`partial(host_result, report=True)`: each host's terminal report in its row); a host whose
+    analysis runs past `timeout_s` is an error row (analysis.fleet.analyse_host)."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     hosts = source.hosts()
@@ -166,7 +176,7 @@ def findings(spark: SparkSession, source: Source, load: Callable[[Source], Datas
     def analyse(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         for batch in batches:
             for host in batch.column(0).to_pylist():
-                rows = to_records(analyse_host(source, host, visit, load))
+                rows = to_records(analyse_host(source, host, visit, load, timeout_s))
                 yield pa.RecordBatch.from_pylist(rows, schema=FLEET_FINDINGS)
 
     tasks = max(1, min(len(hosts), spark.sparkContext.defaultParallelism * TASKS_PER_SLOT))

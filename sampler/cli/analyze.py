@@ -8,7 +8,7 @@ import json
 import sys
 from functools import partial
 
-from sampler.cli.args import add_window, dataset_location, jobs, load_window, open_location
+from sampler.cli.args import add_window, dataset_location, jobs, load_window, open_location, positive
 from sampler.errors import UsageError
 from sampler.text import printable
 
@@ -30,6 +30,9 @@ def prepare_parser(a: argparse.ArgumentParser) -> None:
                    "N the CPUs here; spark://HOST:PORT, yarn, k8s://...)")
     a.add_argument("--findings-out", metavar="URI", help="also write the fleet's findings as one Parquet file "
                    "(docs/findings.md: a fleet's findings as a table), a local path or s3://...")
+    a.add_argument("--host-timeout", type=positive, metavar="SECONDS", default=None,
+                   help="a fleet's host whose analysis takes longer is an error row, the others go on "
+                   "(default 600)")
 
 
 def analyzed(args: argparse.Namespace, source=None):
@@ -65,6 +68,7 @@ def run_fleet(args: argparse.Namespace, source) -> int:
     """Each host on its own, in the local pool or as a Spark job; the results printed per host,
     then the hosts that could not be analysed (exit 1 when there are any)."""
     from analysis.fleet import (
+        HOST_TIMEOUT_S,
         analyse_host,
         default_jobs,
         findings_table,
@@ -78,12 +82,13 @@ def run_fleet(args: argparse.Namespace, source) -> int:
     window = argparse.Namespace(**{k: getattr(args, k) for k in ("dir", "since", "until", "last", "pid", "source")})
     load = partial(load_window, window)
     visit = partial(host_result, report=not args.json, interpreter_frames=args.interpreter_frames)
+    timeout = args.host_timeout or HOST_TIMEOUT_S
     rollups = None
     if args.engine == "spark":
         from analysis import spark
 
         with spark.session(args.master or spark.default_master()) as session:
-            found = spark.findings(session, source, load, visit).persist()
+            found = spark.findings(session, source, load, visit, timeout).persist()
             table = spark.collect(found)
             if not args.json:
                 rollups = spark.rollups_text(found)
@@ -92,7 +97,8 @@ def run_fleet(args: argparse.Namespace, source) -> int:
             _print_host(r)
     else:
         results = []
-        for _, r in per_host(source, visit, load, jobs=args.jobs or default_jobs(), each=analyse_host):
+        each = partial(analyse_host, timeout_s=timeout)
+        for _, r in per_host(source, visit, load, jobs=args.jobs or default_jobs(), each=each):
             if not args.json:
                 _print_host(r)
             results.append(r)

@@ -9,7 +9,9 @@ import datetime as dt
 import json
 import os
 import subprocess
+import time
 import weakref
+from functools import partial
 
 import pandas as pd
 import pytest
@@ -26,7 +28,7 @@ from fleet_data import (
 from journey import ALLOCSAMPLER
 
 from analysis import analyze
-from analysis.fleet import default_jobs, per_host
+from analysis.fleet import analyse_host, default_jobs, host_result, per_host
 from analysis.source import Selection, open_source
 from sampler.dataset.layout import host_key
 
@@ -95,6 +97,34 @@ def test_one_host_in_memory_at_a_time(fleet):
 
     got = dict(per_host(open_source(str(root)), lambda host, ds, findings: len(findings), load))
     assert sorted(got) == sorted(host_key(h) for h in plan) and got["batch-7"] >= 4
+
+
+def test_a_host_whose_analysis_runs_past_its_bound_is_an_error_and_the_others_go_on(fleet):
+    """A host that takes too long (its load sleeps) is that host's error within its bound; the
+    hosts before and after it are analysed as without a bound. On the command line, a bound no
+    host can meet makes every host one error line (exit 1, no traceback)."""
+    root, _, plan, _ = fleet
+    slow = "batch-7"
+
+    def load(source):
+        if source.hosts() == [slow]:
+            time.sleep(30)
+        return analyze.load(source)
+
+    source = open_source(str(root))
+    t0 = time.monotonic()
+    got = dict(per_host(source, host_result, load, each=partial(analyse_host, timeout_s=1.0)))
+    assert time.monotonic() - t0 < 25
+    assert got[slow].error is not None and "took longer than 1 s" in got[slow].error and not got[slow].findings
+    unbounded = dict(per_host(source, host_result, analyze.load, each=partial(analyse_host, timeout_s=None)))
+    assert {h: r for h, r in got.items() if h != slow} == {h: r for h, r in unbounded.items() if h != slow}
+    assert all(r.error is None for r in unbounded.values()) and len(unbounded) == len(plan)
+    p = cli("analyze", str(root), "--host-timeout", "0.001")
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == len(plan) and all("took longer than 0.001 s" in ln for ln in lines), p.stderr
+    bad = cli("analyze", str(root), "--host-timeout", "0")
+    assert bad.returncode == 2 and "--host-timeout: must be positive" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.serial     # workers on both CPUs: alone, not beside the recordings of the suite's other step

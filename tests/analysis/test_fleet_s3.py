@@ -4,6 +4,7 @@ selection must not look are uploaded too), and bad locations give one line namin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -189,22 +190,49 @@ def test_a_spark_job_killed_mid_run_and_started_again_gives_the_same_answer(s3, 
     argv = allocsampler_cmd("analyze", str(clean), "--json", *SPARK, "--findings-out", str(out))
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd="/", start_new_session=True)
     try:
-        deadline = time.monotonic() + 120
-        while not any("pyspark" in c and "worker" in c for c in _cmdlines_in_group(p.pid)):
-            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
-            time.sleep(0.05)
+        _wait_for_workers(p)
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
-    deadline = time.monotonic() + 10
-    while _cmdlines_in_group(p.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _cmdlines_in_group(p.pid)
+    assert _gone(p.pid, 10)
     assert not out.exists()
     doc = json.loads(ok("analyze", str(clean), "--json", *SPARK, "--findings-out", str(out)))
     pool = tmp_path / "pool.parquet"
     assert doc == json.loads(ok("analyze", str(clean), "--json", "--findings-out", str(pool)))
     assert pq.read_table(out).equals(pq.read_table(pool))
+
+
+def test_a_spark_driver_killed_alone_leaves_no_jvm_or_worker(s3):
+    """SIGKILL to the command's own process only, once its tasks run: the JVM it started (whose
+    stdin is the dead driver's pipe) and the JVM's Python workers end on their own."""
+    _, clean, _, _ = s3
+    p = subprocess.Popen(allocsampler_cmd("analyze", str(clean), "--json", *SPARK), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, cwd="/", start_new_session=True)
+    try:
+        _wait_for_workers(p)
+        assert any("java" in c.split(" ", 1)[0] for c in _cmdlines_in_group(p.pid))
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        assert _gone(p.pid, 60), _cmdlines_in_group(p.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+def _wait_for_workers(p: subprocess.Popen, timeout: float = 120) -> None:
+    """Until the command's group has a pyspark Python worker (its tasks run)."""
+    deadline = time.monotonic() + timeout
+    while not any("pyspark" in c and "worker" in c for c in _cmdlines_in_group(p.pid)):
+        assert p.poll() is None and time.monotonic() < deadline, "the job ended before its workers were seen"
+        time.sleep(0.05)
+
+
+def _gone(pgid: int, timeout: float) -> bool:
+    """Whether the group has no running process left within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while _cmdlines_in_group(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _cmdlines_in_group(pgid)
 
 
 def _cmdlines_in_group(pgid: int) -> list[str]:
@@ -249,8 +277,12 @@ def test_the_api_on_ones_own_session_and_its_rollups(s3, monkeypatch, tmp_path):
         top = engine.top_stacks(found).toPandas()
         oom = engine.hosts_by_oom(found).toPandas()
         engine.rollups_text(found)
+        # the per-host bound holds in Spark's Python workers too: each host its error row
+        bounded = engine.collect(engine.findings(session, source, timeout_s=0.001)).to_pylist()
     finally:
         session.stop()
+    assert {r["record"] for r in bounded} == {"error"} and len(bounded) == len(source.hosts())
+    assert all("took longer than 0.001 s" in r["error"] for r in bounded), bounded
     assert len(loads.read_text().split()) == len(source.hosts()) >= 2
     g = rows[(rows["record"] == "finding") & (rows["kind"] == "persistent_growth") & rows["stack_signature"].notna()]
     want = g.groupby("stack_signature").agg(hosts=("host", "nunique"), rate=("growth_bytes_per_hour", "sum"))
