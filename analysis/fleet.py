@@ -176,7 +176,7 @@ def _bounded(seconds: float | None) -> Iterator[None]:
     Python bytecodes: a numpy call in progress finishes first). Only the main thread gets signals:
     elsewhere (a caller's own thread) the analysis runs unbounded. The pool's workers, Spark's
     Python workers and `--jobs 1` run it in their main thread. 1e6 s or more: unbounded."""
-    if not seconds or not seconds < 1e6 or threading.current_thread() is not threading.main_thread():
+    if seconds is None or not 0 < seconds < 1e6 or threading.current_thread() is not threading.main_thread():
         yield
         return
 
