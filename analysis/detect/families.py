@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from analysis.dataset import Dataset
+from analysis.detect.growth import fmt_rate
 from analysis.findings import SHOWN_APART, Finding
 from analysis.frames import site, site_key
 from sampler.units import fmt_bytes
@@ -31,7 +32,8 @@ class FamilyGrowth(Finding):
 
     def facts(self) -> list[str]:
         d = self.details
-        return [f"{d['processes']} processes, together {fmt_bytes(d['growth_bytes_per_hour'])}/h "
+        return [f"{d['processes']} processes, together "
+                f"{fmt_rate(d['growth_bytes_per_hour'], d.get('growth_stderr_bytes_per_hour'))} "
                 f"({fmt_bytes(d['min_growth_bytes_per_hour'])}-{fmt_bytes(d['max_growth_bytes_per_hour'])}/h each), "
                 f"outstanding {fmt_bytes(d['outstanding_bytes'])} ± {fmt_bytes(d['outstanding_stderr_bytes'])}",
                 f"pids: {', '.join(map(str, d['pids'][:12]))}" + (" ..." if len(d["pids"]) > 12 else "")]

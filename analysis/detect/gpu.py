@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.dataset import Dataset, read_table
-from analysis.detect.growth import PersistentGrowth, classify_series, growth_phrase, time_to_oom_hours
+from analysis.detect.growth import PersistentGrowth, classify_series, growth_phrase, rate_stderr, time_to_oom_hours
 from analysis.detect.stats import bin_series, mann_kendall, normal_sf, theil_sen
 from analysis.findings import Finding
 from analysis.frames import frames_json, site
@@ -129,18 +129,20 @@ def gpu_growth(ds: Dataset, series: pd.DataFrame) -> list[Finding]:
                     if col in last and pd.notna(last[col]):
                         used = max(used, float(last[col]))
         rate_h = r.rate_bytes_per_s * 3600
+        se_h = rate_stderr(r.rate_bytes_per_s, r.tail_z) * 3600
         ttoom, basis = time_to_oom_hours(used, limit, 0.0, r.rate_bytes_per_s) if limit else (None, "")
         frames = frames_json(ds, r.stack_id)
         where = site(frames)
         severity = min(100.0, 100.0 * rate_h * 24 / limit) * r.confidence if limit else 50 * r.confidence
         text = (f"{where} holds {fmt_bytes(r.outstanding_bytes)} of {_WHAT[source]} ({source}) and "
-                + growth_phrase(rate_h, r.pattern, r.paused_s, "window"))
+                + growth_phrase(rate_h, r.pattern, r.paused_s, "window", stderr_h=se_h))
         if ttoom is not None:
             whose = "the process reaches its" if host else "the GPU fills its"
             text += f"; {whose} {fmt_bytes(limit)} in {fmt_hours(ttoom)}"
         findings.append(GpuGrowth(
             r.pid, r.comm, severity, r.confidence, text + ".",
             {"source": source, "stack_id": int(r.stack_id), "frames": frames, "growth_bytes_per_hour": rate_h,
+             "growth_stderr_bytes_per_hour": se_h,
              "outstanding_bytes": r.outstanding_bytes, "outstanding_stderr_bytes": r.outstanding_stderr_bytes,
              "first_seen": r.first_seen, "last_seen": r.last_seen, "time_to_oom_hours": ttoom,
              "time_to_oom_basis": basis or None, "memory_limit_bytes": limit or None, "pattern": r.pattern,

@@ -430,7 +430,7 @@ class PersistentGrowth(Finding):
         d = self.details
         oom = d.get("time_to_oom_hours")
         return [f"outstanding {fmt_bytes(d['outstanding_bytes'])} ± {fmt_bytes(d['outstanding_stderr_bytes'])}, "
-                f"growth {fmt_bytes(d['growth_bytes_per_hour'])}/h"
+                f"growth {fmt_rate(d['growth_bytes_per_hour'], d.get('growth_stderr_bytes_per_hour'))}"
                 + (f", OOM in {fmt_hours(oom)} ({d['time_to_oom_basis']})" if oom is not None else "")]
 
     def next_step(self) -> str:
@@ -470,7 +470,8 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
         pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
         rate_h = r.rate_bytes_per_s * 3600
         # the rate's 95% interval from its sampling noise over the sustained part (tail_z >= 3)
-        margin = 1.96 * r.rate_bytes_per_s / max(r.tail_z, 1e-9)
+        se_h = rate_stderr(r.rate_bytes_per_s, r.tail_z) * 3600
+        margin = 1.96 * se_h / 3600
         held = r.pattern == "held"
         oom = project_oom(pt, r.rate_bytes_per_s, r.rate_bytes_per_s - margin, r.rate_bytes_per_s + margin, held)
         frames = frames_json(ds, r.stack_id)
@@ -482,18 +483,18 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
         if r.source == FAULT and r.attribution == "first_touch":
             text = (f"pages first touched by {where} hold {holds} (fault: page faults show the code that first "
                     f"wrote memory, not what allocated it) and "
-                    + growth_phrase(rate_h, r.pattern, r.paused_s, "window", plural=True))
+                    + growth_phrase(rate_h, r.pattern, r.paused_s, "window", plural=True, stderr_h=se_h))
         else:
             text = (f"{where} holds {holds} ({r.source}) and "
                     + growth_phrase(rate_h, r.pattern, r.paused_s,
                                     "window" if until is None else
                                     f"measured window (not measured since {until:%H:%M:%S} UTC, "
-                                    f"when the process left the tier that sees it)"))
+                                    f"when the process left the tier that sees it)", stderr_h=se_h))
         text += oom.text(limit)
         findings.append(PersistentGrowth(
             r.pid, r.comm, severity, r.confidence, text + ".",
             {"source": r.source, "stack_id": int(r.stack_id), "frames": frames,
-             "growth_bytes_per_hour": rate_h, "growth_stderr_bytes_per_hour": margin / 1.96 * 3600,
+             "growth_bytes_per_hour": rate_h, "growth_stderr_bytes_per_hour": se_h,
              "outstanding_bytes": r.outstanding_bytes,
              "outstanding_stderr_bytes": r.outstanding_stderr_bytes, "first_seen": r.first_seen,
              "last_seen": r.last_seen, "measured_until": until,
@@ -506,12 +507,23 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
     return findings
 
 
-def growth_phrase(rate_h: float, pattern: str, paused_s: float, window: str, plural: bool = False) -> str:
+def rate_stderr(rate_bytes_per_s: float, tail_z: float) -> float:
+    """A leak rate's standard error (bytes/s) from its sampling noise over the sustained part."""
+    return rate_bytes_per_s / max(tail_z, 1e-9)
+
+
+def fmt_rate(rate_h: float, stderr_h: float | None) -> str:
+    """A rate per hour with its standard error, as the text prints it: an estimate is not a count."""
+    return f"{fmt_bytes(rate_h)}/h" + (f" ± {fmt_bytes(stderr_h)}/h" if stderr_h is not None else "")
+
+
+def growth_phrase(rate_h: float, pattern: str, paused_s: float, window: str, plural: bool = False,
+                  stderr_h: float | None = None) -> str:
     """How a leak grows, in words: to the end of the `window`, in a sawtooth, or held since it paused."""
     if pattern == "held":
-        return (f"grew {fmt_bytes(rate_h)}/h, then held all of it for the last {fmt_duration(paused_s)} of the "
-                f"{window} (paused, not freed)")
-    return (f"grow{'' if plural else 's'} {fmt_bytes(rate_h)}/h to the end of the {window}"
+        return (f"grew {fmt_rate(rate_h, stderr_h)}, then held all of it for the last {fmt_duration(paused_s)} of "
+                f"the {window} (paused, not freed)")
+    return (f"grow{'' if plural else 's'} {fmt_rate(rate_h, stderr_h)} to the end of the {window}"
             + (" in a sawtooth" if pattern == "sawtooth" else ""))
 
 
