@@ -202,6 +202,7 @@ class ProcessDiff:
     presence: str               # both | new | gone
     metrics: list[Metric] = field(default_factory=list)
     stacks: list[StackChange] = field(default_factory=list)
+    within_error_of: int = 0    # the stacks that grew within their error in the sources listed so
 
     @property
     def over_budget(self) -> bool:
@@ -226,7 +227,8 @@ class DiffReport:
                 "over_budget": self.over_budget,
                 "processes": [{"comm": p.comm, "presence": p.presence, "over_budget": p.over_budget,
                                "metrics": [m.to_json() for m in p.metrics],
-                               "stacks": [s.to_json() for s in p.stacks]} for p in self.processes]}
+                               "stacks": [s.to_json() for s in p.stacks],
+                               "grew_within_error_of": p.within_error_of} for p in self.processes]}
 
 
 def _num(v: float | None) -> float | None:
@@ -300,23 +302,26 @@ def compare(baseline: str | Path, new: str | Path, budget: Budget | None = None,
                 if m.name in gated and m.change is not None:
                     excess = m.new - budget.allowed(m.baseline)
                     m.over_budget = excess > 0 and excess > Z * m.stderr
-        pd_.stacks = _shown(pd_)
+        pd_.stacks, pd_.within_error_of = _shown(pd_)
         processes.append(pd_)
     return DiffReport(str(baseline), str(new), budget, tuple(gated), processes)
 
 
-def _shown(p: ProcessDiff) -> list[StackChange]:
+def _shown(p: ProcessDiff) -> tuple[list[StackChange], int]:
     """The stack changes beyond Z, largest first. A source whose outstanding bytes are over budget
     while none of its stacks grew beyond Z alone (the growth spread over many stacks, each within
     its error) keeps its MAX_WITHIN largest growths, marked as within error, so that the gate's
-    failure names where to look; otherwise those are left out (they are noise)."""
+    failure names where to look; otherwise those are left out (they are noise). Returns them and
+    how many grew within their error in the sources listed so."""
     over = {m.source for m in p.metrics if m.over_budget and m.name in ("peak_outstanding", "final_outstanding")}
     named = {c.source for c in p.stacks if c.status in ("grew", "new")}
     shown = [c for c in p.stacks if c.status != "grew_within_error"]
+    of = 0
     for source in sorted(over - named):
         within = [c for c in p.stacks if c.status == "grew_within_error" and c.source == source]
         shown += sorted(within, key=lambda c: -c.change)[:MAX_WITHIN]
-    return sorted(shown, key=lambda c: -max(abs(c.change), abs(c.new_peak - c.baseline_peak)))
+        of += len(within)
+    return sorted(shown, key=lambda c: -max(abs(c.change), abs(c.new_peak - c.baseline_peak))), of
 
 
 def _rows(stacks: pd.DataFrame, comm: str, source: str) -> pd.DataFrame:
@@ -356,7 +361,8 @@ def render(report: DiffReport, n: int = 10, width: int = 160) -> str:
                 continue
             if status == "grew_within_error":
                 lines.append(f"  no stack grew by more than {Z:g} standard errors alone; the largest growths"
-                             f" ({len(shown)}), final outstanding baseline -> new, change ± its error:")
+                             f" ({len(shown)} of {p.within_error_of}), final outstanding baseline -> new, "
+                             "change ± its error:")
             else:
                 lines.append(f"  {status} stacks ({len(shown)}), final outstanding baseline -> new:")
             for s in shown[:n]:

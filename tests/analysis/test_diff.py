@@ -196,12 +196,13 @@ def test_growth_spread_over_many_stacks_fails_the_gate_and_names_the_largest(tmp
     assert final["over_budget"] and final["change"] == pytest.approx(40 * 0.6 * MiB)
     assert final["stderr"] == pytest.approx(math.sqrt(80) * 0.5 * MiB)
     assert len(proc["stacks"]) == 10 and {s["status"] for s in proc["stacks"]} == {"grew_within_error"}
+    assert proc["grew_within_error_of"] == 40
     for s in proc["stacks"]:
         assert s["change_bytes"] == pytest.approx(0.6 * MiB)
         assert s["stderr_bytes"] == pytest.approx(math.sqrt(0.5) * MiB)
     text = diff(str(base), str(new), "--budget", "5%", "--metric", "final_outstanding")
     assert text.returncode == 1
-    assert "no stack grew by more than 3 standard errors alone; the largest growths (10)" in text.stdout
+    assert "no stack grew by more than 3 standard errors alone; the largest growths (10 of 40)" in text.stdout
     assert "+614.4 KiB ± 724.1 KiB" in text.stdout and "cache_1" in text.stdout, text.stdout
     within = json.loads(diff(str(base), str(new), "--budget", "100%", "--json").stdout)
     assert within["over_budget"] is False and within["processes"][0]["stacks"] == []
