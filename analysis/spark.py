@@ -80,6 +80,11 @@ def require() -> None:
         raise EnvironmentProblem(f"--engine spark needs a Java runtime, and none was found: {INSTALL}")
 
 
+# An embedded master's JVM only moves Arrow batches between the Python workers: compiling it with
+# C1 alone and collecting with one thread leaves the two CPUs of a small machine to the analysis.
+LOCAL_JVM_OPTIONS = os.environ.get("ALLOCSAMPLER_SPARK_LOCAL_JVM", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+
+
 @contextlib.contextmanager
 def session(master: str) -> Iterator[SparkSession]:
     """A Spark session of `master` for one command, stopped after it. Its JVM and Python workers
@@ -94,7 +99,8 @@ def session(master: str) -> Iterator[SparkSession]:
                .config("spark.task.maxFailures", str(MAX_FAILURES)).config("spark.speculation", "true")
                .config("spark.sql.warehouse.dir", os.path.join(scratch, "warehouse"))
                .config("spark.local.dir", scratch)
-               .config("spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch} -Dderby.system.home={scratch}"))
+               .config("spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch} -Dderby.system.home={scratch}"
+                       + (f" {LOCAL_JVM_OPTIONS}" if master.startswith("local") else "")))
     python = {}
     if master.startswith("local"):
         # pyspark reads PYSPARK_PYTHON as its context starts: the workers run this interpreter, isolated
