@@ -1,10 +1,12 @@
-"""Human-readable durations and times for reports (sizes: sampler/units.py)."""
+"""Human-readable durations, times and rates for reports (sizes: sampler/units.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pandas as pd
+
+from sampler.units import fmt_bytes
 
 
 def fmt_hours(h: float) -> str:
@@ -15,6 +17,11 @@ def fmt_hours(h: float) -> str:
     if h < 48:
         return f"{h:.1f} h"
     return f"{h / 24:.1f} days"
+
+
+def fmt_rate(rate_h: float, stderr_h: float | None) -> str:
+    """A rate per hour with its standard error, as the text prints it: an estimate is not a count."""
+    return f"{fmt_bytes(rate_h)}/h" + (f" ± {fmt_bytes(stderr_h)}/h" if stderr_h is not None else "")
 
 
 def fmt_duration(s: float) -> str:

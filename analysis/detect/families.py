@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from analysis.dataset import Dataset
-from analysis.detect.growth import fmt_rate
 from analysis.findings import SHOWN_APART, Finding
 from analysis.frames import site, site_key
+from analysis.units import fmt_rate
 from sampler.units import fmt_bytes
 
 MAX_DEPTH = 64              # ppid links followed up to a root (a cycle from pid reuse ends there)

@@ -41,7 +41,7 @@ from analysis.detect.stats import bin_series, bin_starts, mann_kendall, median, 
 from analysis.findings import Finding
 from analysis.frames import ALLOCATOR_MODULES, cause_representatives, frames_json, site, site_key
 from analysis.series import ProcessSums, StackSeries, read_series
-from analysis.units import fmt_duration, fmt_hours
+from analysis.units import fmt_duration, fmt_hours, fmt_rate
 from sampler.dataset.sources import ALLOCATION_TIERS, FAULT, GPU_SOURCES, MALLOC, MMAP, PYTHON, RSS, TORCH
 from sampler.units import fmt_bytes
 
@@ -470,8 +470,8 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
         pt = trends.setdefault((r.recording_id, r.pid), _process_trend(ds, r.recording_id, r.pid))
         rate_h = r.rate_bytes_per_s * 3600
         # the rate's 95% interval from its sampling noise over the sustained part (tail_z >= 3)
-        se_h = rate_stderr(r.rate_bytes_per_s, r.tail_z) * 3600
-        margin = 1.96 * se_h / 3600
+        se = rate_stderr(r.rate_bytes_per_s, r.tail_z)
+        margin, se_h = 1.96 * se, se * 3600
         held = r.pattern == "held"
         oom = project_oom(pt, r.rate_bytes_per_s, r.rate_bytes_per_s - margin, r.rate_bytes_per_s + margin, held)
         frames = frames_json(ds, r.stack_id)
@@ -510,11 +510,6 @@ def detect_growth(ds: Dataset, series: pd.DataFrame | None = None) -> list[Findi
 def rate_stderr(rate_bytes_per_s: float, tail_z: float) -> float:
     """A leak rate's standard error (bytes/s) from its sampling noise over the sustained part."""
     return rate_bytes_per_s / max(tail_z, 1e-9)
-
-
-def fmt_rate(rate_h: float, stderr_h: float | None) -> str:
-    """A rate per hour with its standard error, as the text prints it: an estimate is not a count."""
-    return f"{fmt_bytes(rate_h)}/h" + (f" ± {fmt_bytes(stderr_h)}/h" if stderr_h is not None else "")
 
 
 def growth_phrase(rate_h: float, pattern: str, paused_s: float, window: str, plural: bool = False,
